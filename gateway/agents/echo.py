@@ -1,0 +1,42 @@
+"""The offline default agent: echoes the user's words back, one at a time.
+
+`!sleep N` runs the `sleep N` program as a tool subprocess, so /stop can be tried without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+from collections.abc import AsyncIterator, Sequence
+
+from gateway.agents.tools import ToolRegistry
+from gateway.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
+
+_SLEEP = re.compile(r"^!sleep\s+(\d+(?:\.\d+)?)\s*$")
+_call_ids = itertools.count(1)
+
+
+class EchoAgent:
+    def __init__(self, tools: ToolRegistry, *, delay_s: float = 0.05) -> None:
+        self.tools = tools
+        self.delay_s = delay_s
+
+    @property
+    def description(self) -> str:
+        return "echo"
+
+    async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage) -> AsyncIterator[AgentEvent]:
+        if match := _SLEEP.match(message.content.strip()):
+            call = ToolCall(f"call_echo_{next(_call_ids)}", "sleep", json.dumps({"seconds": float(match[1])}))
+            yield ToolCallsRequested("", (call,))
+            result = await self.tools.call(call.name, call.arguments)
+            yield ToolResult(call.id, result)
+            yield TextDelta(f"Done: {result}.")
+            return
+        words = re.findall(r"\S+\s*", message.content)
+        for i, word in enumerate(words):
+            if self.delay_s and i:
+                await asyncio.sleep(self.delay_s)
+            yield TextDelta(word)

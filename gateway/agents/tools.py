@@ -1,0 +1,126 @@
+"""Tools an agent may call: a small registry plus the built-in `shell` and `sleep`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.processes import ProcessReaper, ProcessResult, run_in_process_group
+
+log = logging.getLogger(__name__)
+
+ToolFunc = Callable[[dict[str, Any]], Awaitable[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    func: ToolFunc
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description,
+                             "parameters": self.parameters}}
+
+
+@dataclass(slots=True)
+class ToolRegistry:
+    tools: dict[str, Tool] = field(default_factory=dict)
+
+    def register(self, tool: Tool) -> None:
+        self.tools[tool.name] = tool
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tools.values()]
+
+    async def call(self, name: str, arguments: str) -> str:
+        """Run a tool; bad calls come back as an error text the model can read, never raise."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"error: unknown tool {name!r}"
+        try:
+            args = json.loads(arguments or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+        except ValueError as exc:
+            return f"error: invalid arguments for {name}: {exc}"
+        try:
+            return await tool.func(args)
+        except (ValueError, TypeError, OSError) as exc:
+            return f"error: {name} failed: {exc}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessToolSettings:
+    reaper: ProcessReaper
+    max_output: int = 16_000
+    default_timeout_s: float = 60.0
+    max_timeout_s: float = 600.0
+    allow_prefixes: tuple[str, ...] = ()
+    cwd: str | None = None
+
+
+def _format(result: ProcessResult) -> str:
+    text = result.output
+    if result.truncated:
+        text += "\n[output truncated]"
+    if result.timed_out:
+        text += "\n[timed out]"
+    return f"exit code {result.returncode}\n{text}" if result.returncode else text or "(no output)"
+
+
+def _timeout(args: dict[str, Any], settings: ProcessToolSettings) -> float:
+    value = float(args.get("timeout_s", settings.default_timeout_s))
+    if value <= 0:
+        raise ValueError("timeout_s must be positive")
+    return min(value, settings.max_timeout_s)
+
+
+def shell_tool(settings: ProcessToolSettings) -> Tool:
+    async def shell(args: dict[str, Any]) -> str:
+        command = args.get("command")
+        if not isinstance(command, str) or not command.strip():
+            raise ValueError("'command' must be a non-empty string")
+        if settings.allow_prefixes and not any(
+                command.strip().startswith(p) for p in settings.allow_prefixes):
+            return "error: command not allowed by the operator's shell allowlist"
+        result = await run_in_process_group(
+            ["/bin/sh", "-c", command], reaper=settings.reaper, timeout_s=_timeout(args, settings),
+            max_output=settings.max_output, cwd=settings.cwd)
+        return _format(result)
+
+    return Tool("shell", "Run a shell command and return its output.",
+                {"type": "object",
+                 "properties": {"command": {"type": "string"},
+                                "timeout_s": {"type": "number", "description": "default 60"}},
+                 "required": ["command"]},
+                shell)
+
+
+def sleep_tool(settings: ProcessToolSettings) -> Tool:
+    async def sleep(args: dict[str, Any]) -> str:
+        seconds = float(args.get("seconds", 1))
+        if not 0 <= seconds <= settings.max_timeout_s:
+            raise ValueError(f"seconds must be between 0 and {settings.max_timeout_s:g}")
+        result = await run_in_process_group(
+            ["sleep", f"{seconds:g}"], reaper=settings.reaper,
+            timeout_s=seconds + 5, max_output=1024)
+        return f"slept {seconds:g} s" if result.returncode == 0 else _format(result)
+
+    return Tool("sleep", "Wait for a number of seconds (runs the sleep program).",
+                {"type": "object", "properties": {"seconds": {"type": "number"}},
+                 "required": ["seconds"]},
+                sleep)
+
+
+def builtin_registry(settings: ProcessToolSettings, *, shell: bool) -> ToolRegistry:
+    registry = ToolRegistry()
+    registry.register(sleep_tool(settings))
+    if shell:
+        registry.register(shell_tool(settings))
+    return registry

@@ -1,0 +1,207 @@
+"""Per-run cancellation: one `Run` per turn, bound through a context variable.
+
+Nothing here is process-global. A run owns its task, the I/O it registered (provider
+connections, tool process groups) and the reason it was stopped. Code in worker threads finds
+its run through `current_run`, which `asyncio.to_thread` copies and `run_in_executor` (below)
+copies explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+ReasonKind = Literal["user", "system"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolReason:
+    """Who stopped a run (`user` or `system`) and why, in a few words. There is no default."""
+
+    kind: ReasonKind
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("user", "system"):
+            raise ValueError(f"tool_reason kind must be 'user' or 'system', got {self.kind!r}")
+        if not self.text.strip():
+            raise ValueError("tool_reason text must not be empty")
+
+    @classmethod
+    def user(cls, text: str) -> ToolReason:
+        return cls("user", text)
+
+    @classmethod
+    def system(cls, text: str) -> ToolReason:
+        return cls("system", text)
+
+    @property
+    def marker(self) -> str:
+        """What the model sees in place of an interrupted tool result."""
+        return f"[interrupted by {self.kind}: {self.text}]"
+
+
+# The reasons the gateway itself uses, named once.
+STOPPED_BY_USER = ToolReason.user("stopped by user (/stop)")
+NEW_MESSAGE = ToolReason.user("user sent a new message")
+SESSION_RESET = ToolReason.user("session reset (/new)")
+EVICTED = ToolReason.system("evicted from agent cache")
+GATEWAY_RESTART = ToolReason.system("gateway restart")
+CLIENT_DISCONNECTED = ToolReason.system("client disconnected")
+STOPPED_BY_OPERATOR = ToolReason.system("stopped by operator")
+LEASE_LOST = ToolReason.system("session lease lost")
+PROCESS_DIED = ToolReason.system("gateway stopped before the turn finished")
+
+
+def timed_out(seconds: float) -> ToolReason:
+    return ToolReason.system(f"turn timed out after {seconds:g} s")
+
+
+class RunCancelled(Exception):
+    """Raised inside thread-based tools by `Run.raise_if_cancelled`."""
+
+    def __init__(self, reason: ToolReason) -> None:
+        super().__init__(reason.marker)
+        self.reason = reason
+
+
+_run_ids = itertools.count(1)
+_closer_ids = itertools.count(1)
+
+
+class Run:
+    """The cancellation scope of one turn of one session.
+
+    Created when a message is accepted (before it is queued), so a cancel that lands while the
+    turn is still queued or starting finds it and wins. `cancel` is synchronous and returns at
+    once: it records the reason, closes every registered I/O handle and cancels the task.
+    """
+
+    __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "cancelled_at",
+                 "fence", "run_id", "session_key", "started_at", "thread_event")
+
+    def __init__(self, session_key: str, *, fence: int | None = None) -> None:
+        self.run_id = f"r{next(_run_ids)}"
+        self.session_key = session_key
+        self.fence = fence
+        self.started_at: float | None = None
+        self.cancelled_at: float | None = None
+        self._reason: ToolReason | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._closers: dict[int, Callable[[], object]] = {}
+        self._ended = asyncio.Event()
+        # Set on cancel so thread-based tools can block on it instead of polling.
+        self.thread_event = threading.Event()
+
+    @property
+    def reason(self) -> ToolReason | None:
+        return self._reason
+
+    def is_cancelled(self) -> bool:
+        return self._reason is not None
+
+    def raise_if_cancelled(self) -> None:
+        if self._reason is not None:
+            raise RunCancelled(self._reason)
+
+    def cancel(self, reason: ToolReason) -> bool:
+        """Stop this run for `reason`; False if it was already stopped or finished."""
+        if not isinstance(reason, ToolReason):
+            raise TypeError("cancel() needs a ToolReason; there is no default reason")
+        if self._reason is not None or self.finished:
+            return False
+        self._reason = reason
+        self.cancelled_at = time.perf_counter()
+        self.thread_event.set()
+        closers, self._closers = list(self._closers.values()), {}
+        for close in closers:
+            try:
+                close()
+            except Exception:  # one bad closer must not keep the others from running
+                log.exception("closer failed while cancelling %s", self.run_id)
+        if self._task is not None:
+            self._task.cancel(reason.marker)
+        return True
+
+    @contextmanager
+    def on_cancel(self, close: Callable[[], object]) -> Iterator[None]:
+        """Call `close` (synchronously, from `cancel`) if the run is stopped inside this block.
+
+        If the run is already cancelled, `close` runs at once and the block is still entered;
+        the caller's next await will be cancelled anyway.
+        """
+        if self._reason is not None:
+            close()
+            yield
+            return
+        key = next(_closer_ids)
+        self._closers[key] = close
+        try:
+            yield
+        finally:
+            self._closers.pop(key, None)
+
+    def attach(self, task: asyncio.Task[T]) -> None:
+        """Bind the task that executes this run; a cancel that came first cancels it now."""
+        self._task = task
+        self.started_at = time.time()
+        task.add_done_callback(self._on_done)
+        if self._reason is not None:
+            task.cancel(self._reason.marker)
+
+    @property
+    def finished(self) -> bool:
+        return self._ended.is_set() or (self._task is not None and self._task.done())
+
+    def _on_done(self, _task: object) -> None:
+        self._closers.clear()
+
+    def end(self) -> None:
+        """Called by the owner once the turn is over and recorded (ran, was cancelled, or never ran)."""
+        self._closers.clear()
+        self._ended.set()
+
+    async def wait(self) -> None:
+        """Wait until the turn is over and its outcome recorded."""
+        await self._ended.wait()
+
+    def __repr__(self) -> str:
+        state = "cancelled" if self._reason else ("done" if self.finished else "live")
+        return f"<Run {self.run_id} {self.session_key} {state}>"
+
+
+current_run: contextvars.ContextVar[Run | None] = contextvars.ContextVar("current_run", default=None)
+
+
+def get_run() -> Run | None:
+    return current_run.get()
+
+
+def is_cancelled() -> bool:
+    """For thread-based tools: has *this* run been stopped? (False outside any run.)"""
+    run = current_run.get()
+    return run is not None and run.is_cancelled()
+
+
+async def run_in_executor(
+    executor: Executor | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """`loop.run_in_executor`, but carrying the caller's context (and so its run) into the thread."""
+    ctx = contextvars.copy_context()
+    call = functools.partial(ctx.run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(executor, call)

@@ -1,0 +1,314 @@
+"""Configuration: one TOML file, every key overridable by `SWITCHBOARD_<SECTION>__<KEY>`.
+
+Secrets may also come from `<key>_file` (a path) or systemd's `$CREDENTIALS_DIRECTORY`
+(a file named `<section>.<key>`). Any problem is a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_PREFIX = "SWITCHBOARD_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(Exception):
+    """A bad configuration value; the message names the key."""
+
+
+class Secret:
+    """A string that never shows itself in reprs, logs or `switchboard check`."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765
+
+
+@dataclass
+class WebchatConfig:
+    enabled: bool | None = None  # None: on when no chat platform is configured
+
+
+@dataclass
+class ApiConfig:
+    enabled: bool = False
+    keys: list[Secret] = field(default_factory=list)
+    model_name: str = "switchboard"
+
+
+@dataclass
+class AgentConfig:
+    kind: Literal["echo", "openai"] = "echo"
+    base_url: str = "http://127.0.0.1:11434/v1"
+    model: str = "llama3.2"
+    api_key: Secret | None = None
+    system_prompt: str | None = None
+    echo_delay_s: float = 0.05
+    max_tool_rounds: int = 8
+    retries: int = 3
+    read_timeout_s: float = 120.0
+
+
+@dataclass
+class ToolsConfig:
+    shell: bool = False
+    shell_timeout_s: float = 60.0
+    shell_max_output: int = 16_000
+    shell_allow_prefixes: list[str] = field(default_factory=list)
+    shell_cwd: str | None = None
+    tool_kill_grace_s: float = 2.0
+
+
+@dataclass
+class RouterConfig:
+    busy: Literal["interrupt", "queue"] = "interrupt"
+    per_user_in_groups: bool = False
+    max_message_chars: int = 16_000
+    turn_timeout_s: float = 600.0
+
+
+@dataclass
+class AgentCacheConfig:
+    max_agents: int = 256
+    idle_ttl_s: float = 3600.0
+    when_full: Literal["evict_oldest", "reject"] = "evict_oldest"
+
+
+@dataclass
+class StoreConfig:
+    data_dir: str = "./.switchboard"
+
+
+@dataclass
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+
+
+@dataclass
+class Config:
+    http: HttpConfig = field(default_factory=HttpConfig)
+    webchat: WebchatConfig = field(default_factory=WebchatConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    agent_cache: AgentCacheConfig = field(default_factory=AgentCacheConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def secrets(self) -> list[str]:
+        """Every secret value, for the log redactor."""
+        found: list[str] = []
+        for section in dataclasses.fields(self):
+            for value in vars(getattr(self, section.name)).values():
+                items = value if isinstance(value, list) else [value]
+                found += [v.reveal() for v in items if isinstance(v, Secret)]
+        return found
+
+    @property
+    def webchat_enabled(self) -> bool:
+        return self.webchat.enabled if self.webchat.enabled is not None else True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None) -> Config:
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    overrides = _env_overrides(env)
+    config = Config()
+    for section, values in {**{k: {} for k in overrides}, **raw}.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a table ([{section}])")
+        target = getattr(config, section, None)
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"{section}: unknown section")
+        _fill(section, target, values, overrides.get(section, {}), env)
+    _validate(config)
+    return config
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            section, key = name[len(ENV_PREFIX):].lower().split("__", 1)
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[str, str],
+          env: Mapping[str, str]) -> None:
+    hints = typing.get_type_hints(type(target))
+    names = {f.name for f in dataclasses.fields(target)}
+    file_keys = {f"{n}_file": n for n in names if _is_secret(hints[n])}
+    creds = env.get("CREDENTIALS_DIRECTORY")
+    for source, items in (("file", values), ("env", env_values)):
+        for key, value in items.items():
+            where = f"{section}.{key}"
+            if key in file_keys:
+                key = file_keys[key]
+                value = _read_secret_file(where, str(value))
+            elif key not in names:
+                raise ConfigError(f"{where}: unknown key")
+            setattr(target, key, _coerce(where, value, hints[key], from_env=source == "env"))
+    if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
+        for name in names:
+            cred = Path(creds) / f"{section}.{name}"
+            if _is_secret(hints[name]) and getattr(target, name) in (None, []) and cred.is_file():
+                setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
+                    f"{section}.{name}", str(cred)), hints[name], from_env=True))
+
+
+def _read_secret_file(where: str, path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror}") from None
+
+
+def _is_secret(hint: Any) -> bool:
+    return Secret in (typing.get_args(hint) or (hint,)) or any(
+        Secret in typing.get_args(a) for a in typing.get_args(hint))
+
+
+def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if from_env and value == "":
+            return None
+        return _coerce(where, value, inner[0], from_env=from_env)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{where}: must be one of {choices} (got {value!r})")
+        return value
+    if origin is list:
+        if from_env and isinstance(value, str):
+            try:
+                value = json.loads(value) if value.startswith("[") else [
+                    v.strip() for v in value.split(",") if v.strip()]
+            except ValueError:
+                raise ConfigError(f"{where}: must be a JSON list or comma-separated values") from None
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: must be a list")
+        return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
+    if hint is bool:
+        if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: must be true or false (got {value!r})")
+        return value
+    if hint in (int, float):
+        if from_env and isinstance(value, str):
+            try:
+                value = hint(value)
+            except ValueError:
+                raise ConfigError(f"{where}: must be a number (got {value!r})") from None
+        if isinstance(value, bool) or not isinstance(value, int if hint is int else (int, float)):
+            raise ConfigError(f"{where}: must be {'an integer' if hint is int else 'a number'} (got {value!r})")
+        return hint(value)
+    if hint is Secret:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: must be a non-empty string")
+        return Secret(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: must be a string (got {value!r})")
+        return value
+    raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in the schema
+
+
+def _validate(c: Config) -> None:
+    positive = {"http.port": c.http.port, "router.max_message_chars": c.router.max_message_chars,
+                "router.turn_timeout_s": c.router.turn_timeout_s, "agent_cache.max_agents": c.agent_cache.max_agents,
+                "agent_cache.idle_ttl_s": c.agent_cache.idle_ttl_s, "tools.shell_timeout_s": c.tools.shell_timeout_s,
+                "agent.max_tool_rounds": c.agent.max_tool_rounds}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
+    if not 0 < c.http.port < 65536:
+        raise ConfigError(f"http.port: must be between 1 and 65535 (got {c.http.port})")
+    if c.tools.tool_kill_grace_s < 0:
+        raise ConfigError("tools.tool_kill_grace_s: must not be negative")
+    if c.agent.echo_delay_s < 0:
+        raise ConfigError("agent.echo_delay_s: must not be negative")
+    if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
+        raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
+    if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
+
+
+def render(config: Config) -> str:
+    """The effective configuration as TOML, secrets shown as "***"."""
+    lines: list[str] = []
+    for section in dataclasses.fields(config):
+        lines.append(f"[{section.name}]")
+        for key, value in vars(getattr(config, section.name)).items():
+            lines.append(f"{key} = {_toml(value)}" if value is not None else f"# {key} = (unset)")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, Secret):
+        return '"***"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)

@@ -1,0 +1,128 @@
+"""Wires config, store, agent, router, adapters and the HTTP listener; owns start and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.agents import Agent
+from gateway.agents.echo import EchoAgent
+from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.tools import ProcessToolSettings, builtin_registry
+from gateway.cancellation import GATEWAY_RESTART, ToolReason
+from gateway.config import Config
+from gateway.logs import redactor
+from gateway.processes import ProcessReaper
+from gateway.router import Router, RouterSettings
+from gateway.server import build_app, serve
+from gateway.store.sqlite import SqliteStore
+from platforms.base import Adapter
+
+log = logging.getLogger(__name__)
+
+
+def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
+    t = config.tools
+    tools = builtin_registry(
+        ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
+                            allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
+        shell=t.shell)
+    a = config.agent
+    if a.kind == "openai":
+        return OpenAIAgent(OpenAISettings(
+            base_url=a.base_url, model=a.model, api_key=a.api_key.reveal() if a.api_key else None,
+            system_prompt=a.system_prompt, max_tool_rounds=a.max_tool_rounds, retries=a.retries,
+            read_timeout_s=a.read_timeout_s), tools)
+    return EchoAgent(tools, delay_s=a.echo_delay_s)
+
+
+def build_adapters(config: Config) -> dict[str, Adapter]:
+    from platforms.api import ApiAdapter
+    from platforms.webchat import WebchatAdapter
+
+    adapters: dict[str, Adapter] = {}
+    if config.webchat_enabled:
+        adapters["webchat"] = WebchatAdapter()
+    if config.api.enabled:
+        adapters["api"] = ApiAdapter(keys=[k.reveal() for k in config.api.keys],
+                                     model_name=config.api.model_name)
+    return adapters
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        for secret in config.secrets():
+            redactor.add(secret)
+        self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
+        self.store = SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+        self.agent = build_agent(config, self.reaper)
+        r, c = config.router, config.agent_cache
+        self.router = Router(RouterSettings(
+            busy=r.busy, per_user_in_groups=r.per_user_in_groups, max_message_chars=r.max_message_chars,
+            turn_timeout_s=r.turn_timeout_s, max_agents=c.max_agents, idle_ttl_s=c.idle_ttl_s,
+            when_full=c.when_full), self.store, self.agent)
+        self.adapters = build_adapters(config)
+        self._runner: web.AppRunner | None = None
+        self._stopped = asyncio.Event()
+
+    async def readiness(self) -> dict[str, tuple[bool, str]]:
+        checks = {"store": (await self.store.ping(), "sqlite")}
+        for name, adapter in self.adapters.items():
+            checks[name] = adapter.healthy()
+        return checks
+
+    async def start(self) -> None:
+        await self.store.open()
+        app = build_app(self.readiness)
+        for adapter in self.adapters.values():
+            adapter.routes(app)
+        for adapter in self.adapters.values():
+            await adapter.start(self.router)
+        await self.router.start(self.adapters)
+        self._runner = await serve(app, self.config.http.host, self.config.http.port)
+        log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s)",
+                 self.config.http.host, self.config.http.port, self.agent.description,
+                 ", ".join(self.adapters) or "none")
+
+    async def stop(self, reason: ToolReason = GATEWAY_RESTART) -> None:
+        """Stop intake, hard_cancel running turns for `reason`, flush, close."""
+        log.info("shutting down: %s", reason.marker)
+        for adapter in self.adapters.values():
+            with contextlib.suppress(Exception):
+                await adapter.stop()
+        await self.router.shutdown(reason)
+        try:
+            await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
+        except TimeoutError:
+            self.reaper.kill_all_now()
+        close = getattr(self.agent, "close", None)
+        if close is not None:
+            await close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.store.close()
+        self._stopped.set()
+
+    async def run(self) -> None:
+        """Run until SIGINT/SIGTERM; a second signal skips the wait for running turns."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        stop.clear()
+        stopping = asyncio.create_task(self.stop())
+        second = asyncio.create_task(stop.wait())
+        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            log.warning("second signal: exiting now")
+            self.reaper.kill_all_now()
+            stopping.cancel()
+        second.cancel()

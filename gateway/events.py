@@ -1,0 +1,71 @@
+"""The normalized message every platform adapter produces, and how it maps to a session."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+
+class ChatType(StrEnum):
+    DM = "dm"
+    GROUP = "group"
+    CHANNEL = "channel"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRef:
+    """Where a reply goes: enough for any adapter to address the chat (and topic/thread)."""
+
+    platform: str
+    chat_id: str
+    chat_type: ChatType
+    thread_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InboundMessage:
+    """One inbound chat event, the same shape for every platform."""
+
+    platform: str
+    chat_id: str
+    chat_type: ChatType
+    user_id: str
+    user_name: str
+    message_id: str
+    text: str
+    thread_id: str | None = None
+    reply_to: str | None = None
+    timestamp: float = field(default_factory=time.time)
+    # Platform-specific bits an adapter wants back when replying (never persisted).
+    extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def chat(self) -> ChatRef:
+        return ChatRef(self.platform, self.chat_id, self.chat_type, self.thread_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a platform's outbound side can do; the reply streamer adapts to it."""
+
+    max_message_len: int
+    can_edit: bool
+    can_stream: bool
+    edit_interval_s: float = 1.0
+    length_unit: Literal["chars", "utf16"] = "chars"  # Telegram counts UTF-16 code units
+
+
+def session_key(msg: InboundMessage, *, per_user_in_groups: bool = False) -> str:
+    """`platform:chat_type:chat_id[:thread_id][:user_id]`.
+
+    DMs get one session per chat; groups and channels share one per chat and thread unless
+    ``per_user_in_groups`` splits them by user. Threads/topics are always separate sessions.
+    """
+    parts = [msg.platform, msg.chat_type.value, msg.chat_id]
+    if msg.thread_id:
+        parts.append(msg.thread_id)
+    if per_user_in_groups and msg.chat_type is not ChatType.DM:
+        parts.append(msg.user_id)
+    return ":".join(parts)

@@ -1,0 +1,124 @@
+"""Tool subprocesses in their own process group, stopped with the run that started them.
+
+A stopped run's group gets SIGTERM at once, then SIGKILL after the grace period if anything in
+the group is still alive. The reaper owns those follow-ups so the turn itself can end at once,
+and the daemon awaits the reaper at shutdown so no child outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.cancellation import get_run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessResult:
+    returncode: int | None
+    output: str
+    truncated: bool
+    timed_out: bool
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ProcessReaper:
+    """Terminates process groups: TERM now, KILL after `grace_s`; tracks the follow-ups."""
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        self.grace_s = grace_s
+        self._pending: dict[int, asyncio.Task[None]] = {}
+
+    def terminate(self, proc: asyncio.subprocess.Process) -> None:
+        """Synchronous first step (SIGTERM to the group); the rest runs in the background."""
+        pgid = proc.pid
+        if pgid in self._pending:
+            return
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        task = asyncio.get_running_loop().create_task(self._finish(proc, pgid))
+        self._pending[pgid] = task
+        task.add_done_callback(lambda _t: self._pending.pop(pgid, None))
+
+    async def _finish(self, proc: asyncio.subprocess.Process, pgid: int) -> None:
+        deadline = time.monotonic() + self.grace_s
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), self.grace_s)
+        # Other members of the group have no exit notification we can await: poll briefly.
+        while group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if group_alive(pgid):
+            log.warning("process group %d ignored SIGTERM for %.1f s; sending SIGKILL", pgid, self.grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        await proc.wait()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def drain(self) -> None:
+        """Wait for every group being terminated (shutdown calls this)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending.values()), return_exceptions=True)
+
+    def kill_all_now(self) -> None:
+        """Last resort at a forced exit: SIGKILL every group still being reaped."""
+        for pgid in list(self._pending):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+async def run_in_process_group(
+    argv: Sequence[str], *, reaper: ProcessReaper, timeout_s: float, max_output: int,
+    cwd: str | None = None,
+) -> ProcessResult:
+    """Run `argv` in a new session/process group, bound to the current run's cancellation."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    run = get_run()
+    chunks: list[bytes] = []
+    size = 0
+    truncated = timed_out = False
+
+    async def read_output() -> None:
+        nonlocal size, truncated
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            if size < max_output:
+                chunks.append(chunk[: max_output - size])
+            size += len(chunk)
+            truncated = size > max_output
+        await proc.wait()
+
+    try:
+        with run.on_cancel(lambda: reaper.terminate(proc)) if run else contextlib.nullcontext():
+            try:
+                await asyncio.wait_for(read_output(), timeout_s)
+            except TimeoutError:
+                timed_out = True
+    finally:
+        # Stopped, timed out, or finished with children left behind: the whole group goes.
+        reaper.terminate(proc)
+    output = b"".join(chunks).decode("utf-8", "replace")
+    return ProcessResult(proc.returncode, output, truncated, timed_out)

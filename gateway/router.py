@@ -1,0 +1,475 @@
+"""The session router: one lane per session, one turn at a time, commands outside the lane.
+
+Every inbound message ends processed, queued (with an ack) or rejected with a reason. A turn's
+`Run` exists from the moment its message is accepted, so `/stop` finds it whether it is queued,
+starting or streaming; commands never wait on the lane or on anything a turn holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Literal
+
+from agent_cache import AgentCache, CacheFull
+from gateway.agents import Agent, AgentError
+from gateway.cancellation import (
+    EVICTED,
+    NEW_MESSAGE,
+    PROCESS_DIED,
+    SESSION_RESET,
+    STOPPED_BY_USER,
+    Run,
+    ToolReason,
+    current_run,
+    timed_out,
+)
+from gateway.commands import HELP, Command, parse_command
+from gateway.events import InboundMessage, session_key
+from gateway.logs import log_context
+from gateway.store import InboundRecord, Store, StoreError
+from gateway.transcript import ChatMessage, TextDelta, TurnRecorder
+
+if TYPE_CHECKING:
+    from platforms.base import Adapter, Reply
+
+log = logging.getLogger(__name__)
+
+BusyPolicy = Literal["interrupt", "queue"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    busy: BusyPolicy = "interrupt"
+    per_user_in_groups: bool = False
+    max_message_chars: int = 16_000
+    turn_timeout_s: float = 600.0
+    max_agents: int = 256
+    idle_ttl_s: float = 3600.0
+    when_full: Literal["evict_oldest", "reject"] = "evict_oldest"
+
+
+class Outcome(StrEnum):
+    ACCEPTED = "accepted"
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+    REJECTED = "rejected"
+    COMMAND = "command"
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    outcome: Outcome
+    detail: str = ""
+    run: Run | None = None
+
+
+class SessionAgent:
+    """What the agent cache holds per session: the live conversation, rebuilt from the store."""
+
+    __slots__ = ("conversation", "history", "key")
+
+    def __init__(self, key: str, conversation: int, history: list[ChatMessage]) -> None:
+        self.key = key
+        self.conversation = conversation
+        self.history = history
+
+
+class Turn:
+    __slots__ = ("accepted", "adapter", "ephemeral", "inbound_id", "key", "msg", "run")
+
+    def __init__(self, msg: InboundMessage, key: str, adapter: Adapter,
+                 ephemeral: Sequence[ChatMessage] | None = None) -> None:
+        self.msg = msg
+        self.key = key
+        self.adapter = adapter
+        self.run = Run(key)
+        self.ephemeral = ephemeral
+        self.inbound_id: int | None = None
+        # Resolves True once the message is durable (False: duplicate or not stored).
+        self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+
+@dataclass(slots=True)
+class Lane:
+    key: str
+    pending: deque[Turn] = field(default_factory=deque)
+    current: Turn | None = None
+    worker: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStatus:
+    key: str
+    running: bool
+    since: float | None
+    queued: int
+    agent: str
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, store: Store, agent: Agent) -> None:
+        self.settings = settings
+        self.store = store
+        self.agent = agent
+        self.cache: AgentCache[SessionAgent] = AgentCache(
+            max_agents=settings.max_agents, idle_ttl_s=settings.idle_ttl_s,
+            when_full=settings.when_full, on_evict=self._on_evict)
+        self._lanes: dict[str, Lane] = {}
+        self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        self._closing = False
+        self._sweeper: asyncio.Task[None] | None = None
+        self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self, adapters: dict[str, Adapter]) -> None:
+        """Resume what a previous process accepted but never finished, then start the sweeper."""
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        for rec in await self.store.unfinished_inbound():
+            adapter = adapters.get(rec.message.platform)
+            self._remember(rec.message)
+            if rec.status == "running":
+                await self._mark_crashed(rec)
+                continue
+            if adapter is None:
+                await self.store.finish_inbound(rec.id, "rejected", "platform no longer configured")
+                continue
+            turn = Turn(rec.message, rec.session_key, adapter)
+            turn.inbound_id = rec.id
+            turn.accepted.set_result(True)
+            self._enqueue(turn)
+            log.info("replaying a message accepted before a restart", extra={"session": rec.session_key})
+
+    async def _mark_crashed(self, rec: InboundRecord) -> None:
+        """A turn was running when the process died: close its transcript honestly."""
+        conversation, history = await self.store.conversation(rec.session_key)
+        if history and history[-1].role == "user":
+            rows = TurnRecorder().interrupted(PROCESS_DIED)
+            await self.store.append(rec.session_key, conversation, rows)
+        await self.store.finish_inbound(rec.id, "cancelled", PROCESS_DIED.marker)
+
+    async def shutdown(self, reason: ToolReason, *, grace_s: float = 10.0) -> None:
+        """Stop intake, hard_cancel every running turn for `reason`, wait for lanes to settle.
+
+        Queued turns stay accepted in the store and are replayed on the next start.
+        """
+        self._closing = True
+        if self._sweeper:
+            self._sweeper.cancel()
+        for lane in list(self._lanes.values()):
+            if lane.current is not None:
+                lane.current.run.cancel(reason)
+            for turn in lane.pending:  # stays accepted in the store; replayed on the next start
+                turn.run.end()
+        workers = [lane.worker for lane in self._lanes.values() if lane.worker]
+        if workers:
+            _done, late = await asyncio.wait(workers, timeout=grace_s)
+            for task in late:
+                task.cancel()
+
+    # --- intake ---------------------------------------------------------------------------
+
+    async def submit(self, msg: InboundMessage, adapter: Adapter, *,
+                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
+        """Route one inbound message. Never raises for bad input: the user gets a reason."""
+        key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
+        problem = self._validate(msg.text)
+        if problem is None and self._closing:
+            problem = "The gateway is restarting; please send that again in a moment."
+        if problem is not None:
+            log.info("rejected message: %s", problem, extra={"session": key})
+            await adapter.notify(msg.chat, problem, reply_to=msg.message_id)
+            return Submitted(Outcome.REJECTED, problem)
+        cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
+        if cmd is not None:
+            if self._remember(msg):
+                return Submitted(Outcome.DUPLICATE)
+            return await self._command(cmd, key, msg, adapter)
+        if ephemeral is None and self._remember(msg):
+            return Submitted(Outcome.DUPLICATE)
+
+        turn = Turn(msg, key, adapter, ephemeral)
+        lane = self._lanes.get(key)
+        busy = lane is not None and (lane.current is not None or bool(lane.pending))
+        if busy and self.settings.busy == "interrupt":
+            self._cancel_lane(key, NEW_MESSAGE)
+        ahead = self._enqueue(turn)  # registered before any await: a /stop from now on finds it
+        if ephemeral is not None:
+            turn.accepted.set_result(True)
+            return Submitted(Outcome.ACCEPTED, run=turn.run)
+        try:
+            turn.inbound_id = await self.store.accept_inbound(key, msg)
+        except StoreError as exc:
+            turn.accepted.set_result(False)
+            self._forget(msg)
+            log.error("could not store an inbound message: %s", exc, extra={"session": key})
+            reason = "Sorry, I could not save your message (storage error). Please send it again."
+            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
+            return Submitted(Outcome.REJECTED, reason)
+        if turn.inbound_id is None:
+            turn.accepted.set_result(False)
+            return Submitted(Outcome.DUPLICATE)
+        turn.accepted.set_result(True)
+        if busy and self.settings.busy == "queue" and ahead:
+            await adapter.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
+                                 reply_to=msg.message_id)
+            return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
+        return Submitted(Outcome.ACCEPTED, run=turn.run)
+
+    def _validate(self, text: str) -> str | None:
+        if not text.strip():
+            return "That message was empty — send some text."
+        if len(text) > self.settings.max_message_chars:
+            return (f"That message is too long ({len(text)} characters; the limit is "
+                    f"{self.settings.max_message_chars}). Please shorten it.")
+        if any(ord(c) < 32 and c not in "\n\r\t" for c in text):
+            return "That message contains binary data; I can only read text."
+        return None
+
+    def _remember(self, msg: InboundMessage) -> bool:
+        """In-memory first line of de-duplication; True if this message was seen recently."""
+        dk = (msg.platform, msg.chat_id, msg.message_id)
+        if dk in self._recent:
+            return True
+        self._recent[dk] = None
+        if len(self._recent) > 50_000:
+            self._recent.popitem(last=False)
+        return False
+
+    def _forget(self, msg: InboundMessage) -> None:
+        self._recent.pop((msg.platform, msg.chat_id, msg.message_id), None)
+
+    def _enqueue(self, turn: Turn) -> int:
+        """Put a turn in its lane; returns how many turns are ahead of it."""
+        lane = self._lanes.get(turn.key)
+        if lane is None:
+            lane = self._lanes[turn.key] = Lane(turn.key)
+        ahead = len(lane.pending) + (lane.current is not None)
+        lane.pending.append(turn)
+        if lane.worker is None:
+            lane.worker = asyncio.get_running_loop().create_task(self._drain(lane))
+        return ahead
+
+    # --- cancellation ---------------------------------------------------------------------
+
+    def hard_cancel(self, session: str, tool_reason: ToolReason) -> Run | None:
+        """Stop the turn running (or about to run) in `session` only; returns its run, or None.
+
+        Returns at once; `await run.wait()` to know when it has ended. A call with nothing
+        running changes nothing, so it cannot swallow the next message.
+        """
+        if not isinstance(tool_reason, ToolReason):
+            raise TypeError("hard_cancel needs a ToolReason; there is no default reason")
+        lane = self._lanes.get(session)
+        if lane is None:
+            return None
+        turn = lane.current or (lane.pending[0] if lane.pending else None)
+        if turn is None or not turn.run.cancel(tool_reason):
+            return None
+        log.info("hard_cancel: %s", tool_reason.marker, extra={"session": session, "run": turn.run.run_id})
+        return turn.run
+
+    def _cancel_lane(self, session: str, reason: ToolReason) -> list[Run]:
+        """Cancel the running turn and every queued one of `session`."""
+        lane = self._lanes.get(session)
+        if lane is None:
+            return []
+        turns = ([lane.current] if lane.current else []) + list(lane.pending)
+        runs = [t.run for t in turns if t.run.cancel(reason)]
+        if runs:
+            log.info("cancelled %d turn(s): %s", len(runs), reason.marker, extra={"session": session})
+        return runs
+
+    def _on_evict(self, key: str, _agent: SessionAgent, running: bool) -> None:
+        if running:
+            self.hard_cancel(key, EVICTED)
+
+    # --- commands (never behind the lane) -------------------------------------------------
+
+    async def _command(self, cmd: Command, key: str, msg: InboundMessage, adapter: Adapter) -> Submitted:
+        if cmd.name == "stop":
+            runs = self._cancel_lane(key, STOPPED_BY_USER)
+            text = "Stopped." if runs else "Nothing is running."
+        elif cmd.name in ("new", "reset"):
+            self._cancel_lane(key, SESSION_RESET)
+            self.cache.discard(key)
+            try:
+                await self.store.reset(key)
+                text = "Started a new conversation. The old one is archived."
+            except StoreError as exc:
+                log.error("reset failed: %s", exc, extra={"session": key})
+                text = "Could not start a new conversation (storage error); please try again."
+        elif cmd.name == "status":
+            text = self._status_text(self.status(key))
+        elif cmd.name in ("help", "start"):
+            text = HELP
+        else:
+            text = f"Unknown command /{cmd.name} — try /help."
+            await adapter.notify(msg.chat, text, reply_to=msg.message_id)
+            return Submitted(Outcome.REJECTED, text)
+        await adapter.notify(msg.chat, text, reply_to=msg.message_id)
+        return Submitted(Outcome.COMMAND, text)
+
+    def status(self, key: str) -> SessionStatus:
+        lane = self._lanes.get(key)
+        current = lane.current if lane else None
+        running = current is not None and current.run.started_at is not None
+        since = current.run.started_at if running and current else None
+        queued = len(lane.pending) if lane else 0
+        return SessionStatus(key, running, since, queued, self.agent.description)
+
+    @staticmethod
+    def _status_text(s: SessionStatus) -> str:
+        if s.running and s.since is not None:
+            clock = time.strftime("%H:%M:%S", time.localtime(s.since))
+            state = f"Running since {clock} ({time.time() - s.since:.0f} s)"
+        else:
+            state = "Idle"
+        return f"{state} · queued: {s.queued} · agent: {s.agent}"
+
+    def sessions(self) -> list[SessionStatus]:
+        return [self.status(key) for key in list(self._lanes)]
+
+    # --- turns ----------------------------------------------------------------------------
+
+    async def _drain(self, lane: Lane) -> None:
+        try:
+            while lane.pending and not self._closing:
+                turn = lane.current = lane.pending.popleft()
+                try:
+                    await self._run_turn(turn)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("turn failed outside the agent", extra={"session": lane.key})
+                finally:
+                    lane.current = None
+        finally:
+            lane.worker = None
+            if not lane.pending and self._lanes.get(lane.key) is lane:
+                del self._lanes[lane.key]
+
+    async def _run_turn(self, turn: Turn) -> None:
+        try:
+            await self._execute(turn)
+        finally:
+            turn.run.end()
+
+    async def _execute(self, turn: Turn) -> None:
+        """Run one turn to its end. The agent streams in a task of its own (the run's task);
+        this lane worker is never cancelled by hard_cancel, so it always records the outcome."""
+        if not await turn.accepted:
+            return
+        run, msg = turn.run, turn.msg
+        try:
+            agent = await self._session_agent(turn.key) if turn.ephemeral is None else None
+        except (CacheFull, StoreError) as exc:
+            log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
+            await self._finish(turn, "rejected", str(exc))
+            await turn.adapter.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
+                                      "Please try again shortly." if isinstance(exc, CacheFull) else
+                                      "Sorry, I could not load this conversation (storage error).",
+                                      reply_to=msg.message_id)
+            return
+        user = ChatMessage("user", msg.text, created_at=msg.timestamp)
+        recorder = TurnRecorder()
+        if run.is_cancelled():  # stopped while queued or starting: it never runs
+            assert run.reason is not None
+            if agent is not None and run.reason != SESSION_RESET:
+                await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)])
+            await self._finish(turn, "cancelled", run.reason.marker)
+            return
+        history = list(turn.ephemeral if turn.ephemeral is not None else agent.history if agent else [])
+        conversation = agent.conversation if agent else 0
+        if agent is not None:
+            await self._persist(turn, agent, conversation, [user], remember=False)
+            await self._finish(turn, "running", None)
+        reply = turn.adapter.open_reply(msg, run)
+        ctx = contextvars.copy_context()
+        ctx.run(current_run.set, run)
+        ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._stream(run, history, user, reply, recorder), context=ctx)
+        run.attach(task)  # a cancel that landed during the awaits above cancels it right here
+        timeout = self.settings.turn_timeout_s
+        timer = loop.call_later(timeout, run.cancel, timed_out(timeout))
+        self.cache.mark_running(turn.key, True)
+        try:
+            await asyncio.wait({task})
+        finally:
+            timer.cancel()
+            self.cache.mark_running(turn.key, False)
+        rows, status, detail = await self._outcome(task, run, recorder, reply)
+        if agent is not None:
+            await self._persist(turn, agent, conversation, rows, prepend=user)
+        await self._finish(turn, status, detail)
+
+    async def _stream(self, run: Run, history: list[ChatMessage], user: ChatMessage, reply: Reply,
+                      recorder: TurnRecorder) -> None:
+        async for event in self.agent.run_turn(history, user):
+            recorder.feed(event)
+            if isinstance(event, TextDelta) and not run.is_cancelled():
+                await reply.delta(event.text)
+        await reply.finish(recorder.text)
+
+    async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
+                       reply: Reply) -> tuple[list[ChatMessage], str, str | None]:
+        if task.cancelled() or (run.reason is not None and task.exception() is not None):
+            if run.reason is None:  # only Run.cancel holds the task, so this is a bug: say so
+                log.error("turn task cancelled without a tool_reason")
+                return recorder.failed("cancelled without a reason"), "failed", "no reason"
+            await reply.interrupted(run.reason)
+            return recorder.interrupted(run.reason), "cancelled", run.reason.marker
+        exc = task.exception()
+        if exc is None:
+            return recorder.complete(), "done", None
+        if isinstance(exc, AgentError):
+            log.warning("agent failed: %s", exc)
+            await reply.failed(f"The agent failed: {exc}.")
+            return recorder.failed(str(exc)), "failed", str(exc)
+        log.error("turn crashed", exc_info=exc)
+        await reply.failed("Something went wrong on our side; it has been logged.")
+        return recorder.failed("internal error"), "failed", type(exc).__name__
+
+    async def _session_agent(self, key: str) -> SessionAgent:
+        agent = self.cache.get(key)
+        if agent is None:
+            conversation, history = await self.store.conversation(key)
+            agent = self.cache.get(key)
+            if agent is None:
+                agent = SessionAgent(key, conversation, history)
+                self.cache.put(key, agent)
+        return agent
+
+    async def _persist(self, turn: Turn, agent: SessionAgent, conversation: int, rows: list[ChatMessage],
+                       *, prepend: ChatMessage | None = None, remember: bool = True) -> None:
+        """Write rows to the turn's own conversation (a /new meanwhile does not move them)."""
+        try:
+            await self.store.append(turn.key, conversation, rows, fence=turn.run.fence)
+        except StoreError as exc:
+            log.error("could not store a turn's transcript: %s", exc, extra={"session": turn.key})
+            return
+        if remember and agent.conversation == conversation:
+            agent.history.extend([prepend, *rows] if prepend else rows)
+
+    async def _finish(self, turn: Turn, status: str, detail: str | None) -> None:
+        if turn.inbound_id is None:
+            return
+        try:
+            await self.store.finish_inbound(turn.inbound_id, status, detail)
+        except StoreError as exc:
+            log.error("could not mark a message %s: %s", status, exc, extra={"session": turn.key})
+
+    async def _sweep(self) -> None:
+        every = max(1.0, min(30.0, self.settings.idle_ttl_s / 2))
+        while True:
+            await asyncio.sleep(every)
+            if expired := self.cache.expire_idle():
+                log.debug("released %d idle agents", expired)

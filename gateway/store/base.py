@@ -1,0 +1,59 @@
+"""The store interface the router depends on; SQLite now, Redis for clusters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.events import InboundMessage
+from gateway.transcript import ChatMessage
+
+
+class StoreError(Exception):
+    """The store could not do what was asked (disk full, Redis down, fenced out...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InboundRecord:
+    id: int
+    session_key: str
+    message: InboundMessage
+    status: str  # "accepted" (never started) or "running" (the process stopped mid-turn)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    key: str
+    conversation: int
+    updated_at: float
+    messages: int
+
+
+class Store(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> bool: ...
+
+    async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
+        """Durably record an inbound message; None if (platform, message id) was seen before."""
+
+    async def finish_inbound(self, inbound_id: int, status: str, detail: str | None = None) -> None:
+        """Mark an accepted message done, cancelled or rejected, so it is not replayed."""
+
+    async def unfinished_inbound(self) -> list[InboundRecord]:
+        """Messages whose turn never ended (the process stopped first), oldest first."""
+
+    async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
+        """The session's current conversation number and its history."""
+
+    async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
+                     *, fence: int | None = None) -> None:
+        """Add rows to one conversation of a session (`fence` guards cluster ownership)."""
+
+    async def reset(self, session_key: str) -> int:
+        """Archive the current conversation and start a new one; returns its number."""
+
+    async def sessions(self, limit: int = 100) -> list[SessionInfo]: ...

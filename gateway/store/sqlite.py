@@ -1,0 +1,263 @@
+"""SQLite store (WAL). One writer thread commits queued operations in groups.
+
+Group commit keeps the event loop free of disk waits and makes thousands of small writes a
+second cheap: every operation waiting when the thread wakes shares one transaction, and each
+runs under its own savepoint so one failure does not undo the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gateway.events import ChatType, InboundMessage
+from gateway.store.base import InboundRecord, SessionInfo, StoreError
+from gateway.transcript import ChatMessage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    key TEXT PRIMARY KEY,
+    conversation INTEGER NOT NULL DEFAULT 1,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    meta TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    session_key TEXT NOT NULL,
+    conversation INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    tool_calls TEXT,
+    tool_call_id TEXT,
+    interrupted_by TEXT,
+    reason TEXT,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_session ON messages (session_key, conversation, id);
+CREATE TABLE IF NOT EXISTS inbound (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    platform TEXT NOT NULL,
+    chat_id TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    session_key TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'accepted',
+    detail TEXT,
+    received_at REAL NOT NULL,
+    UNIQUE (platform, chat_id, message_id)
+);
+CREATE INDEX IF NOT EXISTS inbound_unfinished ON inbound (status) WHERE status IN ('accepted', 'running');
+"""
+
+Op = Callable[[sqlite3.Connection], Any]
+_Item = tuple[Op, "asyncio.Future[Any]"] | None  # None asks the writer to stop
+_Result = tuple["asyncio.Future[Any]", Any, BaseException | None]
+
+
+class SqliteStore:
+    def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400) -> None:
+        self.path = path
+        self.dedup_ttl_s = dedup_ttl_s
+        self._ops: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._writer, args=(ready,), name="sqlite-store",
+                                        daemon=True)
+        self._thread.start()
+        await ready
+        await self._call(self._prune)
+
+    async def close(self) -> None:
+        if self._thread is None:
+            return
+        self._ops.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def _call(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        if self._thread is None or self._loop is None:
+            raise StoreError("store is not open")
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._ops.put((op, fut))
+        return await fut
+
+    def _writer(self, ready: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            conn.executescript(SCHEMA)
+        except sqlite3.Error as exc:
+            failure: list[_Result] = [(ready, None, StoreError(f"cannot open {self.path}: {exc}"))]
+            loop.call_soon_threadsafe(_settle, failure)
+            return
+        opened: list[_Result] = [(ready, None, None)]
+        loop.call_soon_threadsafe(_settle, opened)
+        stopping = False
+        while not stopping:
+            batch: list[_Item] = [self._ops.get()]
+            while len(batch) < 1024:
+                try:
+                    batch.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+            results: list[_Result] = []
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                for item in batch:
+                    if item is None:
+                        stopping = True
+                        continue
+                    op, fut = item
+                    conn.execute("SAVEPOINT op")
+                    try:
+                        results.append((fut, op(conn), None))
+                        conn.execute("RELEASE op")
+                    except Exception as exc:
+                        conn.execute("ROLLBACK TO op")
+                        conn.execute("RELEASE op")
+                        results.append((fut, None, StoreError(str(exc))))
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                log.error("store commit failed: %s", exc)
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                err = StoreError(f"commit failed: {exc}")
+                results = [(fut, None, err) for fut, _, _ in results]
+            if results:
+                loop.call_soon_threadsafe(_settle, results)
+        conn.close()
+
+    # --- operations -----------------------------------------------------------------------
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._call(lambda c: c.execute("SELECT 1").fetchone()))
+        except StoreError:
+            return False
+
+    async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
+        payload = json.dumps(_encode_inbound(msg))
+
+        def op(c: sqlite3.Connection) -> int | None:
+            cur = c.execute(
+                "INSERT OR IGNORE INTO inbound (platform, chat_id, message_id, session_key, payload,"
+                " received_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (msg.platform, msg.chat_id, msg.message_id, session_key, payload, time.time()))
+            return cur.lastrowid if cur.rowcount else None
+
+        return await self._call(op)
+
+    async def finish_inbound(self, inbound_id: int, status: str, detail: str | None = None) -> None:
+        await self._call(lambda c: c.execute(
+            "UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status, detail, inbound_id)))
+
+    async def unfinished_inbound(self) -> list[InboundRecord]:
+        def op(c: sqlite3.Connection) -> list[InboundRecord]:
+            rows = c.execute("SELECT id, session_key, payload, status FROM inbound"
+                             " WHERE status IN ('accepted', 'running') ORDER BY id").fetchall()
+            return [InboundRecord(r[0], r[1], _decode_inbound(json.loads(r[2])), r[3]) for r in rows]
+
+        return await self._call(op)
+
+    async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
+        def op(c: sqlite3.Connection) -> tuple[int, list[ChatMessage]]:
+            row = c.execute("SELECT conversation FROM sessions WHERE key = ?", (session_key,)).fetchone()
+            conv = row[0] if row else 1
+            rows = c.execute(
+                "SELECT role, content, tool_calls, tool_call_id, interrupted_by, reason, created_at"
+                " FROM messages WHERE session_key = ? AND conversation = ? ORDER BY id",
+                (session_key, conv)).fetchall()
+            return conv, [ChatMessage(r[0], r[1], ChatMessage.tool_calls_from_json(r[2]), r[3], r[4], r[5], r[6])
+                          for r in rows]
+
+        return await self._call(op)
+
+    async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
+                     *, fence: int | None = None) -> None:
+        now = time.time()
+        values = [(session_key, conversation, m.role, m.content, m.tool_calls_json(), m.tool_call_id,
+                   m.interrupted_by, m.reason, m.created_at) for m in rows]
+
+        def op(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO sessions (key, conversation, created_at, updated_at) VALUES (?, ?, ?, ?)"
+                      " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at",
+                      (session_key, conversation, now, now))
+            c.executemany(
+                "INSERT INTO messages (session_key, conversation, role, content, tool_calls, tool_call_id,"
+                " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+
+        await self._call(op)
+
+    async def reset(self, session_key: str) -> int:
+        def op(c: sqlite3.Connection) -> int:
+            now = time.time()
+            row = c.execute(
+                "INSERT INTO sessions (key, conversation, created_at, updated_at) VALUES (?, 2, ?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET conversation = conversation + 1, updated_at = ?"
+                " RETURNING conversation", (session_key, now, now, now)).fetchone()
+            return int(row[0])
+
+        return await self._call(op)
+
+    async def sessions(self, limit: int = 100) -> list[SessionInfo]:
+        def op(c: sqlite3.Connection) -> list[SessionInfo]:
+            rows = c.execute(
+                "SELECT s.key, s.conversation, s.updated_at,"
+                " (SELECT count(*) FROM messages m WHERE m.session_key = s.key"
+                "  AND m.conversation = s.conversation)"
+                " FROM sessions s ORDER BY s.updated_at DESC LIMIT ?", (limit,)).fetchall()
+            return [SessionInfo(*r) for r in rows]
+
+        return await self._call(op)
+
+    def _prune(self, c: sqlite3.Connection) -> None:
+        """Forget finished inbound rows past the dedup window (transcripts are kept)."""
+        c.execute("DELETE FROM inbound WHERE status NOT IN ('accepted', 'running') AND received_at < ?",
+                  (time.time() - self.dedup_ttl_s,))
+
+
+def _settle(results: list[_Result]) -> None:
+    for fut, value, exc in results:
+        if fut.done():  # the awaiting task was cancelled; the write still happened
+            continue
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+
+def _encode_inbound(msg: InboundMessage) -> dict[str, Any]:
+    return {"platform": msg.platform, "chat_id": msg.chat_id, "chat_type": msg.chat_type.value,
+            "user_id": msg.user_id, "user_name": msg.user_name, "message_id": msg.message_id,
+            "text": msg.text, "thread_id": msg.thread_id, "reply_to": msg.reply_to,
+            "timestamp": msg.timestamp}
+
+
+def _decode_inbound(d: dict[str, Any]) -> InboundMessage:
+    return InboundMessage(platform=d["platform"], chat_id=d["chat_id"], chat_type=ChatType(d["chat_type"]),
+                          user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"],
+                          text=d["text"], thread_id=d["thread_id"], reply_to=d["reply_to"],
+                          timestamp=d["timestamp"])

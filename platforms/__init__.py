@@ -1,0 +1,1 @@
+"""Platform adapters: each turns chat events into `InboundMessage`s and sends replies back."""

@@ -1,0 +1,235 @@
+"""What every platform adapter implements, and the streaming reply built on it.
+
+An adapter turns platform events into `InboundMessage`s for the router and offers three
+outbound operations — send, edit, typing. `EditStreamReply` turns a run's token stream into
+throttled edits of one message (split into parts when it grows past the platform's limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from gateway.cancellation import Run, ToolReason
+from gateway.events import Capabilities, ChatRef, InboundMessage
+from platforms.splitting import split_text, utf16_len
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gateway.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class RateLimited(Exception):
+    """The platform asked us to wait `retry_after` seconds before the next call."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"rate limited for {retry_after:g} s")
+        self.retry_after = retry_after
+
+
+class OutboundError(Exception):
+    """A send or edit failed for a reason retrying will not fix."""
+
+
+def stop_notice(reason: ToolReason) -> str:
+    if reason.kind == "user" and reason.text.startswith("stopped by user"):
+        return "⏹ stopped"
+    return f"⏹ interrupted: {reason.text}"
+
+
+class Reply(ABC):
+    """The outbound side of one turn. Implementations drop output once the run is cancelled."""
+
+    @abstractmethod
+    async def delta(self, text: str) -> None:
+        """More assistant text arrived."""
+
+    @abstractmethod
+    async def finish(self, text: str) -> None:
+        """The turn ended normally; `text` is the whole final answer."""
+
+    @abstractmethod
+    async def interrupted(self, reason: ToolReason) -> None:
+        """The turn was stopped: show that, once, and send nothing more."""
+
+    @abstractmethod
+    async def failed(self, text: str) -> None:
+        """The agent failed; tell the user in words."""
+
+
+class Adapter(ABC):
+    """A platform. Subclasses set `name` and `capabilities` and implement the outbound trio."""
+
+    name: str
+    capabilities: Capabilities
+    router: Router
+
+    async def start(self, router: Router) -> None:
+        self.router = router
+
+    async def stop(self) -> None:
+        """Stop intake; replies already in flight may still be delivered."""
+
+    def routes(self, app: web.Application) -> None:
+        """Add HTTP routes to the daemon's listener (web chat, API, webhooks)."""
+
+    def healthy(self) -> tuple[bool, str]:
+        return True, "ok"
+
+    @abstractmethod
+    async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
+        """Send a message; returns its platform message id."""
+
+    @abstractmethod
+    async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
+        """Replace the text of a message this adapter sent."""
+
+    async def typing(self, chat: ChatRef) -> None:
+        """Show a typing indicator, if the platform has one."""
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
+        """Send a short notice (command replies, acks, rejections); never raises."""
+        try:
+            await self.send(chat, text, reply_to=reply_to)
+        except Exception as exc:
+            log.warning("%s: could not deliver a notice: %s", self.name, exc)
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
+        return EditStreamReply(self, msg.chat, run, reply_to=msg.message_id)
+
+
+class EditStreamReply(Reply):
+    """Streams by editing one message at most every `edit_interval_s`; splits long answers.
+
+    A background pump coalesces deltas, so a slow platform skips intermediate states rather
+    than slowing the agent; unchanged text is never re-sent; the final text is always sent.
+    """
+
+    TYPING_EVERY_S = 4.0
+    FINAL_RETRIES = 5
+
+    def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None) -> None:
+        self._adapter = adapter
+        self._chat = chat
+        self._run = run
+        self._reply_to = reply_to
+        self._caps = adapter.capabilities
+        self._text = ""
+        self._shown: list[tuple[str, str]] = []  # (message id, text) per part
+        self._dirty = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._typing: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._keep_typing())
+        self._ended = False
+        self._notice_shown = False
+
+    async def delta(self, text: str) -> None:
+        if self._ended or self._run.is_cancelled():
+            return
+        self._text += text
+        if self._caps.can_edit and self._caps.can_stream:
+            self._dirty.set()
+            if self._pump is None:
+                self._pump = asyncio.get_running_loop().create_task(self._pump_edits())
+
+    async def finish(self, text: str) -> None:
+        if self._ended or self._run.is_cancelled():
+            return
+        await self._end()
+        self._text = text
+        await self._render(text or "(no answer)", final=True)
+
+    async def interrupted(self, reason: ToolReason) -> None:
+        if self._notice_shown:
+            return
+        self._notice_shown = True
+        await self._end()
+        notice = stop_notice(reason)
+        if self._shown and self._caps.can_edit:
+            mid, shown = self._shown[-1]
+            try:
+                await self._adapter.edit(self._chat, mid, _with_notice(shown, notice, self._caps))
+            except Exception as exc:
+                log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+        elif reason.kind == "system":
+            # Nothing visible yet, and the user did not ask for this: say so.
+            await self._adapter.notify(self._chat, notice, reply_to=self._reply_to)
+
+
+    async def failed(self, text: str) -> None:
+        if self._ended or self._run.is_cancelled():
+            return
+        await self._end()
+        body = f"{self._text}\n\n⚠️ {text}" if self._text else f"⚠️ {text}"
+        await self._render(body, final=True)
+
+    async def _end(self) -> None:
+        self._ended = True
+        for task in (self._pump, self._typing):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _keep_typing(self) -> None:
+        while not self._shown:
+            with contextlib.suppress(Exception):
+                await self._adapter.typing(self._chat)
+            await asyncio.sleep(self.TYPING_EVERY_S)
+
+    async def _pump_edits(self) -> None:
+        last = 0.0
+        while True:
+            await self._dirty.wait()
+            wait = last + self._caps.edit_interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._dirty.clear()
+            last = time.monotonic()
+            try:
+                await self._render(self._text, final=False)
+            except RateLimited as exc:  # skip intermediate states until the platform is ready
+                last = time.monotonic() + exc.retry_after
+                self._dirty.set()
+
+    async def _render(self, text: str, *, final: bool) -> None:
+        measure = utf16_len if self._caps.length_unit == "utf16" else len
+        for i, part in enumerate(split_text(text, self._caps.max_message_len, measure)):
+            await self._put(i, part, final=final)
+
+    async def _put(self, index: int, text: str, *, final: bool) -> None:
+        for attempt in range(self.FINAL_RETRIES if final else 1):
+            if self._run.is_cancelled():
+                return
+            try:
+                if index < len(self._shown):
+                    mid, shown = self._shown[index]
+                    if shown != text and self._caps.can_edit:
+                        await self._adapter.edit(self._chat, mid, text)
+                        self._shown[index] = (mid, text)
+                else:
+                    mid = await self._adapter.send(self._chat, text,
+                                                   reply_to=self._reply_to if index == 0 else None)
+                    self._shown.append((mid, text))
+                return
+            except RateLimited as exc:
+                if not final or attempt == self.FINAL_RETRIES - 1:
+                    raise
+                await asyncio.sleep(exc.retry_after)
+            except OutboundError as exc:
+                log.warning("%s: %s failed: %s", self._adapter.name,
+                            "edit" if index < len(self._shown) else "send", exc)
+                return
+
+
+def _with_notice(text: str, notice: str, caps: Capabilities) -> str:
+    joined = f"{text}\n\n{notice}"
+    if len(joined) <= caps.max_message_len:
+        return joined
+    return text[: caps.max_message_len - len(notice) - 3] + "…\n\n" + notice

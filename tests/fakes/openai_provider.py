@@ -1,0 +1,189 @@
+"""A fake OpenAI-compatible provider (aiohttp) for tests and benchmarks.
+
+It streams tokens slowly, can answer with tool calls, fail or send garbage, and records every
+request body and the exact moment each client connection closed (hooked on the protocol's
+`connection_lost`, so a close is seen even while the handler is asleep between tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Script:
+    """One scripted answer. Without tool calls it streams `text` word by word."""
+
+    text: str | None = None  # None: echo "reply to: <last user text>"
+    delay_s: float | None = None
+    tool_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    status: int = 200
+    garbage: bool = False
+    json_only: bool = False  # answer with a plain JSON completion despite stream=true
+
+
+@dataclass
+class Connection:
+    opened_at: float
+    body: dict[str, Any]
+    closed_at: float | None = None
+    completed: bool = False  # the provider sent the whole answer
+
+    @property
+    def last_user(self) -> str:
+        users = [m for m in self.body.get("messages", []) if m.get("role") == "user"]
+        return str(users[-1]["content"]) if users else ""
+
+
+class FakeProvider:
+    def __init__(self, *, delay_s: float = 0.02, words: int = 20) -> None:
+        self.delay_s = delay_s
+        self.words = words
+        self.scripts: deque[Script] = deque()
+        self.by_text: dict[str, Script] = {}
+        self.connections: list[Connection] = []
+        self._runner: web.AppRunner | None = None
+        self._closed = asyncio.Condition()
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def start(self) -> FakeProvider:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._completions)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def __aenter__(self) -> FakeProvider:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def then(self, script: Script) -> None:
+        """Use `script` for the next request (FIFO); otherwise `by_text` or the default."""
+        self.scripts.append(script)
+
+    def for_text(self, last_user_text: str) -> Script:
+        return self.by_text.get(last_user_text) or Script()
+
+    async def wait_closed(self, conn: Connection, timeout: float = 5.0) -> float:
+        async with self._closed:
+            await asyncio.wait_for(self._closed.wait_for(lambda: conn.closed_at is not None), timeout)
+        assert conn.closed_at is not None
+        return conn.closed_at
+
+    def requests_for(self, text: str) -> list[Connection]:
+        return [c for c in self.connections if c.last_user == text]
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        conn = Connection(time.perf_counter(), body)
+        self.connections.append(conn)
+        self._hook_close(request, conn)
+        script = self.scripts.popleft() if self.scripts else self.for_text(conn.last_user)
+        if script.status != 200:
+            conn.completed = True
+            return web.json_response({"error": {"message": f"fake failure {script.status}",
+                                                "type": "server_error"}}, status=script.status)
+        if script.json_only:
+            conn.completed = True
+            return web.json_response({"choices": [{"index": 0, "message": {
+                "role": "assistant", "content": script.text or f"reply to: {conn.last_user}"},
+                "finish_reason": "stop"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        delay = self.delay_s if script.delay_s is None else script.delay_s
+        try:
+            if script.garbage:
+                await resp.write(b"data: {this is not json\n\n")
+            elif script.tool_calls:
+                for i, (name, args) in enumerate(script.tool_calls):
+                    delta = {"tool_calls": [{"index": i, "id": f"call_{len(self.connections)}_{i}",
+                                             "type": "function",
+                                             "function": {"name": name, "arguments": json.dumps(args)}}]}
+                    await resp.write(_sse({"choices": [{"index": 0, "delta": delta}]}))
+                await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+            else:
+                text = script.text if script.text is not None else self._default_text(conn.last_user)
+                for word in text.split(" "):
+                    await asyncio.sleep(delay)
+                    await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": word + " "}}]}))
+                await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+            await resp.write(b"data: [DONE]\n\n")
+            conn.completed = True
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client went away: that is what the tests look for
+        return resp
+
+    def _default_text(self, user: str) -> str:
+        return " ".join([f"reply to: {user}"] + [f"w{i}" for i in range(self.words)])
+
+    def _hook_close(self, request: web.Request, conn: Connection) -> None:
+        transport = request.transport
+        assert transport is not None
+
+        def lost() -> None:
+            if conn.closed_at is None:
+                conn.closed_at = time.perf_counter()
+                asyncio.get_running_loop().create_task(self._notify())
+
+        spy = transport.get_protocol()
+        if not isinstance(spy, _CloseSpy):  # keep-alive: one spy per connection, many requests
+            spy = _CloseSpy(spy)
+            transport.set_protocol(spy)
+        spy.callbacks.append(lost)
+
+    async def _notify(self) -> None:
+        async with self._closed:
+            self._closed.notify_all()
+
+
+class _CloseSpy(asyncio.Protocol):
+    """Sits in front of aiohttp's protocol and reports the moment the connection is lost."""
+
+    def __init__(self, inner: asyncio.BaseProtocol) -> None:
+        self.inner = inner
+        self.callbacks: list[Callable[[], None]] = []
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for callback in self.callbacks:
+            callback()
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)  # type: ignore[attr-defined]
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[attr-defined, no-any-return]
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
