@@ -168,13 +168,14 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     overrides = _env_overrides(env)
     config = Config()
-    for section, values in {**{k: {} for k in overrides}, **raw}.items():
+    sections = {f.name for f in dataclasses.fields(config)}
+    for section, values in {**overrides, **raw}.items():
+        if section not in sections:
+            raise ConfigError(f"{section}: unknown section")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: must be a table ([{section}])")
-        target = getattr(config, section, None)
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"{section}: unknown section")
-        _fill(section, target, values, overrides.get(section, {}), env)
+    for section in sections:
+        _fill(section, getattr(config, section), raw.get(section, {}), overrides.get(section, {}), env)
     _validate(config)
     return config
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ from gateway.cancellation import get_run
 
 log = logging.getLogger(__name__)
 
+_PR_SET_CHILD_SUBREAPER = 36
+
 
 @dataclass(frozen=True, slots=True)
 class ProcessResult:
@@ -27,6 +30,26 @@ class ProcessResult:
     output: str
     truncated: bool
     timed_out: bool
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux), so a tool's grandchildren are reaped by us, not left
+    as zombies under an init that may never reap them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_group(pgid: int) -> None:
+    """Collect exited members of a process group that were re-parented to us."""
+    while True:
+        try:
+            if os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is None:
+                return
+        except ChildProcessError:
+            return
 
 
 def group_alive(pgid: int) -> bool:
@@ -45,6 +68,7 @@ class ProcessReaper:
     def __init__(self, grace_s: float = 2.0) -> None:
         self.grace_s = grace_s
         self._pending: dict[int, asyncio.Task[None]] = {}
+        become_subreaper()
 
     def terminate(self, proc: asyncio.subprocess.Process) -> None:
         """Synchronous first step (SIGTERM to the group); the rest runs in the background."""
@@ -63,14 +87,23 @@ class ProcessReaper:
         deadline = time.monotonic() + self.grace_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), self.grace_s)
-        # Other members of the group have no exit notification we can await: poll briefly.
-        while group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+        # Other members have no exit notification we can await: reap and poll briefly. (Only
+        # once asyncio has reaped the leader, so we never steal its exit status.)
+        while proc.returncode is not None and time.monotonic() < deadline:
+            reap_group(pgid)
+            if not group_alive(pgid):
+                return
+            await asyncio.sleep(0.005)
         if group_alive(pgid):
             log.warning("process group %d ignored SIGTERM for %.1f s; sending SIGKILL", pgid, self.grace_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         await proc.wait()
+        for _ in range(200):  # SIGKILL cannot be ignored; collect what it left behind
+            reap_group(pgid)
+            if not group_alive(pgid):
+                return
+            await asyncio.sleep(0.005)
 
     @property
     def pending(self) -> int:

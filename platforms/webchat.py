@@ -174,5 +174,5 @@ class _WebReply(EditStreamReply):
 
 
 def _row(m: ChatMessage) -> dict[str, Any]:
-    return {"role": m.role, "text": m.model_content() if m.role == "assistant" else m.content,
+    return {"role": m.role, "text": m.content,
             "interrupted_by": m.interrupted_by, "reason": m.reason, "at": m.created_at}

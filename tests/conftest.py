@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +18,9 @@ from gateway.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
+
+if TYPE_CHECKING:
+    from gateway.daemon import Daemon
 
 
 @pytest.fixture
@@ -75,3 +80,40 @@ async def make_router(store: SqliteStore, provider: FakeProvider, tools: ToolReg
         await router.shutdown(GATEWAY_RESTART, grace_s=5)
         if oa is not None:
             await oa.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+DaemonFactory = Callable[..., Awaitable["Daemon"]]
+
+
+@pytest.fixture
+async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[DaemonFactory]:
+    """Start an in-process daemon from a config dict (sections -> keys); stopped at teardown."""
+    from gateway.config import load_config
+    from gateway.daemon import Daemon
+
+    started: list[Daemon] = []
+
+    async def factory(**sections: dict[str, object]) -> Daemon:
+        env = {"SWITCHBOARD_HTTP__PORT": str(free_port()), "SWITCHBOARD_STORE__DATA_DIR": str(tmp_path / "data"),
+               "SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": provider.base_url,
+               "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "0.5"}
+        for section, values in sections.items():
+            for key, value in values.items():
+                env[f"SWITCHBOARD_{section.upper()}__{key.upper()}"] = (
+                    json.dumps(value) if isinstance(value, (list, bool)) else str(value))
+        daemon = Daemon(load_config(None, env))
+        await daemon.start()
+        started.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in started:
+        await daemon.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -59,10 +60,12 @@ class MemoryChat(Adapter):
         return [b.text for b in self.bubbles if b.chat_id == chat_id]
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait until `predicate()` holds; re-checked on every chat change and every 10 ms."""
         async def loop() -> None:
             while True:
                 self._changed.clear()
                 if predicate():
                     return
-                await self._changed.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 0.01)
         await asyncio.wait_for(loop(), timeout)

@@ -641,13 +641,13 @@ class FakeTelegramAPI:
         self._conflict = enabled
         self._wake()
 
-    async def wait_until(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    async def wait_until(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
         """Wait until `condition()` holds (re-checked after every API call / push)."""
         async with asyncio.timeout(timeout):
             while not condition():
                 await self._changed.wait()
 
-    async def wait_for(self, predicate: Callable[[SentRecord], bool], timeout: float = 5.0) -> SentRecord:  # noqa: ASYNC109
+    async def wait_for(self, predicate: Callable[[SentRecord], bool], timeout: float = 5.0) -> SentRecord:
         """Return the first `sent` record matching `predicate`, waiting up to `timeout`."""
         try:
             await self.wait_until(lambda: any(predicate(r) for r in self.sent), timeout)

@@ -1,0 +1,156 @@
+"""The OpenAI-compatible HTTP API, spoken to over a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from gateway.cancellation import CLIENT_DISCONNECTED
+from tests.conftest import DaemonFactory
+from tests.fakes.openai_provider import FakeProvider, Script
+
+KEY = "sk-test-0123456789"
+
+
+def _url(daemon: Any, path: str) -> str:
+    return f"http://127.0.0.1:{daemon.config.http.port}{path}"
+
+
+def _auth(**extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}", **extra}
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[dict[str, Any]]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+async def test_stateless_completion_and_models(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.words = 3
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(_url(daemon, "/v1/models"), headers=_auth()) as resp:
+            assert (await resp.json())["data"][0]["id"] == "switchboard"
+        body = {"model": "x", "messages": [{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "hi"}]}
+        async with http.post(_url(daemon, "/v1/chat/completions"), json=body, headers=_auth()) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+        assert out["choices"][0]["message"]["content"] == "reply to: hi w0 w1 w2 "
+        assert out["object"] == "chat.completion"
+        # Stateless: the provider saw exactly the request's messages, and nothing was kept.
+        assert provider.connections[-1].body["messages"] == body["messages"]
+        async with http.post(_url(daemon, "/v1/chat/completions"), json=body, headers=_auth()) as resp:
+            await resp.json()
+        assert provider.connections[-1].body["messages"] == body["messages"]
+
+
+async def test_a_session_keeps_history_and_streams(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.words = 2
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    async with aiohttp.ClientSession() as http:
+        for text in ("first", "second"):
+            body = {"messages": [{"role": "user", "content": text}], "stream": True}
+            async with http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                                 headers=_auth(**{"X-Session-Id": "alice"})) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                events = await _sse_events(resp)
+            content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+            assert content == f"reply to: {text} w0 w1 "
+            assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    sent = provider.connections[-1].body["messages"]
+    assert [m["content"] for m in sent] == ["first", "reply to: first w0 w1 ", "second"]
+
+
+async def test_bad_requests_get_openai_style_errors(make_daemon: DaemonFactory) -> None:
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json={"messages": []}) as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["type"] == "invalid_api_key"
+        async with http.post(url, json={"messages": []}, headers={"Authorization": "Bearer nope"}) as resp:
+            assert resp.status == 401
+        for body, needle in ((b"{not json", "must be JSON"), (b"[]", "JSON object"),
+                             (b'{"messages": []}', "non-empty"),
+                             (b'{"messages": [{"role": "tool", "content": "x"}]}', "role"),
+                             (b'{"messages": [{"role": "user", "content": 5}]}', "content"),
+                             (b'{"messages": [{"role": "user", "content": ""}]}', "empty")):
+            async with http.post(url, data=body, headers=_auth(**{"Content-Type": "application/json"})) as resp:
+                assert resp.status == 400, body
+                error = (await resp.json())["error"]
+                assert needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+async def test_a_streaming_client_that_disconnects_cancels_its_run(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.1, 200
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    async with aiohttp.ClientSession() as http:
+        body = {"messages": [{"role": "user", "content": "long one"}], "stream": True}
+        resp = await http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                               headers=_auth(**{"X-Session-Id": "bob"}))
+        await resp.content.readline()
+        await asyncio.sleep(0.3)
+        resp.close()  # the client goes away mid-stream
+    conn = provider.connections[-1]
+    await provider.wait_closed(conn, timeout=2)
+    assert not conn.completed
+    _, history = await daemon.store.conversation("api:dm:bob")
+    for _ in range(100):
+        _, history = await daemon.store.conversation("api:dm:bob")
+        if history[-1].role == "assistant":
+            break
+        await asyncio.sleep(0.02)
+    assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
+
+
+async def test_a_silent_turn_still_notices_the_disconnect_within_a_second(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    # A long tool call: nothing is streamed, yet the client's disappearance is noticed.
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    async with aiohttp.ClientSession() as http:
+        body = {"messages": [{"role": "user", "content": "wait"}], "stream": False}
+        task = asyncio.create_task(http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                                             headers=_auth(**{"X-Session-Id": "carol"})))
+        for _ in range(200):
+            if daemon.router.status("api:dm:carol").running:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        task.cancel()
+    loop = asyncio.get_running_loop()
+    gone_at = loop.time()
+    while daemon.router.status("api:dm:carol").running:
+        await asyncio.sleep(0.01)
+        assert loop.time() - gone_at < 1.0, "disconnect not noticed within 1 s"
+    _, history = await daemon.store.conversation("api:dm:carol")
+    assert history[-1].content == "[interrupted by system: client disconnected]"
+
+
+async def test_stop_through_the_api_stops_the_sessions_run(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.1, 100
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession() as http:
+        async def ask() -> dict[str, Any]:
+            body = {"messages": [{"role": "user", "content": "go on"}], "user": "dave"}
+            async with http.post(url, json=body, headers=_auth()) as resp:
+                return dict(await resp.json())
+
+        pending = asyncio.create_task(ask())
+        await asyncio.sleep(0.3)
+        async with http.post(url, json={"messages": [{"role": "user", "content": "/stop"}], "user": "dave"},
+                             headers=_auth()) as resp:
+            assert (await resp.json())["choices"][0]["message"]["content"] == "Stopped."
+        answer = await asyncio.wait_for(pending, 2)
+    assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
+    assert answer["choices"][0]["message"]["content"].startswith("reply to:")  # the partial answer

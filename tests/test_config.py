@@ -1,0 +1,81 @@
+"""Configuration: TOML, environment overrides, secrets, and clear errors (exit 2, key named)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, Secret, load_config
+
+
+def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    return subprocess.run([sys.executable, "-m", "gateway", "check", *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, timeout=60)
+
+
+def test_no_config_at_all_gives_the_embedded_defaults() -> None:
+    c = load_config(None, {})
+    assert (c.http.host, c.http.port, c.agent.kind, c.store.data_dir) == ("127.0.0.1", 8765, "echo", "./.switchboard")
+    assert c.webchat_enabled and not c.api.enabled and not c.tools.shell
+    assert (c.router.busy, c.agent_cache.max_agents, c.agent_cache.idle_ttl_s) == ("interrupt", 256, 3600.0)
+
+
+def test_toml_then_environment_then_secret_files(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[agent]\nkind = "openai"\nmodel = "m1"\napi_key_file = "{key_file}"\n'
+                   '[router]\nbusy = "queue"\n[api]\nenabled = true\nkeys = ["k1"]\n')
+    c = load_config(cfg, {"SWITCHBOARD_AGENT__MODEL": "m2", "SWITCHBOARD_HTTP__PORT": "9000",
+                          "SWITCHBOARD_API__KEYS": "a1,a2", "SWITCHBOARD_TOOLS__SHELL": "true"})
+    assert (c.agent.model, c.http.port, c.router.busy, c.tools.shell) == ("m2", 9000, "queue", True)
+    assert c.agent.api_key == Secret("sk-from-file")
+    assert [k.reveal() for k in c.api.keys] == ["a1", "a2"]
+    assert "sk-from-file" not in repr(c)
+
+
+def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
+    (tmp_path / "agent.api_key").write_text("sk-cred")
+    c = load_config(None, {"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert c.agent.api_key == Secret("sk-cred")
+
+
+@pytest.mark.parametrize(("toml", "env", "message"), [
+    ('[agent]\nkind = "gpt"\n', {}, "agent.kind: must be one of 'echo', 'openai' (got 'gpt')"),
+    ('[agent]\nmodle = "x"\n', {}, "agent.modle: unknown key"),
+    ('[agnet]\n', {}, "agnet: unknown section"),
+    ('[http]\nport = "80"\n', {}, "http.port: must be an integer (got '80')"),
+    ('[http]\nport = 70000\n', {}, "http.port: must be between 1 and 65535"),
+    ("", {"SWITCHBOARD_ROUTER__TURN_TIMEOUT_S": "soon"}, "router.turn_timeout_s: must be a number"),
+    ('[http]\nhost = "0.0.0.0"\n[api]\nenabled = true\n', {}, "api.keys: required when http.host is not loopback"),
+    ("[http\n", {}, "is not valid TOML"),
+    ('[agent]\napi_key_file = "/nonexistent/key"\n', {}, "agent.api_key_file: cannot read /nonexistent/key"),
+])
+def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml: str, env: dict[str, str],
+                                                              message: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(cfg, env)
+    assert message in str(info.value)
+    result = _check("--config", str(cfg), env=env)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_prints_the_effective_config_with_secrets_redacted(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[agent]\napi_key = "sk-very-secret-123"\n[api]\nkeys = ["bearer-secret-456"]\n')
+    result = _check("--config", str(cfg), env={"SWITCHBOARD_AGENT__MODEL": "qwen"})
+    assert result.returncode == 0, result.stderr
+    assert "sk-very-secret" not in result.stdout and "bearer-secret" not in result.stdout
+    assert 'api_key = "***"' in result.stdout and 'keys = ["***"]' in result.stdout
+    assert 'model = "qwen"' in result.stdout
+    missing = _check("--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -1,0 +1,89 @@
+"""The daemon as a real process: embedded defaults, `python -m gateway`, and SIGTERM mid-turn."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from gateway.processes import group_alive
+from tests.conftest import free_port
+
+
+async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "exited"
+            try:
+                async with http.get(base + "/readyz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.1)
+    raise AssertionError("daemon never became ready")
+
+
+def _start(tmp_path: Path, *extra_env: tuple[str, str], module: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_API__ENABLED": "true",
+           "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "1", **dict(extra_env)}
+    argv = [sys.executable, "-m", "gateway", "run"] if module else ["switchboard", "run"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchboard(tmp_path: Path) -> None:
+    proc, base = _start(tmp_path, module=True)
+    try:
+        await _wait_healthy(base, proc)
+        async with aiohttp.ClientSession() as http, http.get(base + "/") as resp:
+            assert resp.status == 200
+        assert (tmp_path / ".switchboard" / "switchboard.db").exists()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+
+
+async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orphans(tmp_path: Path) -> None:
+    proc, base = _start(tmp_path)
+    try:
+        await _wait_healthy(base, proc)
+        async with aiohttp.ClientSession() as http:
+            body = {"messages": [{"role": "user", "content": "!sleep 60"}], "user": "erin"}
+            request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
+            pgid = None
+            for _ in range(300):
+                out = subprocess.run(["pgrep", "-f", "-x", "sleep 60"], capture_output=True, text=True).stdout
+                pids = [int(p) for p in out.split()]
+                if pids:
+                    pgid = os.getpgid(pids[0])
+                    break
+                await asyncio.sleep(0.02)
+            assert pgid is not None, "the tool never started"
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 10) == 0
+            assert time.monotonic() - started < 5
+            assert not group_alive(pgid), "the tool's process group outlived the daemon"
+            resp = await request
+            answer = await resp.json()
+            assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    db = sqlite3.connect(tmp_path / ".switchboard" / "switchboard.db")
+    rows = db.execute("SELECT role, content, interrupted_by, reason FROM messages ORDER BY id").fetchall()
+    assert rows[-1] == ("tool", "[interrupted by system: gateway restart]", "system", "gateway restart")
+    assert db.execute("SELECT status, detail FROM inbound").fetchall() == [
+        ("cancelled", "[interrupted by system: gateway restart]")]
+    logs = proc.stderr.read().decode() if proc.stderr else ""
+    assert '"msg": "shutting down: [interrupted by system: gateway restart]"' in logs

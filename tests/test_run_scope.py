@@ -1,0 +1,110 @@
+"""The `Run` cancellation scope on its own: reasons, races, closers, context in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gateway.cancellation import (
+    STOPPED_BY_USER,
+    Run,
+    RunCancelled,
+    ToolReason,
+    current_run,
+    get_run,
+    is_cancelled,
+    run_in_executor,
+)
+from gateway.transcript import ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult, TurnRecorder
+
+
+def test_a_reason_has_a_kind_and_text_and_no_default() -> None:
+    with pytest.raises(TypeError):
+        ToolReason()  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        ToolReason("admin", "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ToolReason.system("  ")
+    assert ToolReason.system("gateway restart").marker == "[interrupted by system: gateway restart]"
+    with pytest.raises(TypeError):
+        Run("s").cancel(None)  # type: ignore[arg-type]
+
+
+async def test_a_cancel_before_the_task_is_attached_still_wins() -> None:
+    run = Run("s")
+    started = False
+
+    async def body() -> None:
+        nonlocal started
+        started = True
+
+    assert run.cancel(STOPPED_BY_USER)
+    task = asyncio.get_running_loop().create_task(body())
+    run.attach(task)
+    await asyncio.wait({task})
+    assert task.cancelled() and not started
+
+
+async def test_closers_run_synchronously_inside_cancel_and_only_once() -> None:
+    run = Run("s")
+    closed: list[str] = []
+    with run.on_cancel(lambda: closed.append("http")), run.on_cancel(lambda: closed.append("proc")):
+        assert run.cancel(ToolReason.user("stopped by user (/stop)"))
+        assert closed == ["http", "proc"]
+        assert not run.cancel(ToolReason.system("gateway restart"))  # the first reason stands
+    assert run.reason == STOPPED_BY_USER
+    assert closed == ["http", "proc"]
+    with run.on_cancel(lambda: closed.append("late")):  # registering after the cancel closes at once
+        pass
+    assert closed[-1] == "late"
+
+
+async def test_a_closer_left_behind_does_not_fire() -> None:
+    run = Run("s")
+    closed: list[str] = []
+    with run.on_cancel(lambda: closed.append("http")):
+        pass
+    run.cancel(STOPPED_BY_USER)
+    assert closed == []
+
+
+async def test_threads_find_their_own_run_through_the_copied_context() -> None:
+    runs = [Run("a"), Run("b")]
+
+    def work() -> tuple[str | None, bool]:
+        run = get_run()
+        return (run.session_key if run else None), is_cancelled()
+
+    async def in_run(run: Run) -> list[tuple[str | None, bool]]:
+        current_run.set(run)
+        with ThreadPoolExecutor(1) as pool:
+            return [await asyncio.to_thread(work), await run_in_executor(pool, work)]
+
+    runs[0].cancel(STOPPED_BY_USER)
+    results = await asyncio.gather(*(asyncio.get_running_loop().create_task(
+        in_run(r), context=contextvars.copy_context()) for r in runs))
+    assert results == [[("a", True), ("a", True)], [("b", False), ("b", False)]]
+    assert get_run() is None and not is_cancelled()  # nothing leaked into the caller
+    with pytest.raises(RunCancelled):
+        runs[0].raise_if_cancelled()
+
+
+def test_the_recorder_marks_partial_text_and_in_flight_tools() -> None:
+    rec = TurnRecorder()
+    call = ToolCall("c1", "sleep", "{}")
+    done = ToolCall("c0", "sleep", "{}")
+    for event in (TextDelta("Let me "), ToolCallsRequested("Let me ", (done, call)),
+                  ToolResult("c0", "slept"), TextDelta("still")):
+        rec.feed(event)
+    rows = rec.interrupted(ToolReason.system("gateway restart"))
+    assert [(r.role, r.content) for r in rows] == [
+        ("assistant", "Let me "), ("tool", "slept"),
+        ("tool", "[interrupted by system: gateway restart]"), ("assistant", "still")]
+    assert rows[-1].model_content() == "still\n\n[interrupted by system: gateway restart]"
+    assert rows[2].to_openai() == {"role": "tool", "content": "[interrupted by system: gateway restart]",
+                                   "tool_call_id": "c1"}
+    assert ChatMessage("assistant", "", interrupted_by="user", reason="x").model_content() == \
+        "[interrupted by user: x]"
