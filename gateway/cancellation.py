@@ -92,21 +92,32 @@ class Run:
     once: it records the reason, closes every registered I/O handle and cancels the task.
     """
 
-    __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "cancelled_at",
-                 "fence", "run_id", "session_key", "started_at", "thread_event")
+    __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "_thread_event", "_waiters",
+                 "cancelled_at", "done_at", "fence", "run_id", "session_key", "started_at")
 
     def __init__(self, session_key: str, *, fence: int | None = None) -> None:
         self.run_id = f"r{next(_run_ids)}"
         self.session_key = session_key
         self.fence = fence
         self.started_at: float | None = None
-        self.cancelled_at: float | None = None
+        self.cancelled_at: float | None = None  # perf_counter() at cancel
+        self.done_at: float | None = None  # perf_counter() when the run's task ended
         self._reason: ToolReason | None = None
         self._task: asyncio.Task[Any] | None = None
         self._closers: dict[int, Callable[[], object]] = {}
-        self._ended = asyncio.Event()
-        # Set on cancel so thread-based tools can block on it instead of polling.
-        self.thread_event = threading.Event()
+        self._ended = False
+        self._waiters: list[asyncio.Future[None]] = []
+        self._thread_event: threading.Event | None = None  # made on first use: most runs never need it
+
+    @property
+    def thread_event(self) -> threading.Event:
+        """Set when the run is cancelled: thread-based tools can block on it instead of polling."""
+        event = self._thread_event
+        if event is None:
+            event = self._thread_event = threading.Event()
+            if self._reason is not None:  # re-check after publishing: cancel() may have just run
+                event.set()
+        return event
 
     @property
     def reason(self) -> ToolReason | None:
@@ -127,7 +138,8 @@ class Run:
             return False
         self._reason = reason
         self.cancelled_at = time.perf_counter()
-        self.thread_event.set()
+        if (event := self._thread_event) is not None:
+            event.set()
         closers, self._closers = list(self._closers.values()), {}
         for close in closers:
             try:
@@ -166,19 +178,27 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return self._ended.is_set() or (self._task is not None and self._task.done())
+        return self._ended or (self._task is not None and self._task.done())
 
     def _on_done(self, _task: object) -> None:
+        self.done_at = time.perf_counter()
         self._closers.clear()
 
     def end(self) -> None:
         """Called by the owner once the turn is over and recorded (ran, was cancelled, or never ran)."""
         self._closers.clear()
-        self._ended.set()
+        self._ended = True
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
 
     async def wait(self) -> None:
         """Wait until the turn is over and its outcome recorded."""
-        await self._ended.wait()
+        if not self._ended:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
     def __repr__(self) -> str:
         state = "cancelled" if self._reason else ("done" if self.finished else "live")

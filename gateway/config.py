@@ -69,6 +69,33 @@ class ApiConfig:
 
 
 @dataclass
+class TelegramConfig:
+    token: Secret | None = None  # the platform is on when a token is set
+    mode: Literal["polling", "webhook"] = "polling"
+    base_url: str = "https://api.telegram.org/bot"
+    base_file_url: str = "https://api.telegram.org/file/bot"
+    webhook_url: str | None = None  # public URL Telegram posts to (webhook mode)
+    webhook_path: str = "/telegram/webhook"
+    secret_token: Secret | None = None
+    groups: Literal["mention", "all"] = "mention"
+    access: Literal["pairing", "allowlist", "open"] = "pairing"
+    allowlist: list[str] = field(default_factory=list)  # user ids and @usernames
+    edit_interval_s: float = 1.0
+    poll_timeout_s: int = 30
+
+
+@dataclass
+class DiscordConfig:
+    token: Secret | None = None  # the platform is on when a token is set
+    guild_mode: Literal["mention", "all"] = "mention"
+    allowed_channels: list[str] = field(default_factory=list)  # with guild_mode "all"
+    access: Literal["pairing", "allowlist", "open"] = "pairing"
+    allowlist: list[str] = field(default_factory=list)  # user ids
+    edit_interval_s: float = 1.0
+    register_commands: bool = True
+
+
+@dataclass
 class AgentConfig:
     kind: Literal["echo", "openai"] = "echo"
     base_url: str = "http://127.0.0.1:11434/v1"
@@ -122,6 +149,8 @@ class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
     webchat: WebchatConfig = field(default_factory=WebchatConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    telegram: TelegramConfig = field(default_factory=TelegramConfig)
+    discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -140,7 +169,10 @@ class Config:
 
     @property
     def webchat_enabled(self) -> bool:
-        return self.webchat.enabled if self.webchat.enabled is not None else True
+        """Explicit setting, else on unless a chat platform (Telegram, Discord) is configured."""
+        if self.webchat.enabled is not None:
+            return self.webchat.enabled
+        return self.telegram.token is None and self.discord.token is None
 
 
 def is_loopback(host: str) -> bool:
@@ -288,6 +320,14 @@ def _validate(c: Config) -> None:
         raise ConfigError("agent.echo_delay_s: must not be negative")
     if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
         raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
+    if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:
+        raise ConfigError("telegram.webhook_url: required when telegram.mode is \"webhook\"")
+    if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
+        raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
+    for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
+                       ("discord.edit_interval_s", c.discord.edit_interval_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
 

@@ -38,6 +38,7 @@ class InboundMessage:
     thread_id: str | None = None
     reply_to: str | None = None
     timestamp: float = field(default_factory=time.time)
+    user_handle: str | None = None  # e.g. a Telegram @username, for allowlists
     # Platform-specific bits an adapter wants back when replying (never persisted).
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 

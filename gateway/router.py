@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
 from agent_cache import AgentCache, CacheFull
+from gateway.access import AccessControl
 from gateway.agents import Agent, AgentError
 from gateway.cancellation import (
     EVICTED,
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BusyPolicy = Literal["interrupt", "queue"]
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ class Router:
         self._closing = False
         self._sweeper: asyncio.Task[None] | None = None
         self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
+        self.access: AccessControl | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -187,6 +191,12 @@ class Router:
             log.info("rejected message: %s", problem, extra={"session": key})
             await adapter.notify(msg.chat, problem, reply_to=msg.message_id)
             return Submitted(Outcome.REJECTED, problem)
+        if self.access is not None:
+            allowed, notice = await self.access.check(msg)
+            if not allowed:
+                if notice:
+                    await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
+                return Submitted(Outcome.REJECTED, notice or "not allowed (notice throttled)")
         cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
         if cmd is not None:
             if self._remember(msg):
@@ -229,7 +239,7 @@ class Router:
         if len(text) > self.settings.max_message_chars:
             return (f"That message is too long ({len(text)} characters; the limit is "
                     f"{self.settings.max_message_chars}). Please shorten it.")
-        if any(ord(c) < 32 and c not in "\n\r\t" for c in text):
+        if _CONTROL_CHARS.search(text):
             return "That message contains binary data; I can only read text."
         return None
 
@@ -383,14 +393,15 @@ class Router:
         if run.is_cancelled():  # stopped while queued or starting: it never runs
             assert run.reason is not None
             if agent is not None and run.reason != SESSION_RESET:
-                await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)])
-            await self._finish(turn, "cancelled", run.reason.marker)
+                await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
+                                    status=("cancelled", run.reason.marker))
+            else:
+                await self._finish(turn, "cancelled", run.reason.marker)
             return
         history = list(turn.ephemeral if turn.ephemeral is not None else agent.history if agent else [])
         conversation = agent.conversation if agent else 0
         if agent is not None:
-            await self._persist(turn, agent, conversation, [user], remember=False)
-            await self._finish(turn, "running", None)
+            await self._persist(turn, agent, conversation, [user], remember=False, status=("running", None))
         reply = turn.adapter.open_reply(msg, run)
         ctx = contextvars.copy_context()
         ctx.run(current_run.set, run)
@@ -402,14 +413,18 @@ class Router:
         timer = loop.call_later(timeout, run.cancel, timed_out(timeout))
         self.cache.mark_running(turn.key, True)
         try:
-            await asyncio.wait({task})
+            await task
+        except BaseException:
+            if not task.done():  # this lane worker itself is being cancelled (forced shutdown)
+                raise
         finally:
             timer.cancel()
             self.cache.mark_running(turn.key, False)
         rows, status, detail = await self._outcome(task, run, recorder, reply)
         if agent is not None:
-            await self._persist(turn, agent, conversation, rows, prepend=user)
-        await self._finish(turn, status, detail)
+            await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
+        else:
+            await self._finish(turn, status, detail)
 
     async def _stream(self, run: Run, history: list[ChatMessage], user: ChatMessage, reply: Reply,
                       recorder: TurnRecorder) -> None:
@@ -449,10 +464,13 @@ class Router:
         return agent
 
     async def _persist(self, turn: Turn, agent: SessionAgent, conversation: int, rows: list[ChatMessage],
-                       *, prepend: ChatMessage | None = None, remember: bool = True) -> None:
-        """Write rows to the turn's own conversation (a /new meanwhile does not move them)."""
+                       *, status: tuple[str, str | None], prepend: ChatMessage | None = None,
+                       remember: bool = True) -> None:
+        """Write rows to the turn's own conversation (a /new meanwhile does not move them), and the
+        inbound message's new status in the same transaction."""
+        inbound = (turn.inbound_id, *status) if turn.inbound_id is not None else None
         try:
-            await self.store.append(turn.key, conversation, rows, fence=turn.run.fence)
+            await self.store.append(turn.key, conversation, rows, fence=turn.run.fence, inbound=inbound)
         except StoreError as exc:
             log.error("could not store a turn's transcript: %s", exc, extra={"session": turn.key})
             return

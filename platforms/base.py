@@ -112,6 +112,7 @@ class EditStreamReply(Reply):
     than slowing the agent; unchanged text is never re-sent; the final text is always sent.
     """
 
+    TYPING_AFTER_S = 0.2
     TYPING_EVERY_S = 4.0
     FINAL_RETRIES = 5
 
@@ -125,9 +126,13 @@ class EditStreamReply(Reply):
         self._shown: list[tuple[str, str]] = []  # (message id, text) per part
         self._dirty = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
-        self._typing: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(self._keep_typing())
+        # Typing starts after a moment, so a quick answer costs no extra call.
+        self._typing: asyncio.Task[None] | None = None
+        self._typing_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            self.TYPING_AFTER_S, self._start_typing)
         self._ended = False
         self._notice_shown = False
+        self._pump_scheduled = False
 
     async def delta(self, text: str) -> None:
         if self._ended or self._run.is_cancelled():
@@ -135,8 +140,9 @@ class EditStreamReply(Reply):
         self._text += text
         if self._caps.can_edit and self._caps.can_stream:
             self._dirty.set()
-            if self._pump is None:
-                self._pump = asyncio.get_running_loop().create_task(self._pump_edits())
+            if not self._pump_scheduled:  # a pump only if the answer outlives this loop iteration
+                self._pump_scheduled = True
+                asyncio.get_running_loop().call_soon(self._start_pump)
 
     async def finish(self, text: str) -> None:
         if self._ended or self._run.is_cancelled():
@@ -169,8 +175,19 @@ class EditStreamReply(Reply):
         body = f"{self._text}\n\n⚠️ {text}" if self._text else f"⚠️ {text}"
         await self._render(body, final=True)
 
+    def _start_pump(self) -> None:
+        if not self._ended:
+            self._pump = asyncio.get_running_loop().create_task(self._pump_edits())
+
+    def _start_typing(self) -> None:
+        self._typing_timer = None
+        if not self._ended and not self._shown:
+            self._typing = asyncio.get_running_loop().create_task(self._keep_typing())
+
     async def _end(self) -> None:
         self._ended = True
+        if self._typing_timer is not None:
+            self._typing_timer.cancel()
         for task in (self._pump, self._typing):
             if task is not None and not task.done():
                 task.cancel()

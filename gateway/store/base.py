@@ -50,10 +50,22 @@ class Store(Protocol):
         """The session's current conversation number and its history."""
 
     async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
-                     *, fence: int | None = None) -> None:
-        """Add rows to one conversation of a session (`fence` guards cluster ownership)."""
+                     *, fence: int | None = None, inbound: tuple[int, str, str | None] | None = None) -> None:
+        """Add rows to one conversation of a session (`fence` guards cluster ownership), and set
+        `inbound` = (id, status, detail) of the message being answered in the same transaction."""
 
     async def reset(self, session_key: str) -> int:
         """Archive the current conversation and start a new one; returns its number."""
 
     async def sessions(self, limit: int = 100) -> list[SessionInfo]: ...
+
+    async def is_paired(self, platform: str, user_id: str) -> bool: ...
+
+    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
+                           ttl_s: float, max_pending: int) -> str | None:
+        """The user's pending code (reusing an unexpired one, else `code`); None if too many pend."""
+
+    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+        """Approve a pending code: (platform, user id, name), or None if unknown or expired."""
+
+    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]: ...

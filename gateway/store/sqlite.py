@@ -58,6 +58,20 @@ CREATE TABLE IF NOT EXISTS inbound (
     received_at REAL NOT NULL,
     UNIQUE (platform, chat_id, message_id)
 );
+CREATE TABLE IF NOT EXISTS pairing_codes (
+    code TEXT PRIMARY KEY,
+    platform TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS paired_users (
+    platform TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    approved_at REAL NOT NULL,
+    PRIMARY KEY (platform, user_id)
+);
 CREATE INDEX IF NOT EXISTS inbound_unfinished ON inbound (status) WHERE status IN ('accepted', 'running');
 """
 
@@ -196,7 +210,7 @@ class SqliteStore:
         return await self._call(op)
 
     async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
-                     *, fence: int | None = None) -> None:
+                     *, fence: int | None = None, inbound: tuple[int, str, str | None] | None = None) -> None:
         now = time.time()
         values = [(session_key, conversation, m.role, m.content, m.tool_calls_json(), m.tool_call_id,
                    m.interrupted_by, m.reason, m.created_at) for m in rows]
@@ -208,6 +222,8 @@ class SqliteStore:
             c.executemany(
                 "INSERT INTO messages (session_key, conversation, role, content, tool_calls, tool_call_id,"
                 " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+            if inbound is not None:
+                c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (inbound[1], inbound[2], inbound[0]))
 
         await self._call(op)
 
@@ -233,6 +249,49 @@ class SqliteStore:
 
         return await self._call(op)
 
+    # --- pairing --------------------------------------------------------------------------
+
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        return bool(await self._call(lambda c: c.execute(
+            "SELECT 1 FROM paired_users WHERE platform = ? AND user_id = ?", (platform, user_id)).fetchone()))
+
+    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
+                           ttl_s: float, max_pending: int) -> str | None:
+        def op(c: sqlite3.Connection) -> str | None:
+            now = time.time()
+            c.execute("DELETE FROM pairing_codes WHERE created_at < ?", (now - ttl_s,))
+            row = c.execute("SELECT code FROM pairing_codes WHERE platform = ? AND user_id = ?",
+                            (platform, user_id)).fetchone()
+            if row:
+                return str(row[0])
+            pending = c.execute("SELECT count(*) FROM pairing_codes WHERE platform = ?", (platform,)).fetchone()[0]
+            if pending >= max_pending:
+                return None
+            c.execute("INSERT INTO pairing_codes VALUES (?, ?, ?, ?, ?)", (code, platform, user_id, user_name, now))
+            return code
+
+        return await self._call(op)
+
+    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+        def op(c: sqlite3.Connection) -> tuple[str, str, str] | None:
+            row = c.execute("SELECT platform, user_id, user_name FROM pairing_codes WHERE code = ? AND created_at >= ?",
+                            (code, time.time() - ttl_s)).fetchone()
+            c.execute("DELETE FROM pairing_codes WHERE code = ?", (code,))
+            if row is None:
+                return None
+            c.execute("INSERT OR REPLACE INTO paired_users VALUES (?, ?, ?, ?)", (*row, time.time()))
+            return (str(row[0]), str(row[1]), str(row[2]))
+
+        return await self._call(op)
+
+    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]:
+        """(pending codes, paired users) for `switchboard pairing list`."""
+        def op(c: sqlite3.Connection) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]:
+            return (c.execute("SELECT code, platform, user_id, user_name, created_at FROM pairing_codes").fetchall(),
+                    c.execute("SELECT platform, user_id, user_name FROM paired_users").fetchall())
+
+        return await self._call(op)
+
     def _prune(self, c: sqlite3.Connection) -> None:
         """Forget finished inbound rows past the dedup window (transcripts are kept)."""
         c.execute("DELETE FROM inbound WHERE status NOT IN ('accepted', 'running') AND received_at < ?",
@@ -253,11 +312,11 @@ def _encode_inbound(msg: InboundMessage) -> dict[str, Any]:
     return {"platform": msg.platform, "chat_id": msg.chat_id, "chat_type": msg.chat_type.value,
             "user_id": msg.user_id, "user_name": msg.user_name, "message_id": msg.message_id,
             "text": msg.text, "thread_id": msg.thread_id, "reply_to": msg.reply_to,
-            "timestamp": msg.timestamp}
+            "timestamp": msg.timestamp, "user_handle": msg.user_handle}
 
 
 def _decode_inbound(d: dict[str, Any]) -> InboundMessage:
     return InboundMessage(platform=d["platform"], chat_id=d["chat_id"], chat_type=ChatType(d["chat_type"]),
                           user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"],
                           text=d["text"], thread_id=d["thread_id"], reply_to=d["reply_to"],
-                          timestamp=d["timestamp"])
+                          timestamp=d["timestamp"], user_handle=d.get("user_handle"))

@@ -59,11 +59,15 @@ class FakeProvider:
         return f"http://127.0.0.1:{self.port}/v1"
 
     async def start(self) -> FakeProvider:
+        return await self.start_on(0)
+
+    async def start_on(self, port: int) -> FakeProvider:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/_connections", self._stats)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        await web.TCPSite(self._runner, "127.0.0.1", port, backlog=4096).start()
         self.port = int(self._runner.addresses[0][1])
         return self
 
@@ -137,6 +141,11 @@ class FakeProvider:
     def _default_text(self, user: str) -> str:
         return " ".join([f"reply to: {user}"] + [f"w{i}" for i in range(self.words)])
 
+    async def _stats(self, _request: web.Request) -> web.Response:
+        """For a provider in another process: what each connection saw (perf_counter is system-wide)."""
+        return web.json_response([{"last_user": c.last_user, "opened_at": c.opened_at, "closed_at": c.closed_at,
+                                   "completed": c.completed} for c in self.connections])
+
     def _hook_close(self, request: web.Request, conn: Connection) -> None:
         transport = request.transport
         assert transport is not None
@@ -184,3 +193,21 @@ class _CloseSpy(asyncio.Protocol):
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def _serve(port: int, delay_s: float, words: int) -> None:
+    provider = FakeProvider(delay_s=delay_s, words=words)
+    await provider.start_on(port)
+    print(f"fake provider on {provider.base_url}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Run the fake OpenAI-compatible provider on its own.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--delay", type=float, default=0.05)
+    parser.add_argument("--words", type=int, default=200)
+    args = parser.parse_args()
+    asyncio.run(_serve(args.port, args.delay, args.words))

@@ -1,0 +1,88 @@
+"""Router throughput (echo agent, zero delay, 10,000 sessions) and memory per idle cached agent.
+
+Every message goes the whole way: durable inbound record in SQLite, lane, turn task, transcript
+rows, reply through an in-memory adapter.
+
+    python -m tests.bench.router_throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+from agent_cache import AgentCache
+from gateway.agents.echo import EchoAgent
+from gateway.agents.tools import ProcessToolSettings, builtin_registry
+from gateway.cancellation import GATEWAY_RESTART
+from gateway.daemon import tune_gc
+from gateway.processes import ProcessReaper
+from gateway.router import Router, RouterSettings, SessionAgent
+from gateway.store.sqlite import SqliteStore
+from tests.fakes.memory_chat import MemoryChat
+
+
+async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, float]:
+    store = SqliteStore(data / "bench.db")
+    await store.open()
+    chat = MemoryChat()
+    agent = EchoAgent(builtin_registry(ProcessToolSettings(reaper=ProcessReaper()), shell=False), delay_s=0)
+    router = Router(RouterSettings(max_agents=sessions), store, agent)
+    await router.start({chat.name: chat})
+    tune_gc()  # as the daemon does after start-up
+    try:
+        runs = []
+        started = time.perf_counter()
+        for round_ in range(per_session):
+            batch = await asyncio.gather(*(router.submit(chat.message(f"s{i}", f"hello number {round_}"), chat)
+                                           for i in range(sessions)))
+            runs += [b.run for b in batch if b.run is not None]
+            await asyncio.gather(*(r.wait() for r in runs[-sessions:]))
+        elapsed = time.perf_counter() - started
+        answered = sum(1 for b in chat.bubbles if b.text.startswith("hello number"))
+        assert answered == sessions * per_session, answered
+        return answered, elapsed
+    finally:
+        await router.shutdown(GATEWAY_RESTART)
+        await store.close()
+
+
+def memory_per_idle_agent(count: int) -> float:
+    """Bytes per idle cached agent: cache entry + per-session agent, history list empty."""
+    cache: AgentCache[SessionAgent] = AgentCache(max_agents=count)
+    keys = [f"telegram:dm:{1_000_000_000 + i}" for i in range(count)]  # keys exist either way
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for key in keys:
+        cache.put(key, SessionAgent(key, 1, []))
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    total = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    return total / count
+
+
+async def main(sessions: int, per_session: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        answered, elapsed = await throughput(sessions, per_session, Path(tmp))
+    per_agent = memory_per_idle_agent(sessions)
+    print("| measure                               | result            | target        |")
+    print("|---------------------------------------|-------------------|---------------|")
+    print(f"| router throughput ({sessions:,} sessions, echo) | {answered / elapsed:>8,.0f} msg/s    "
+          f"| ≥ 5,000 msg/s |")
+    print(f"| messages answered                     | {answered:>8,} in {elapsed:.2f} s | all           |")
+    print(f"| memory per idle cached agent          | {per_agent:>8,.0f} bytes    | ≤ 20 KB       |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=10_000)
+    parser.add_argument("--per-session", type=int, default=3)
+    args = parser.parse_args()
+    asyncio.run(main(args.sessions, args.per_session))

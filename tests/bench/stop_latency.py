@@ -1,0 +1,169 @@
+"""Stop latency with N concurrent streaming sessions.
+
+From the moment /stop is handed to the router to (a) the turn task done, (b) the provider (a
+separate process) seeing its connection closed, (c) the tool's process group gone. Half the
+sessions are stopped, 2 ms apart, while all N stream.
+
+    python -m tests.bench.stop_latency            # N = 100 and 1000
+    python -m tests.bench.stop_latency --n 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from gateway.agents.echo import EchoAgent
+from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.tools import ProcessToolSettings, builtin_registry
+from gateway.cancellation import GATEWAY_RESTART, Run
+from gateway.processes import ProcessReaper
+from gateway.router import Router, RouterSettings
+from gateway.store.sqlite import SqliteStore
+from tests.conftest import free_port
+from tests.fakes.memory_chat import MemoryChat
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def row(name: str, n: int, ms: list[float]) -> str:
+    return (f"| {name:<24} | {n:>5} | {len(ms):>5} | {statistics.median(ms):>8.2f} | {pct(ms, 99):>8.2f} "
+            f"| {max(ms):>8.2f} |")
+
+
+async def _stop_some(router: Router, chat: MemoryChat, runs: dict[int, Run], n: int) -> dict[int, float]:
+    """Send /stop to half the sessions, 2 ms apart; returns session -> perf_counter at hand-over."""
+    chosen = random.Random(1).sample(range(n), n // 2)
+    sent: dict[int, float] = {}
+    for i in chosen:
+        sent[i] = time.perf_counter()
+        result = await router.submit(chat.message(f"s{i}", "/stop"), chat)
+        assert result.detail == "Stopped.", result
+        await asyncio.sleep(0.002)
+    await asyncio.gather(*(runs[i].wait() for i in chosen))
+    return sent
+
+
+async def streaming(n: int, data: Path) -> list[str]:
+    port = free_port()
+    provider = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_provider", "--port", str(port),
+                                 "--delay", "0.05", "--words", "2000"], stdout=subprocess.PIPE)
+    assert provider.stdout is not None
+    provider.stdout.readline()
+    store = SqliteStore(data / f"stream{n}.db")
+    await store.open()
+    reaper = ProcessReaper()
+    agent = OpenAIAgent(OpenAISettings(base_url=f"http://127.0.0.1:{port}/v1", model="fake"),
+                        builtin_registry(ProcessToolSettings(reaper=reaper), shell=False))
+    chat = MemoryChat(edit_interval_s=0.25)
+    router = Router(RouterSettings(max_agents=n), store, agent)
+    await router.start({chat.name: chat})
+    try:
+        runs: dict[int, Run] = {}
+        for i in range(n):
+            run = (await router.submit(chat.message(f"s{i}", f"hello {i}"), chat)).run
+            assert run is not None
+            runs[i] = run
+        await chat.wait_for(lambda: all(chat.texts(f"s{i}") for i in range(n)), timeout=120)
+        sent = await _stop_some(router, chat, runs, n)
+        await asyncio.sleep(0.5)
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/_connections") as resp:
+            closed = {c["last_user"]: c["closed_at"] for c in await resp.json()}
+        task_ms = [(runs[i].done_at or 0) * 1000 - t * 1000 for i, t in sent.items()]
+        close_ms = [(closed[f"hello {i}"] - t) * 1000 for i, t in sent.items()]
+        return [row("(a) turn task done", n, task_ms), row("(b) provider sees close", n, close_ms)]
+    finally:
+        await router.shutdown(GATEWAY_RESTART)
+        await agent.close()
+        await store.close()
+        provider.terminate()
+        provider.wait()
+
+
+async def tools(n: int, data: Path) -> list[str]:
+    store = SqliteStore(data / f"tools{n}.db")
+    await store.open()
+    reaper = ProcessReaper(grace_s=2.0)
+    chat = MemoryChat()
+    router = Router(RouterSettings(max_agents=n), store,
+                    EchoAgent(builtin_registry(ProcessToolSettings(reaper=reaper), shell=False), delay_s=0))
+    await router.start({chat.name: chat})
+    loop = asyncio.get_running_loop()
+    gone_at: dict[int, float] = {}
+    try:
+        runs: dict[int, Run] = {}
+        for i in range(n):
+            run = (await router.submit(chat.message(f"s{i}", f"!sleep {100 + i / 1000:g}"), chat)).run
+            assert run is not None
+            runs[i] = run
+        pids = await _sleep_pids(n)
+        fds: dict[int, int] = {}
+
+        def ended(i: int) -> None:
+            gone_at.setdefault(i, time.perf_counter())
+
+        for i, pid in pids.items():  # a pidfd turns readable the moment its process ends
+            fds[i] = fd = os.pidfd_open(pid)
+            loop.add_reader(fd, ended, i)
+        sent = await _stop_some(router, chat, runs, n)
+        deadline = time.monotonic() + 10
+        while any(i not in gone_at for i in sent) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        for fd in fds.values():
+            loop.remove_reader(fd)
+            os.close(fd)
+        return [row("(c) tool group gone", n, [(gone_at[i] - t) * 1000 for i, t in sent.items()])]
+    finally:
+        await router.shutdown(GATEWAY_RESTART)
+        await reaper.drain()
+        await store.close()
+
+
+async def _sleep_pids(n: int) -> dict[int, int]:
+    """Session index -> pid of its `sleep 100.i` tool process (children of this process)."""
+    me = str(os.getpid())
+    for _ in range(600):
+        found: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if stat[1] == me and argv[0] == b"sleep" and len(argv) > 1:
+                found[round((float(argv[1]) - 100) * 1000)] = int(entry.name)
+        if len(found) == n:
+            return found
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"only {len(found)} of {n} tool processes started")
+
+
+async def main(sizes: list[int]) -> None:
+    lines = ["| measure                  |     N | stops |  p50 ms |  p99 ms |  max ms |",
+             "|--------------------------|------:|------:|--------:|--------:|--------:|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            lines += await streaming(n, Path(tmp))
+            lines += await tools(n, Path(tmp))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, action="append", help="concurrent sessions (repeatable)")
+    asyncio.run(main(parser.parse_args().n or [100, 1000]))

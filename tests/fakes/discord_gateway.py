@@ -1,0 +1,299 @@
+"""Gateway (websocket) half of the fake Discord."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import WSMsgType, web
+
+from tests.fakes.discord_models import (
+    INTENT_DIRECT_MESSAGES,
+    INTENT_GUILD_MESSAGES,
+    INTENT_MESSAGE_CONTENT,
+    INTENT_PRESENCES,
+    FakeInteraction,
+    Json,
+    guild_payload,
+    iso_time,
+    member_payload,
+    ready_payload,
+    user_payload,
+)
+from tests.fakes.discord_state import FakeState
+
+_MESSAGE_EVENTS = ("MESSAGE_CREATE", "MESSAGE_UPDATE", "MESSAGE_DELETE")
+_OPTION_TYPES: dict[type, int] = {str: 3, int: 4, bool: 5, float: 10}
+
+
+@dataclass
+class _Session:
+    id: str
+    intents: int
+    seq: int = 0
+    events: list[Json] = field(default_factory=list)
+
+
+class _Conn:
+    """One websocket connection; frames are zlib-stream compressed when requested."""
+
+    def __init__(self, ws: web.WebSocketResponse, zlib_stream: bool) -> None:
+        self.ws = ws
+        self.session: _Session | None = None
+        self._zlib = zlib.compressobj() if zlib_stream else None
+        self._lock = asyncio.Lock()
+
+    async def send(self, payload: Json) -> None:
+        text = json.dumps(payload, separators=(",", ":"))
+        async with self._lock:
+            if self.ws.closed:
+                return
+            try:
+                if self._zlib is None:
+                    await self.ws.send_str(text)
+                else:
+                    data = self._zlib.compress(text.encode()) + self._zlib.flush(zlib.Z_SYNC_FLUSH)
+                    await self.ws.send_bytes(data)
+            except (ConnectionError, RuntimeError):
+                pass  # connection is going away; the event stays buffered for RESUME
+
+
+class GatewayMixin(FakeState):
+    """Serves the gateway websocket and exposes test controls for it."""
+
+    heartbeat_interval_ms = 41250
+
+    def _init_gateway(self) -> None:
+        self.connections = 0
+        self.identify_count = 0
+        self.resume_count = 0
+        self.gateway_received: list[Json] = []
+        self.gateway_queries: list[dict[str, str]] = []
+        self._session: _Session | None = None
+        self._conn: _Conn | None = None
+        self._conns: set[_Conn] = set()
+        self._live = asyncio.Event()
+
+    # ----- test controls ----------------------------------------------------
+    async def dispatch_message(
+        self,
+        channel_id: int,
+        content: str,
+        *,
+        author_id: int | None = None,
+        author_name: str | None = None,
+        guild_id: int | None = None,
+        mentions_bot: bool = False,
+        reference_message_id: int | None = None,
+        bot_author: bool = False,
+        attachments: list[Json] | None = None,
+    ) -> int:
+        """Deliver a MESSAGE_CREATE from a user; returns the new message id.
+
+        ``attachments`` items: ``{"filename", "content": bytes, "content_type"?}``; the
+        files are then downloadable from the fake. ``guild_id`` defaults to the channel's.
+        """
+        self._require_session()
+        channel = self.channels.get(channel_id)
+        if channel is None:
+            raise ValueError(f"unknown channel {channel_id}; use dm_channel_id() for DMs")
+        if guild_id is not None and guild_id != channel.guild_id:
+            raise ValueError(f"channel {channel_id} is not in guild {guild_id}")
+        author = self._user(author_id, author_name, bot=bot_author)
+        if bot_author and not author.bot:
+            author = dataclasses.replace(author, bot=True)
+        mentions = [self.bot] if mentions_bot else []
+        if mentions_bot and f"<@{self.bot.id}>" not in content:
+            content = f"<@{self.bot.id}> {content}"
+        body: Json = {"content": content}
+        if reference_message_id is not None:
+            body["message_reference"] = {"message_id": str(reference_message_id)}
+        files = [
+            self._attachment(channel_id, a["filename"], a.get("content", b""), a.get("content_type"))
+            for a in attachments or []
+        ]
+        msg = self._new_message(channel, author, body, mentions=mentions, attachments=files)
+        await self._dispatch("MESSAGE_CREATE", self._event_message(msg))
+        return int(msg["id"])
+
+    async def dispatch_interaction(
+        self,
+        name: str,
+        *,
+        channel_id: int,
+        user_id: int | None = None,
+        user_name: str | None = None,
+        options: Mapping[str, str | int | bool | float] | None = None,
+        command_id: int | None = None,
+    ) -> FakeInteraction:
+        """Deliver an INTERACTION_CREATE for the slash command ``name`` (type 2)."""
+        self._require_session()
+        channel = self.channels[channel_id]
+        user = self._user(user_id, user_name)
+        gid = channel.guild_id
+        if command_id is None:
+            known = [c for c in self._all_commands(gid) if c["name"] == name]
+            command_id = int(known[0]["id"]) if known else self.ids.next()
+        inter = FakeInteraction(self.ids.next(), uuid.uuid4().hex, name, channel_id, gid, user.id)
+        self._interactions[inter.token] = inter
+        opts = [{"name": k, "type": _OPTION_TYPES[type(v)], "value": v} for k, v in (options or {}).items()]
+        data: Json = {"id": str(command_id), "name": name, "type": 1, "options": opts}
+        payload: Json = {
+            "id": str(inter.id), "application_id": str(self.application_id), "type": 2, "data": data,
+            "token": inter.token, "version": 1, "channel_id": str(channel_id), "locale": "en-US",
+            "app_permissions": "0", "entitlements": [], "attachment_size_limit": 8 * 1024 * 1024,
+            "channel": {k: v for k, v in self._channel_json(channel).items() if k != "recipients"},
+        }  # fmt: skip
+        if gid is not None:
+            data["guild_id"] = str(gid)
+            member = member_payload(user, iso_time(gid))
+            payload.update(guild_id=str(gid), guild_locale="en-US", context=0, member=member)
+            payload["member"]["permissions"] = payload["app_permissions"] = "2147483647"
+            payload["authorizing_integration_owners"] = {"0": str(gid)}
+        else:
+            payload.update(user=user_payload(user), context=1, authorizing_integration_owners={"1": str(user.id)})
+        await self._dispatch("INTERACTION_CREATE", payload)
+        return inter
+
+    async def drop_gateway(self, code: int = 4000, *, resumable: bool = True) -> None:
+        """Close the live websocket with ``code``; with ``resumable=False`` the session is
+        invalidated so the client's RESUME gets op 9 and it re-identifies."""
+        conn, self._conn = self._conn, None
+        self._live.clear()
+        if not resumable:
+            self._session = None
+        if conn is not None:
+            await conn.ws.close(code=code, message=b"dropped by fake")
+
+    async def send_reconnect(self) -> None:
+        """Send op 7 RECONNECT; the client closes and resumes."""
+        conn = self._conn
+        self._live.clear()
+        if conn is not None:
+            await conn.send({"op": 7, "d": None, "s": None, "t": None})
+
+    async def wait_connected(self, timeout: float = 5.0) -> None:
+        """Wait until a session is live (READY+GUILD_CREATEs or RESUMED were sent)."""
+        await asyncio.wait_for(self._live.wait(), timeout)
+
+    def _require_session(self) -> None:
+        if self._session is None:
+            raise RuntimeError("no gateway session: the client has not identified (or was invalidated)")
+
+    # ----- websocket server -------------------------------------------------
+    async def _ws_handler(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(max_msg_size=0)
+        await ws.prepare(request)
+        self.connections += 1
+        self.gateway_queries.append(dict(request.query))
+        conn = _Conn(ws, request.query.get("compress") == "zlib-stream")
+        self._conns.add(conn)
+        try:
+            await conn.send({"op": 10, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None})
+            async for msg in ws:
+                if msg.type == WSMsgType.TEXT:
+                    await self._on_client_op(conn, json.loads(msg.data))
+        finally:
+            self._conns.discard(conn)
+            if self._conn is conn:
+                self._conn = None
+                self._live.clear()
+        return ws
+
+    async def _on_client_op(self, conn: _Conn, payload: Json) -> None:
+        self.gateway_received.append(payload)
+        op, data = payload.get("op"), payload.get("d")
+        if op == 1:
+            await conn.send({"op": 11, "d": None, "s": None, "t": None})
+        elif op == 2:
+            await self._identify(conn, data or {})
+        elif op == 6:
+            await self._resume(conn, data or {})
+        elif op == 8:
+            await self._members_chunk(conn, data or {})
+
+    async def _identify(self, conn: _Conn, data: Json) -> None:
+        if data.get("token") != self.token:
+            await conn.ws.close(code=4004, message=b"Authentication failed.")
+            return
+        if conn.session is not None:
+            await conn.ws.close(code=4005, message=b"Already authenticated.")
+            return
+        self.identify_count += 1
+        session = _Session(uuid.uuid4().hex, int(data.get("intents", 0)))
+        self._session = conn.session = session
+        self._conn = conn
+        ready = ready_payload(self.bot, self.application_id, list(self.guilds), session.id, self.resume_gateway_url)
+        await self._dispatch("READY", ready)
+        for guild in self.guilds.values():
+            payload = guild_payload(guild, self.users, self.bot.id, bool(session.intents & INTENT_PRESENCES))
+            await self._dispatch("GUILD_CREATE", payload)
+        self._live.set()
+
+    async def _resume(self, conn: _Conn, data: Json) -> None:
+        session = self._session
+        if session is None or data.get("session_id") != session.id or data.get("token") != self.token:
+            await conn.send({"op": 9, "d": False, "s": None, "t": None})
+            return
+        self.resume_count += 1
+        seq = int(data.get("seq") or 0)
+        while missed := [e for e in session.events if e["s"] > seq]:  # replay, catching up with new events
+            for event in missed:
+                await conn.send(event)
+                seq = event["s"]
+        conn.session = session
+        self._conn = conn
+        await self._dispatch("RESUMED", {"_trace": ["fake-discord"]})
+        self._live.set()
+
+    async def _members_chunk(self, conn: _Conn, data: Json) -> None:
+        guild = self.guilds.get(int(data.get("guild_id", 0)))
+        if guild is None:
+            return
+        wanted = {int(u) for u in data.get("user_ids") or []}
+        ids = [self.bot.id, *guild.member_ids]
+        ids = [i for i in dict.fromkeys(ids) if i in self.users and (not wanted or i in wanted)]
+        members = [member_payload(self.users[i], iso_time(guild.id)) for i in ids]
+        chunk: Json = {"guild_id": str(guild.id), "members": members, "chunk_index": 0, "chunk_count": 1}
+        chunk.update(not_found=[], nonce=data.get("nonce"))
+        await self._dispatch("GUILD_MEMBERS_CHUNK", chunk)
+
+    async def _dispatch(self, event: str, data: Json) -> bool:
+        """Sequence and send an event; buffered for RESUME while disconnected."""
+        session = self._session
+        if session is None or not self._wanted(session.intents, event, data):
+            return False
+        session.seq += 1
+        payload: Json = {"op": 0, "t": event, "s": session.seq, "d": data}
+        session.events.append(payload)
+        del session.events[:-1000]
+        conn = self._conn
+        if conn is not None and conn.session is session:
+            await conn.send(payload)
+        return True
+
+    def _wanted(self, intents: int, event: str, data: Json) -> bool:
+        """Apply intents: drop message events without the intent, blank content without
+        MESSAGE_CONTENT (except DMs, mentions and the bot's own messages)."""
+        if event not in _MESSAGE_EVENTS:
+            return True
+        is_dm = "guild_id" not in data
+        if not intents & (INTENT_DIRECT_MESSAGES if is_dm else INTENT_GUILD_MESSAGES):
+            return False
+        own = data.get("author", {}).get("id") == str(self.bot.id)
+        exempt = is_dm or own or event == "MESSAGE_DELETE" or self._is_mentioned(data)
+        if not exempt and not intents & INTENT_MESSAGE_CONTENT:
+            data.update(content="", embeds=[], attachments=[], components=[])
+        return True
+
+    async def _close_gateway(self) -> None:
+        """Close every websocket (used on shutdown)."""
+        self._live.clear()
+        self._conn = None
+        for conn in list(self._conns):
+            await conn.ws.close(code=1001, message=b"server shutdown")

@@ -1,0 +1,312 @@
+"""The real discord.py library, driven against the loopback Discord fake."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import discord
+import pytest
+import pytest_asyncio
+from discord import app_commands
+
+from tests.fakes.discord_api import (
+    ALICE_ID,
+    APPLICATION_ID,
+    BOT_ID,
+    GUILD_ID,
+    TEXT_CHANNEL_ID,
+    THREAD_ID,
+    FakeDiscord,
+    patch_discord,
+)
+
+pytestmark = pytest.mark.asyncio
+
+
+class Bot(discord.Client):
+    """Client that queues every non-own message and flags lifecycle events."""
+
+    def __init__(self, *, message_content: bool = True, members: bool = False) -> None:
+        intents = discord.Intents.default()
+        intents.message_content = message_content
+        intents.members = members
+        # guild_ready_timeout: discord.py waits this long after the last GUILD_CREATE before on_ready.
+        super().__init__(intents=intents, guild_ready_timeout=0.05)
+        self.inbox: asyncio.Queue[discord.Message] = asyncio.Queue()
+        self.ready_count = 0
+        self.resumed = asyncio.Event()
+
+    async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
+        """discord.py sleeps 5s before every non-initial IDENTIFY; skip that in tests."""
+
+    async def on_ready(self) -> None:
+        self.ready_count += 1
+
+    async def on_resumed(self) -> None:
+        self.resumed.set()
+
+    async def on_message(self, message: discord.Message) -> None:
+        if message.author != self.user:
+            await self.inbox.put(message)
+
+    async def next_message(self) -> discord.Message:
+        return await asyncio.wait_for(self.inbox.get(), 3.0)
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[FakeDiscord]:
+    async with FakeDiscord() as server, patch_discord(server):
+        yield server
+
+
+async def _run(bot: discord.Client, fake: FakeDiscord) -> asyncio.Task[None]:
+    task = asyncio.create_task(bot.start(fake.token))
+    await asyncio.wait_for(bot.wait_until_ready(), 5)
+    return task
+
+
+async def _stop(bot: discord.Client, task: asyncio.Task[None]) -> None:
+    await bot.close()
+    await asyncio.wait_for(task, 5)
+
+
+@pytest_asyncio.fixture
+async def client(fake: FakeDiscord) -> AsyncIterator[Bot]:
+    bot = Bot()
+    task = await _run(bot, fake)
+    yield bot
+    await _stop(bot, task)
+
+
+async def test_login_and_ready(fake: FakeDiscord, client: Bot) -> None:
+    assert client.ready_count == 1
+    assert client.user is not None and client.user.id == BOT_ID
+    assert client.application_id == APPLICATION_ID
+    guild = client.get_guild(GUILD_ID)
+    assert guild is not None and guild.me is not None
+    assert isinstance(guild.get_channel(TEXT_CHANNEL_ID), discord.TextChannel)
+    thread = guild.get_thread(THREAD_ID)
+    assert thread is not None and thread.parent_id == TEXT_CHANNEL_ID
+    paths = [c.path for c in fake.requests]
+    assert paths[:2] == ["/users/@me", "/oauth2/applications/@me"]
+    assert fake.connections == fake.identify_count == 1
+    assert fake.gateway_queries[0] == {"v": "10", "encoding": "json", "compress": "zlib-stream"}
+
+
+async def test_bad_token_is_rejected(fake: FakeDiscord) -> None:
+    bot = Bot()
+    with pytest.raises(discord.LoginFailure):
+        await bot.login("wrong-token")
+    await bot.close()
+    assert fake.requests[0].status == 401
+
+
+async def test_uncompressed_fallback(fake: FakeDiscord, monkeypatch: pytest.MonkeyPatch) -> None:
+    # discord.py asks for zstd-stream when zstandard / Python 3.14 is available; the fake then
+    # sends plain TEXT frames, which discord.py accepts whatever compression it requested.
+    monkeypatch.setattr(discord.utils._ActiveDecompressionContext, "COMPRESSION_TYPE", "zstd-stream")
+    bot = Bot()
+    task = await _run(bot, fake)
+    try:
+        assert fake.gateway_queries[0]["compress"] == "zstd-stream"
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "plain", author_id=ALICE_ID)
+        assert (await bot.next_message()).content == "plain"
+    finally:
+        await _stop(bot, task)
+
+
+async def test_guild_mention_received(fake: FakeDiscord, client: Bot) -> None:
+    mid = await fake.dispatch_message(
+        TEXT_CHANNEL_ID, "hello there", author_id=ALICE_ID, author_name="alice", mentions_bot=True
+    )
+    message = await client.next_message()
+    assert message.id == mid
+    assert message.content == f"<@{BOT_ID}> hello there"
+    assert client.user in message.mentions
+    assert message.guild is not None and message.guild.id == GUILD_ID
+    assert isinstance(message.channel, discord.TextChannel)
+    assert isinstance(message.author, discord.Member) and message.author.name == "alice"
+
+
+async def test_reply_records_reference(fake: FakeDiscord, client: Bot) -> None:
+    mid = await fake.dispatch_message(TEXT_CHANNEL_ID, "ping", author_id=ALICE_ID, author_name="alice")
+    message = await client.next_message()
+    reply = await message.reply("hi")
+    assert reply.reference is not None and reply.reference.message_id == mid
+    call = await fake.wait_for(lambda c: c.method == "POST" and c.channel_id == TEXT_CHANNEL_ID)
+    assert call.json["content"] == "hi"
+    assert int(call.json["message_reference"]["message_id"]) == mid
+    stored = fake.messages(TEXT_CHANNEL_ID)[-1]
+    assert stored["type"] == 19 and stored["referenced_message"]["id"] == str(mid)
+    assert stored["author"]["id"] == str(BOT_ID)
+
+
+async def test_edit_and_delete(fake: FakeDiscord, client: Bot) -> None:
+    channel = client.get_channel(TEXT_CHANNEL_ID)
+    assert isinstance(channel, discord.TextChannel)
+    sent = await channel.send("draft")
+    edited = await sent.edit(content="final")
+    assert edited.content == "final" and edited.edited_at is not None
+    state = fake.message(sent.id)
+    assert state is not None and state["content"] == "final"
+    assert [c.method for c in fake.sent] == ["POST", "PATCH"]
+    await sent.delete()
+    assert fake.message(sent.id) is None
+    with pytest.raises(discord.NotFound):
+        await channel.fetch_message(sent.id)
+
+
+async def test_too_long_message_is_rejected(fake: FakeDiscord, client: Bot) -> None:
+    channel = client.get_channel(TEXT_CHANNEL_ID)
+    assert isinstance(channel, discord.TextChannel)
+    with pytest.raises(discord.HTTPException) as info:
+        await channel.send("x" * 2001)
+    assert info.value.status == 400 and info.value.code == 50035
+    assert fake.messages(TEXT_CHANNEL_ID) == []
+
+
+async def test_dm_message(fake: FakeDiscord, client: Bot) -> None:
+    dm_id = fake.dm_channel_id(ALICE_ID)
+    await fake.dispatch_message(dm_id, "psst", author_id=ALICE_ID, author_name="alice")
+    message = await client.next_message()
+    assert isinstance(message.channel, discord.DMChannel)
+    assert message.guild is None and message.content == "psst"
+    await message.channel.send("hello in private")
+    assert fake.messages(dm_id)[-1]["content"] == "hello in private"
+    user = await client.fetch_user(ALICE_ID)
+    dm = await user.create_dm()
+    assert dm.id == dm_id
+
+
+async def test_thread_message(fake: FakeDiscord, client: Bot) -> None:
+    await fake.dispatch_message(THREAD_ID, "in a thread", author_id=ALICE_ID, author_name="alice")
+    message = await client.next_message()
+    assert isinstance(message.channel, discord.Thread)
+    assert message.channel.id == THREAD_ID and message.channel.parent_id == TEXT_CHANNEL_ID
+    async with message.channel.typing():
+        await message.channel.send("thread reply")
+    assert [c.path for c in fake.sent] == [f"/channels/{THREAD_ID}/typing", f"/channels/{THREAD_ID}/messages"]
+
+
+async def test_rate_limit_is_retried(fake: FakeDiscord, client: Bot) -> None:
+    channel = client.get_channel(TEXT_CHANNEL_ID)
+    assert isinstance(channel, discord.TextChannel)
+    fake.fail_next("POST", "/channels/*/messages", status=429, retry_after=0.2)
+    started = time.monotonic()
+    await channel.send("eventually")
+    assert time.monotonic() - started >= 0.2
+    assert [c.status for c in fake.sent] == [429, 200]
+    assert [m["content"] for m in fake.messages(TEXT_CHANNEL_ID)] == ["eventually"]
+
+
+async def test_drop_gateway_resumes(fake: FakeDiscord, client: Bot) -> None:
+    await fake.drop_gateway()
+    # Dispatched while disconnected: buffered in the session and replayed on RESUME.
+    await fake.dispatch_message(TEXT_CHANNEL_ID, "while away", author_id=ALICE_ID)
+    await asyncio.wait_for(client.resumed.wait(), 5)
+    assert (await client.next_message()).content == "while away"
+    assert fake.resume_count == 1 and fake.identify_count == 1 and fake.connections == 2
+    await fake.dispatch_message(TEXT_CHANNEL_ID, "after resume", author_id=ALICE_ID)
+    assert (await client.next_message()).content == "after resume"
+
+
+async def test_invalidated_session_reidentifies(fake: FakeDiscord, client: Bot) -> None:
+    await fake.drop_gateway(resumable=False)
+    await fake.wait_connected()
+    assert fake.identify_count == 2 and fake.resume_count == 0
+    await fake.dispatch_message(TEXT_CHANNEL_ID, "new session", author_id=ALICE_ID)
+    assert (await client.next_message()).content == "new session"
+
+
+async def test_message_content_intent_is_enforced(fake: FakeDiscord) -> None:
+    bot = Bot(message_content=False)
+    task = await _run(bot, fake)
+    try:
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "secret", author_id=ALICE_ID)
+        assert (await bot.next_message()).content == ""
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "visible", author_id=ALICE_ID, mentions_bot=True)
+        assert (await bot.next_message()).content == f"<@{BOT_ID}> visible"
+    finally:
+        await _stop(bot, task)
+
+
+async def test_members_intent_chunks_guild(fake: FakeDiscord) -> None:
+    bot = Bot(members=True)
+    task = await _run(bot, fake)
+    try:
+        guild = bot.get_guild(GUILD_ID)
+        assert guild is not None and guild.chunked
+        member = guild.get_member(ALICE_ID)
+        assert member is not None and member.name == "alice"
+        assert any(p["op"] == 8 for p in fake.gateway_received)
+    finally:
+        await _stop(bot, task)
+
+
+async def test_attachment_download(fake: FakeDiscord, client: Bot) -> None:
+    files = [{"filename": "notes.txt", "content": b"hello file", "content_type": "text/plain"}]
+    await fake.dispatch_message(TEXT_CHANNEL_ID, "see file", author_id=ALICE_ID, attachments=files)
+    message = await client.next_message()
+    assert message.attachments[0].filename == "notes.txt"
+    assert await message.attachments[0].read() == b"hello file"
+
+
+async def test_slash_command_roundtrip(fake: FakeDiscord) -> None:
+    bot = Bot()
+    tree = app_commands.CommandTree(bot)
+    seen: list[Any] = []
+
+    @tree.command(name="ask", description="Ask the agent")
+    async def ask(interaction: discord.Interaction, question: str) -> None:
+        seen.append(question)
+        await interaction.response.defer(thinking=True)
+        await interaction.edit_original_response(content=f"answer to {question}")
+        await interaction.followup.send("anything else?")
+
+    @tree.command(name="ping", description="Liveness check")
+    async def ping(interaction: discord.Interaction) -> None:
+        await interaction.response.send_message("pong", ephemeral=True)
+
+    task = await _run(bot, fake)
+    try:
+        synced = await tree.sync()
+        assert sorted(c.name for c in synced) == ["ask", "ping"]
+        put = await fake.wait_for(lambda c: c.method == "PUT")
+        assert put.path == f"/applications/{APPLICATION_ID}/commands" and len(put.json) == 2
+        inter = await fake.dispatch_interaction("ask", channel_id=TEXT_CHANNEL_ID, options={"question": "why"})
+        await fake.wait_for(lambda c: c.method == "POST" and c.path == f"/webhooks/{APPLICATION_ID}/{inter.token}")
+        assert seen == ["why"]
+        contents = [m["content"] for m in fake.messages(TEXT_CHANNEL_ID)]
+        assert contents == ["answer to why", "anything else?"]
+        callback = next(c for c in fake.sent if c.path.endswith("/callback"))
+        assert callback.json["type"] == 5 and callback.channel_id == TEXT_CHANNEL_ID
+        ping_inter = await fake.dispatch_interaction("ping", channel_id=TEXT_CHANNEL_ID)
+        call = await fake.wait_for(lambda c: c.path == f"/interactions/{ping_inter.id}/{ping_inter.token}/callback")
+        assert call.status == 200 and call.json["type"] == 4
+        assert call.json["data"]["content"] == "pong" and call.json["data"]["flags"] == 64
+    finally:
+        await _stop(bot, task)
+
+
+async def test_client_closes_cleanly(fake: FakeDiscord) -> None:
+    loop = asyncio.get_running_loop()
+    problems: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: problems.append(context))
+    try:
+        bot = Bot()
+        task = await _run(bot, fake)
+        await _stop(bot, task)
+        assert bot.is_closed() and bot.ws.socket.closed
+        assert bot.http.connector.closed  # the aiohttp session closed its connector
+        del bot, task
+        gc.collect()
+        await asyncio.sleep(0.05)
+    finally:
+        loop.set_exception_handler(previous)
+    assert problems == []
+    assert fake.connections == 1
