@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     pairing.add_argument("action", choices=["approve", "list"])
     pairing.add_argument("code", nargs="?", help="the 8-character code the user was given")
     pairing.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
+    sessions = sub.add_parser("sessions", help="list or stop sessions of the running daemon (admin endpoint)")
+    sessions.add_argument("action", choices=["list", "stop"])
+    sessions.add_argument("key", nargs="?", help="session key, for stop")
+    sessions.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
     run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
     return p
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "pairing":
         return asyncio.run(_pairing(config, args.action, args.code))
+    if args.command == "sessions":
+        return asyncio.run(_sessions(config, args.action, args.key))
     if args.log_format:
         config.log.format = args.log_format
     if args.log_level:
@@ -89,3 +95,38 @@ async def _pairing(config: Config, action: str, code: str | None) -> int:
         return 0
     finally:
         await store.close()
+
+
+async def _sessions(config: Config, action: str, key: str | None) -> int:
+    import aiohttp
+
+    admin = config.admin
+    base = f"http://{admin.host}:{admin.port}/admin/api"
+    headers = {"Authorization": f"Bearer {admin.token.reveal()}"} if admin.token else {}
+    try:
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=10)) as http:
+            if action == "list":
+                async with http.get(f"{base}/sessions") as resp:
+                    body = await resp.json()
+                    if resp.status != 200:
+                        print(f"switchboard: {body.get('error', resp.status)}", file=sys.stderr)
+                        return 1
+                for row in body["sessions"]:
+                    last = row["last_interruption"]
+                    age = f"{row['turn_age_s']:.0f}s" if row["turn_age_s"] is not None else "-"
+                    note = f"  last stop: {last['kind']}: {last['reason']}" if last else ""
+                    print(f"{row['state']:<8} {age:>6}  q={row['queued']}  {row['key']}{note}")
+                return 0
+            if not key:
+                print("switchboard: sessions stop needs the session KEY", file=sys.stderr)
+                return 2
+            async with http.post(f"{base}/sessions/stop", json={"key": key}) as resp:
+                body = await resp.json()
+                if resp.status != 200:
+                    print(f"switchboard: {body.get('error', resp.status)}", file=sys.stderr)
+                    return 1
+            print("stopped" if body["stopped"] else "nothing was running in that session")
+            return 0
+    except aiohttp.ClientConnectionError:
+        print(f"switchboard: no daemon answering on {admin.host}:{admin.port} (is it running?)", file=sys.stderr)
+        return 1

@@ -57,6 +57,16 @@ class HttpConfig:
 
 
 @dataclass
+class AdminConfig:
+    """The operator listener: /metrics, the console and its API. Loopback unless a token is set."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8766
+    token: Secret | None = None
+
+
+@dataclass
 class WebchatConfig:
     enabled: bool | None = None  # None: on when no chat platform is configured
 
@@ -147,6 +157,7 @@ class LogConfig:
 @dataclass
 class Config:
     http: HttpConfig = field(default_factory=HttpConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     webchat: WebchatConfig = field(default_factory=WebchatConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     telegram: TelegramConfig = field(default_factory=TelegramConfig)
@@ -318,6 +329,10 @@ def _validate(c: Config) -> None:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
     if c.agent.echo_delay_s < 0:
         raise ConfigError("agent.echo_delay_s: must not be negative")
+    if not 0 < c.admin.port < 65536:
+        raise ConfigError(f"admin.port: must be between 1 and 65535 (got {c.admin.port})")
+    if c.admin.enabled and not c.admin.token and not is_loopback(c.admin.host):
+        raise ConfigError(f"admin.token: required when admin.host is not loopback ({c.admin.host})")
     if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
         raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:

@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.access import AccessControl, AccessPolicy
+from gateway.admin import build_admin_app
 from gateway.agents import Agent
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
@@ -89,6 +90,7 @@ class Daemon:
             "discord": AccessPolicy(config.discord.access, frozenset(config.discord.allowlist)),
         })
         self._runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
 
     async def readiness(self) -> dict[str, tuple[bool, str]]:
@@ -106,6 +108,11 @@ class Daemon:
             await adapter.start(self.router)
         await self.router.start(self.adapters)
         self._runner = await serve(app, self.config.http.host, self.config.http.port)
+        admin = self.config.admin
+        if admin.enabled:
+            admin_app = build_admin_app(self.router, self.readiness,
+                                        token=admin.token.reveal() if admin.token else None)
+            self._admin_runner = await serve(admin_app, admin.host, admin.port)
         tune_gc()
         log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s)",
                  self.config.http.host, self.config.http.port, self.agent.description,
@@ -125,8 +132,9 @@ class Daemon:
         close = getattr(self.agent, "close", None)
         if close is not None:
             await close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._admin_runner):
+            if runner is not None:
+                await runner.cleanup()
         await self.store.close()
         self._stopped.set()
 

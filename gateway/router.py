@@ -35,6 +35,7 @@ from gateway.cancellation import (
 from gateway.commands import HELP, Command, parse_command
 from gateway.events import InboundMessage, session_key
 from gateway.logs import log_context
+from gateway.metrics import Metrics
 from gateway.store import InboundRecord, Store, StoreError
 from gateway.transcript import ChatMessage, TextDelta, TurnRecorder
 
@@ -117,10 +118,11 @@ class SessionStatus:
 
 
 class Router:
-    def __init__(self, settings: RouterSettings, store: Store, agent: Agent) -> None:
+    def __init__(self, settings: RouterSettings, store: Store, agent: Agent, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.store = store
         self.agent = agent
+        self.metrics = metrics or Metrics()
         self.cache: AgentCache[SessionAgent] = AgentCache(
             max_agents=settings.max_agents, idle_ttl_s=settings.idle_ttl_s,
             when_full=settings.when_full, on_evict=self._on_evict)
@@ -128,7 +130,11 @@ class Router:
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
         self._sweeper: asyncio.Task[None] | None = None
+        self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
+        # The last interruption per session (kind, reason, when), for /status and the console.
+        self.interruptions: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
+        self.worker_id: str | None = None  # set in cluster mode
         self.access: AccessControl | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -183,6 +189,12 @@ class Router:
     async def submit(self, msg: InboundMessage, adapter: Adapter, *,
                      ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
         """Route one inbound message. Never raises for bad input: the user gets a reason."""
+        result = await self._submit(msg, adapter, ephemeral, key)
+        self.metrics.messages_in.labels(msg.platform, result.outcome.value).inc()
+        return result
+
+    async def _submit(self, msg: InboundMessage, adapter: Adapter, ephemeral: Sequence[ChatMessage] | None,
+                      key: str | None) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
         problem = self._validate(msg.text)
         if problem is None and self._closing:
@@ -383,6 +395,7 @@ class Router:
         except (CacheFull, StoreError) as exc:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, "rejected", str(exc))
+            self.metrics.turns.labels("rejected").inc()
             await turn.adapter.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
                                       "Please try again shortly." if isinstance(exc, CacheFull) else
                                       "Sorry, I could not load this conversation (storage error).",
@@ -392,6 +405,7 @@ class Router:
         recorder = TurnRecorder()
         if run.is_cancelled():  # stopped while queued or starting: it never runs
             assert run.reason is not None
+            self._count_cancel(turn.key, run)
             if agent is not None and run.reason != SESSION_RESET:
                 await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
                                     status=("cancelled", run.reason.marker))
@@ -412,6 +426,7 @@ class Router:
         timeout = self.settings.turn_timeout_s
         timer = loop.call_later(timeout, run.cancel, timed_out(timeout))
         self.cache.mark_running(turn.key, True)
+        self.metrics.turns_running.inc()
         try:
             await task
         except BaseException:
@@ -420,7 +435,11 @@ class Router:
         finally:
             timer.cancel()
             self.cache.mark_running(turn.key, False)
+            self.metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
+        self.metrics.turns.labels(status).inc()
+        if status == "cancelled":
+            self._count_cancel(turn.key, run)
         if agent is not None:
             await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         else:
@@ -447,11 +466,24 @@ class Router:
             return recorder.complete(), "done", None
         if isinstance(exc, AgentError):
             log.warning("agent failed: %s", exc)
+            self.metrics.provider_errors.inc()
             await reply.failed(f"The agent failed: {exc}.")
             return recorder.failed(str(exc)), "failed", str(exc)
         log.error("turn crashed", exc_info=exc)
         await reply.failed("Something went wrong on our side; it has been logged.")
         return recorder.failed("internal error"), "failed", type(exc).__name__
+
+    def _count_cancel(self, key: str, run: Run) -> None:
+        reason = run.reason
+        if reason is None:
+            return
+        self.metrics.cancels.labels(reason.kind, reason.text).inc()
+        if run.cancelled_at is not None and run.done_at is not None:
+            self.metrics.stop_latency.observe(run.done_at - run.cancelled_at)
+        self.interruptions[key] = (reason.kind, reason.text, time.time())
+        self.interruptions.move_to_end(key)
+        if len(self.interruptions) > 10_000:
+            self.interruptions.popitem(last=False)
 
     async def _session_agent(self, key: str) -> SessionAgent:
         agent = self.cache.get(key)

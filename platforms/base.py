@@ -94,10 +94,21 @@ class Adapter(ABC):
     async def typing(self, chat: ChatRef) -> None:
         """Show a typing indicator, if the platform has one."""
 
+    def count(self, kind: str) -> None:
+        """Metrics: one outbound `send`/`edit`/`notice`, or a `429` from the platform."""
+        router = getattr(self, "router", None)
+        if router is None:
+            return
+        if kind == "429":
+            router.metrics.platform_429s.labels(self.name).inc()
+        else:
+            router.metrics.messages_out.labels(self.name, kind).inc()
+
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
         """Send a short notice (command replies, acks, rejections); never raises."""
         try:
             await self.send(chat, text, reply_to=reply_to)
+            self.count("notice")
         except Exception as exc:
             log.warning("%s: could not deliver a notice: %s", self.name, exc)
 
@@ -230,12 +241,15 @@ class EditStreamReply(Reply):
                     if shown != text and self._caps.can_edit:
                         await self._adapter.edit(self._chat, mid, text)
                         self._shown[index] = (mid, text)
+                        self._adapter.count("edit")
                 else:
                     mid = await self._adapter.send(self._chat, text,
                                                    reply_to=self._reply_to if index == 0 else None)
                     self._shown.append((mid, text))
+                    self._adapter.count("send")
                 return
             except RateLimited as exc:
+                self._adapter.count("429")
                 if not final or attempt == self.FINAL_RETRIES - 1:
                     raise
                 await asyncio.sleep(exc.retry_after)

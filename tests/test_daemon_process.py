@@ -34,7 +34,7 @@ async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float
 
 def _start(tmp_path: Path, *extra_env: tuple[str, str], module: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_API__ENABLED": "true",
+    env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_ADMIN__PORT": str(free_port()), "SWITCHBOARD_API__ENABLED": "true",
            "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "1", **dict(extra_env)}
     argv = [sys.executable, "-m", "gateway", "run"] if module else ["switchboard", "run"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -223,7 +223,8 @@ class SqliteStore:
                 "INSERT INTO messages (session_key, conversation, role, content, tool_calls, tool_call_id,"
                 " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
             if inbound is not None:
-                c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (inbound[1], inbound[2], inbound[0]))
+                inbound_id, status, detail = inbound
+                c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status, detail, inbound_id))
 
         await self._call(op)
 
