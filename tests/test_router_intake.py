@@ -1,0 +1,177 @@
+"""Every message ends processed, queued (with an ack) or rejected with a reason; bad input hurts nobody."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.tools import ToolRegistry
+from gateway.cancellation import GATEWAY_RESTART
+from gateway.events import ChatType
+from gateway.router import Outcome, Router, RouterSettings
+from gateway.store.sqlite import SqliteStore
+from tests.conftest import RouterFactory, free_port
+from tests.fakes.memory_chat import MemoryChat
+from tests.fakes.openai_provider import FakeProvider, Script
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("", "empty"), ("   \n", "empty"), ("x" * 16_001, "too long (16001 characters; the limit is 16000)"),
+    ("bin\x00ary", "binary"), ("/frobnicate", "Unknown command /frobnicate"),
+])
+async def test_bad_input_is_rejected_with_a_reason_and_others_keep_going(
+        make_router: RouterFactory, chat: MemoryChat, text: str, needle: str) -> None:
+    router = await make_router()
+    other = (await router.submit(chat.message("other", "keep going"), chat)).run
+    result = await router.submit(chat.message("c1", text), chat)
+    assert result.outcome is Outcome.REJECTED and needle in result.detail
+    assert needle in chat.texts("c1")[-1]
+    assert other is not None
+    await other.wait()
+    assert other.reason is None and chat.texts("other")[-1].startswith("reply to: keep going")
+
+
+async def test_a_redelivered_message_is_answered_once(make_router: RouterFactory, chat: MemoryChat,
+                                                     provider: FakeProvider) -> None:
+    router = await make_router()
+    msg = chat.message("c1", "once please", mid="tg-42")
+    first, again = await router.submit(msg, chat), await router.submit(msg, chat)
+    assert (first.outcome, again.outcome) == (Outcome.ACCEPTED, Outcome.DUPLICATE)
+    assert first.run is not None
+    await first.run.wait()
+    assert len(provider.requests_for("once please")) == 1
+
+
+async def test_dedup_survives_a_restart_through_the_store(store: SqliteStore, chat: MemoryChat,
+                                                          provider: FakeProvider, tools: ToolRegistry) -> None:
+    agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
+    msg = chat.message("c1", "hello", mid="tg-7")
+    for expected in (Outcome.ACCEPTED, Outcome.DUPLICATE):  # two router lifetimes, one store
+        router = Router(RouterSettings(), store, agent)
+        await router.start({chat.name: chat})
+        result = await router.submit(msg, chat)
+        assert result.outcome is expected
+        if result.run:
+            await result.run.wait()
+        await router.shutdown(GATEWAY_RESTART)
+    await agent.close()
+    assert len(provider.requests_for("hello")) == 1
+
+
+async def test_messages_accepted_but_never_run_are_replayed_after_a_restart(
+        store: SqliteStore, chat: MemoryChat, provider: FakeProvider, tools: ToolRegistry) -> None:
+    provider.delay_s = 0.2
+    agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
+    router = Router(RouterSettings(busy="queue"), store, agent)
+    await router.start({chat.name: chat})
+    await router.submit(chat.message("c1", "first"), chat)
+    queued = await router.submit(chat.message("c1", "second"), chat)
+    assert queued.outcome is Outcome.QUEUED
+    await router.shutdown(GATEWAY_RESTART)  # "first" is cancelled; "second" never ran
+    provider.delay_s = 0.0
+    router = Router(RouterSettings(), store, agent)
+    await router.start({chat.name: chat})
+    await chat.wait_for(lambda: any(t.startswith("reply to: second") and t.endswith("w19 ") for t in chat.texts("c1")))
+    for _ in range(100):
+        if not await store.unfinished_inbound():
+            break
+        await asyncio.sleep(0.01)
+    await router.shutdown(GATEWAY_RESTART)
+    await agent.close()
+    _, history = await store.conversation("memory:dm:c1")
+    assert [(m.role, m.content[:15], m.reason) for m in history] == [
+        ("user", "first", None), ("assistant", "", "gateway restart"),
+        ("user", "second", None), ("assistant", "reply to: secon", None)]
+    assert await store.unfinished_inbound() == []
+
+
+async def test_queue_policy_acks_and_answers_in_order(make_router: RouterFactory, chat: MemoryChat,
+                                                      provider: FakeProvider) -> None:
+    provider.words = 2
+    router = await make_router(busy="queue")
+    runs = [(await router.submit(chat.message("c1", f"q{i}"), chat)) for i in range(3)]
+    assert [r.outcome for r in runs] == [Outcome.ACCEPTED, Outcome.QUEUED, Outcome.QUEUED]
+    await asyncio.gather(*(r.run.wait() for r in runs if r.run))
+    texts = chat.texts("c1")
+    assert texts[0].startswith("Queued — 1 ahead") and texts[1].startswith("Queued — 2 ahead")
+    assert [t[:12] for t in texts[2:]] == ["reply to: q0", "reply to: q1", "reply to: q2"]
+
+
+async def test_status_and_new_keep_the_old_conversation_archived(
+        make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider, store: SqliteStore) -> None:
+    provider.delay_s = 0.05
+    router = await make_router()
+    assert (await router.submit(chat.message("c1", "/status"), chat)).detail == "Idle · queued: 0 · agent: openai:fake"
+    run = (await router.submit(chat.message("c1", "remember me"), chat)).run
+    await chat.wait_for(lambda: len(provider.connections) == 1)
+    status = (await router.submit(chat.message("c1", "/status"), chat)).detail
+    assert status.startswith("Running since ") and status.endswith("queued: 0 · agent: openai:fake")
+    assert (await router.submit(chat.message("c1", "/new"), chat)).detail.startswith("Started a new conversation")
+    assert run is not None
+    await run.wait()
+    assert run.reason is not None and run.reason.text == "session reset (/new)"
+    done = (await router.submit(chat.message("c1", "who am I?"), chat)).run
+    assert done is not None
+    await done.wait()
+    assert provider.requests_for("who am I?")[0].body["messages"] == [{"role": "user", "content": "who am I?"}]
+    conversation, history = await store.conversation("memory:dm:c1")
+    assert conversation == 2 and [m.content for m in history][0] == "who am I?"
+    assert (await router.submit(chat.message("c1", "/help"), chat)).detail.startswith("Commands:")
+
+
+async def test_group_sessions_split_by_thread_and_optionally_by_user(make_router: RouterFactory,
+                                                                     chat: MemoryChat) -> None:
+    shared = await make_router(agent="echo")
+    split = await make_router(agent="echo", per_user_in_groups=True)
+    for router, key in ((shared, "memory:group:g1:t3"), (split, "memory:group:g1:t3:u7")):
+        msg = chat.message("g1", "hi", user="u7", chat_type=ChatType.GROUP, thread_id="t3")
+        result = await router.submit(msg, chat)
+        assert result.run is not None and result.run.session_key == key
+        await result.run.wait()
+
+
+@pytest.mark.parametrize(("script", "needle"), [
+    (Script(status=500), "HTTP 500"),
+    (Script(garbage=True), "malformed"),
+    (Script(status=400), "HTTP 400"),
+])
+async def test_provider_failures_reach_the_user_in_words(make_router: RouterFactory, chat: MemoryChat,
+                                                         provider: FakeProvider, script: Script, needle: str) -> None:
+    router = await make_router()
+    for _ in range(3):  # retries included
+        provider.then(script)
+    run = (await router.submit(chat.message("c1", "hello"), chat)).run
+    assert run is not None
+    await run.wait()
+    assert needle in chat.texts("c1")[-1] and chat.texts("c1")[-1].startswith("⚠️ The agent failed")
+    provider.scripts.clear()
+    ok = (await router.submit(chat.message("c1", "again"), chat)).run
+    assert ok is not None
+    await ok.wait()
+    assert chat.texts("c1")[-1].startswith("reply to: again")
+
+
+async def test_a_provider_that_is_down_is_reported_and_retried(store: SqliteStore, chat: MemoryChat,
+                                                               tools: ToolRegistry) -> None:
+    agent = OpenAIAgent(OpenAISettings(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", retries=2,
+                                       backoff_s=0.01), tools)
+    router = Router(RouterSettings(), store, agent)
+    await router.start({chat.name: chat})
+    run = (await router.submit(chat.message("c1", "anyone?"), chat)).run
+    assert run is not None
+    await run.wait()
+    assert "unreachable" in chat.texts("c1")[-1]
+    await router.shutdown(GATEWAY_RESTART)
+    await agent.close()
+
+
+async def test_a_non_streaming_provider_answer_is_accepted(make_router: RouterFactory, chat: MemoryChat,
+                                                           provider: FakeProvider) -> None:
+    router = await make_router()
+    provider.then(Script(text="plain json", json_only=True))
+    run = (await router.submit(chat.message("c1", "hi"), chat)).run
+    assert run is not None
+    await run.wait()
+    assert chat.texts("c1") == ["plain json"]
