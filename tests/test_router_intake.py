@@ -117,7 +117,7 @@ async def test_status_and_new_keep_the_old_conversation_archived(
     await done.wait()
     assert provider.requests_for("who am I?")[0].body["messages"] == [{"role": "user", "content": "who am I?"}]
     conversation, history = await store.conversation("memory:dm:c1")
-    assert conversation == 2 and [m.content for m in history][0] == "who am I?"
+    assert conversation == 2 and history[0].content == "who am I?"
     assert (await router.submit(chat.message("c1", "/help"), chat)).detail.startswith("Commands:")
 
 
