@@ -51,6 +51,13 @@ class Secret:
 
 
 @dataclass
+class DaemonConfig:
+    drain_timeout_s: float = 0.0  # on SIGTERM, let running turns finish for this long first
+    resume_max_age_s: float = 600.0  # turns cut off by a restart are resumed if this fresh
+    shutdown_grace_s: float = 10.0  # after cancelling, wait this long for outcomes to be recorded
+
+
+@dataclass
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
@@ -134,6 +141,7 @@ class RouterConfig:
     per_user_in_groups: bool = False
     max_message_chars: int = 16_000
     turn_timeout_s: float = 600.0
+    messages_per_minute: int = 20  # per user; excess gets one notice, then silence; 0 = off
 
 
 @dataclass
@@ -156,6 +164,7 @@ class LogConfig:
 
 @dataclass
 class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     webchat: WebchatConfig = field(default_factory=WebchatConfig)
@@ -325,6 +334,13 @@ def _validate(c: Config) -> None:
             raise ConfigError(f"{key}: must be greater than 0 (got {value})")
     if not 0 < c.http.port < 65536:
         raise ConfigError(f"http.port: must be between 1 and 65535 (got {c.http.port})")
+    for key, value in (("daemon.drain_timeout_s", c.daemon.drain_timeout_s),
+                       ("daemon.resume_max_age_s", c.daemon.resume_max_age_s),
+                       ("daemon.shutdown_grace_s", c.daemon.shutdown_grace_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
+    if c.router.messages_per_minute < 0:
+        raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
     if c.tools.tool_kill_grace_s < 0:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
     if c.agent.echo_delay_s < 0:

@@ -83,7 +83,7 @@ class Daemon:
         self.router = Router(RouterSettings(
             busy=r.busy, per_user_in_groups=r.per_user_in_groups, max_message_chars=r.max_message_chars,
             turn_timeout_s=r.turn_timeout_s, max_agents=c.max_agents, idle_ttl_s=c.idle_ttl_s,
-            when_full=c.when_full), self.store, self.agent)
+            when_full=c.when_full, messages_per_minute=r.messages_per_minute), self.store, self.agent)
         self.adapters = build_adapters(config)
         self.router.access = AccessControl(self.store, {
             "telegram": AccessPolicy(config.telegram.access, frozenset(a.lower() for a in config.telegram.allowlist)),
@@ -106,7 +106,7 @@ class Daemon:
             adapter.routes(app)
         for adapter in self.adapters.values():
             await adapter.start(self.router)
-        await self.router.start(self.adapters)
+        await self.router.start(self.adapters, resume_max_age_s=self.config.daemon.resume_max_age_s)
         self._runner = await serve(app, self.config.http.host, self.config.http.port)
         admin = self.config.admin
         if admin.enabled:
@@ -124,7 +124,8 @@ class Daemon:
         for adapter in self.adapters.values():
             with contextlib.suppress(Exception):
                 await adapter.stop()
-        await self.router.shutdown(reason)
+        d = self.config.daemon
+        await self.router.shutdown(reason, drain_s=d.drain_timeout_s, grace_s=d.shutdown_grace_s)
         try:
             await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
         except TimeoutError:

@@ -23,8 +23,8 @@ from gateway.access import AccessControl
 from gateway.agents import Agent, AgentError
 from gateway.cancellation import (
     EVICTED,
+    GATEWAY_RESTART,
     NEW_MESSAGE,
-    PROCESS_DIED,
     SESSION_RESET,
     STOPPED_BY_USER,
     Run,
@@ -36,7 +36,8 @@ from gateway.commands import HELP, Command, parse_command
 from gateway.events import InboundMessage, session_key
 from gateway.logs import log_context
 from gateway.metrics import Metrics
-from gateway.store import InboundRecord, Store, StoreError
+from gateway.ratelimit import UserRateLimit
+from gateway.store import Store, StoreError
 from gateway.transcript import ChatMessage, TextDelta, TurnRecorder
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class RouterSettings:
     max_agents: int = 256
     idle_ttl_s: float = 3600.0
     when_full: Literal["evict_oldest", "reject"] = "evict_oldest"
+    messages_per_minute: int = 0  # per user; 0 = no limit
 
 
 class Outcome(StrEnum):
@@ -136,43 +138,30 @@ class Router:
         self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
         self.worker_id: str | None = None  # set in cluster mode
         self.access: AccessControl | None = None
+        self.rate_limit = UserRateLimit(settings.messages_per_minute)
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    async def start(self, adapters: dict[str, Adapter]) -> None:
-        """Resume what a previous process accepted but never finished, then start the sweeper."""
+    async def start(self, adapters: dict[str, Adapter], *, resume_max_age_s: float = 600.0) -> None:
+        """Recover what a previous process left unfinished, then start the idle sweeper."""
+        from gateway.recovery import recover
+
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        for rec in await self.store.unfinished_inbound():
-            adapter = adapters.get(rec.message.platform)
-            self._remember(rec.message)
-            if rec.status == "running":
-                await self._mark_crashed(rec)
-                continue
-            if adapter is None:
-                await self.store.finish_inbound(rec.id, "rejected", "platform no longer configured")
-                continue
-            turn = Turn(rec.message, rec.session_key, adapter)
-            turn.inbound_id = rec.id
-            turn.accepted.set_result(True)
-            self._enqueue(turn)
-            log.info("replaying a message accepted before a restart", extra={"session": rec.session_key})
+        await recover(self, adapters, resume_max_age_s=resume_max_age_s)
 
-    async def _mark_crashed(self, rec: InboundRecord) -> None:
-        """A turn was running when the process died: close its transcript honestly."""
-        conversation, history = await self.store.conversation(rec.session_key)
-        if history and history[-1].role == "user":
-            rows = TurnRecorder().interrupted(PROCESS_DIED)
-            await self.store.append(rec.session_key, conversation, rows)
-        await self.store.finish_inbound(rec.id, "cancelled", PROCESS_DIED.marker)
-
-    async def shutdown(self, reason: ToolReason, *, grace_s: float = 10.0) -> None:
-        """Stop intake, hard_cancel every running turn for `reason`, wait for lanes to settle.
+    async def shutdown(self, reason: ToolReason, *, drain_s: float = 0.0, grace_s: float = 10.0) -> None:
+        """Stop intake, let running turns finish for up to `drain_s`, hard_cancel the rest for
+        `reason`, and wait (up to `grace_s`) for their outcomes to be recorded.
 
         Queued turns stay accepted in the store and are replayed on the next start.
         """
         self._closing = True
         if self._sweeper:
             self._sweeper.cancel()
+        running = [lane.worker for lane in self._lanes.values() if lane.worker and lane.current]
+        if drain_s > 0 and running:
+            log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
+            await asyncio.wait(running, timeout=drain_s)
         for lane in list(self._lanes.values()):
             if lane.current is not None:
                 lane.current.run.cancel(reason)
@@ -210,6 +199,13 @@ class Router:
                     await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
                 return Submitted(Outcome.REJECTED, notice or "not allowed (notice throttled)")
         cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
+        if cmd is None and ephemeral is None:  # commands always get through: /stop must work
+            allowed, notice = self.rate_limit.check(msg.platform, msg.user_id)
+            if not allowed:
+                if notice:
+                    await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
+                log.info("rate limited", extra={"session": key})
+                return Submitted(Outcome.REJECTED, notice or "rate limited (notice already sent)")
         if cmd is not None:
             if self._remember(msg):
                 return Submitted(Outcome.DUPLICATE)
@@ -254,6 +250,23 @@ class Router:
         if _CONTROL_CHARS.search(text):
             return "That message contains binary data; I can only read text."
         return None
+
+    async def resume(self, msg: InboundMessage, adapter: Adapter, key: str, *,
+                     inbound_id: int | None = None) -> Run | None:
+        """Queue a turn after a restart without the intake checks a user message gets: a message
+        already stored (`inbound_id`), or an automatic one whose message id makes it happen once."""
+        turn = Turn(msg, key, adapter)
+        self._enqueue(turn)
+        try:
+            turn.inbound_id = inbound_id or await self.store.accept_inbound(key, msg)
+        except StoreError:
+            turn.inbound_id = None
+        turn.accepted.set_result(turn.inbound_id is not None)
+        return turn.run if turn.inbound_id is not None else None
+
+    def remember(self, msg: InboundMessage) -> bool:
+        """Record a message id as seen (True if it already was)."""
+        return self._remember(msg)
 
     def _remember(self, msg: InboundMessage) -> bool:
         """In-memory first line of de-duplication; True if this message was seen recently."""
@@ -440,6 +453,8 @@ class Router:
         self.metrics.turns.labels(status).inc()
         if status == "cancelled":
             self._count_cancel(turn.key, run)
+            if run.reason == GATEWAY_RESTART:
+                status = "restart"  # resumed on the next start
         if agent is not None:
             await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         else:
@@ -521,5 +536,6 @@ class Router:
         every = max(1.0, min(30.0, self.settings.idle_ttl_s / 2))
         while True:
             await asyncio.sleep(every)
+            self.rate_limit.prune()
             if expired := self.cache.expire_idle():
                 log.debug("released %d idle agents", expired)

@@ -144,6 +144,7 @@ class EditStreamReply(Reply):
         self._ended = False
         self._notice_shown = False
         self._pump_scheduled = False
+        self._pump_rendering = False  # the pump is inside _render (a send may be in flight)
 
     async def delta(self, text: str) -> None:
         if self._ended or self._run.is_cancelled():
@@ -199,6 +200,11 @@ class EditStreamReply(Reply):
         self._ended = True
         if self._typing_timer is not None:
             self._typing_timer.cancel()
+        if self._pump is not None and self._pump_rendering:
+            # Let an in-flight send land and be recorded: cancelled, its message would exist
+            # without our knowing its id, and the final text would go out as a second message.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._pump)
         for task in (self._pump, self._typing):
             if task is not None and not task.done():
                 task.cancel()
@@ -213,18 +219,21 @@ class EditStreamReply(Reply):
 
     async def _pump_edits(self) -> None:
         last = 0.0
-        while True:
+        while not self._ended:
             await self._dirty.wait()
             wait = last + self._caps.edit_interval_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             self._dirty.clear()
             last = time.monotonic()
+            self._pump_rendering = True
             try:
                 await self._render(self._text, final=False)
             except RateLimited as exc:  # skip intermediate states until the platform is ready
                 last = time.monotonic() + exc.retry_after
                 self._dirty.set()
+            finally:
+                self._pump_rendering = False
 
     async def _render(self, text: str, *, final: bool) -> None:
         measure = utf16_len if self._caps.length_unit == "utf16" else len

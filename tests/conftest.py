@@ -102,7 +102,8 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
     started: list[Daemon] = []
 
     async def factory(**sections: dict[str, object]) -> Daemon:
-        env = {"SWITCHBOARD_HTTP__PORT": str(free_port()), "SWITCHBOARD_ADMIN__PORT": str(free_port()), "SWITCHBOARD_STORE__DATA_DIR": str(tmp_path / "data"),
+        env = {"SWITCHBOARD_HTTP__PORT": str(free_port()), "SWITCHBOARD_ADMIN__PORT": str(free_port()),
+               "SWITCHBOARD_STORE__DATA_DIR": str(tmp_path / "data"),
                "SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": provider.base_url,
                "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "0.5"}
         for section, values in sections.items():

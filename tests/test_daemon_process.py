@@ -34,7 +34,8 @@ async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float
 
 def _start(tmp_path: Path, *extra_env: tuple[str, str], module: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_ADMIN__PORT": str(free_port()), "SWITCHBOARD_API__ENABLED": "true",
+    env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_ADMIN__PORT": str(free_port()),
+           "SWITCHBOARD_API__ENABLED": "true",
            "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "1", **dict(extra_env)}
     argv = [sys.executable, "-m", "gateway", "run"] if module else ["switchboard", "run"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -84,6 +85,6 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
     rows = db.execute("SELECT role, content, interrupted_by, reason FROM messages ORDER BY id").fetchall()
     assert rows[-1] == ("tool", "[interrupted by system: gateway restart]", "system", "gateway restart")
     assert db.execute("SELECT status, detail FROM inbound").fetchall() == [
-        ("cancelled", "[interrupted by system: gateway restart]")]
+        ("restart", "[interrupted by system: gateway restart]")]  # to be resumed on the next start
     logs = proc.stderr.read().decode() if proc.stderr else ""
     assert '"msg": "shutting down: [interrupted by system: gateway restart]"' in logs

@@ -154,3 +154,16 @@ async def test_echo_sleep_runs_the_sleep_program_and_stop_ends_it(
     assert done is not None
     await done.wait()
     assert chat.texts("c1")[-1] == "Done: slept 0.1 s."
+
+
+async def test_the_shell_allowlist_and_working_directory_are_enforced(reaper: object, tmp_path: Path) -> None:
+    from gateway.agents.tools import ProcessToolSettings, shell_tool
+    from gateway.processes import ProcessReaper
+
+    assert isinstance(reaper, ProcessReaper)
+    tool = shell_tool(ProcessToolSettings(reaper=reaper, allow_prefixes=("pwd", "echo "), cwd=str(tmp_path)))
+    assert (await tool.func({"command": "pwd"})).strip() == str(tmp_path)
+    assert (await tool.func({"command": "echo hi"})).strip() == "hi"
+    assert "not allowed" in await tool.func({"command": "rm -rf /tmp/nothing"})
+    assert "not allowed" in await tool.func({"command": "echo hi; rm -rf /tmp/nothing"})
+    assert "not allowed" in await tool.func({"command": "echo $(cat /etc/passwd)"})

@@ -13,6 +13,7 @@ from gateway.processes import ProcessReaper, ProcessResult, run_in_process_group
 log = logging.getLogger(__name__)
 
 ToolFunc = Callable[[dict[str, Any]], Awaitable[str]]
+_SHELL_META = frozenset(";&|`$<>\n\r(){}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +87,12 @@ def shell_tool(settings: ProcessToolSettings) -> Tool:
         command = args.get("command")
         if not isinstance(command, str) or not command.strip():
             raise ValueError("'command' must be a non-empty string")
-        if settings.allow_prefixes and not any(
-                command.strip().startswith(p) for p in settings.allow_prefixes):
-            return "error: command not allowed by the operator's shell allowlist"
+        if settings.allow_prefixes:
+            # A prefix check means nothing if the rest of the line can chain another command.
+            if any(c in command for c in _SHELL_META):
+                return "error: shell operators (; & | ` $ < > newlines) are not allowed under the allowlist"
+            if not any(command.strip().startswith(p) for p in settings.allow_prefixes):
+                return "error: command not allowed by the operator's shell allowlist"
         result = await run_in_process_group(
             ["/bin/sh", "-c", command], reaper=settings.reaper, timeout_s=_timeout(args, settings),
             max_output=settings.max_output, cwd=settings.cwd)

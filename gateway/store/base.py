@@ -19,7 +19,10 @@ class InboundRecord:
     id: int
     session_key: str
     message: InboundMessage
-    status: str  # "accepted" (never started) or "running" (the process stopped mid-turn)
+    # "accepted": never started; "running": the process died mid-turn; "restart": a graceful
+    # restart cancelled it (to be resumed)
+    status: str
+    received_at: float
 
 
 @dataclass(frozen=True, slots=True)

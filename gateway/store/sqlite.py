@@ -72,7 +72,7 @@ CREATE TABLE IF NOT EXISTS paired_users (
     approved_at REAL NOT NULL,
     PRIMARY KEY (platform, user_id)
 );
-CREATE INDEX IF NOT EXISTS inbound_unfinished ON inbound (status) WHERE status IN ('accepted', 'running');
+CREATE INDEX IF NOT EXISTS inbound_open ON inbound (status) WHERE status IN ('accepted', 'running', 'restart');
 """
 
 Op = Callable[[sqlite3.Connection], Any]
@@ -190,9 +190,9 @@ class SqliteStore:
 
     async def unfinished_inbound(self) -> list[InboundRecord]:
         def op(c: sqlite3.Connection) -> list[InboundRecord]:
-            rows = c.execute("SELECT id, session_key, payload, status FROM inbound"
-                             " WHERE status IN ('accepted', 'running') ORDER BY id").fetchall()
-            return [InboundRecord(r[0], r[1], _decode_inbound(json.loads(r[2])), r[3]) for r in rows]
+            rows = c.execute("SELECT id, session_key, payload, status, received_at FROM inbound"
+                             " WHERE status IN ('accepted', 'running', 'restart') ORDER BY id").fetchall()
+            return [InboundRecord(r[0], r[1], _decode_inbound(json.loads(r[2])), r[3], r[4]) for r in rows]
 
         return await self._call(op)
 
@@ -295,7 +295,7 @@ class SqliteStore:
 
     def _prune(self, c: sqlite3.Connection) -> None:
         """Forget finished inbound rows past the dedup window (transcripts are kept)."""
-        c.execute("DELETE FROM inbound WHERE status NOT IN ('accepted', 'running') AND received_at < ?",
+        c.execute("DELETE FROM inbound WHERE status NOT IN ('accepted', 'running', 'restart') AND received_at < ?",
                   (time.time() - self.dedup_ttl_s,))
 
 

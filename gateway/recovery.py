@@ -1,0 +1,63 @@
+"""After a restart: replay messages that were accepted but never started, and resume turns that
+a restart (or a crash) cut off — once each, and only while they are fresh."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from gateway.cancellation import GATEWAY_RESTART, PROCESS_DIED
+from gateway.events import InboundMessage
+from gateway.store import InboundRecord
+from gateway.transcript import TurnRecorder
+
+if TYPE_CHECKING:
+    from gateway.router import Router
+    from platforms.base import Adapter
+
+log = logging.getLogger(__name__)
+
+RESUME_PREFIX = "resume:"
+RESUME_PROMPT = (f"{GATEWAY_RESTART.marker} The gateway restarted while you were answering. "
+                 "Continue from where you stopped, without repeating what you already said.")
+
+
+async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_age_s: float) -> None:
+    for rec in await router.store.unfinished_inbound():
+        router.remember(rec.message)
+        adapter = adapters.get(rec.message.platform)
+        if rec.status == "accepted":
+            if adapter is None:
+                await router.store.finish_inbound(rec.id, "rejected", "platform no longer configured")
+                continue
+            log.info("replaying a message accepted before the restart", extra={"session": rec.session_key})
+            await router.resume(rec.message, adapter, rec.session_key, inbound_id=rec.id)
+            continue
+        if rec.status == "running":  # the process died mid-turn: nobody told the user
+            await _close_transcript(router, rec)
+            if adapter is not None:
+                await adapter.notify(rec.message.chat, f"⏹ interrupted: {PROCESS_DIED.text}",
+                                     reply_to=rec.message.message_id)
+        fresh = time.time() - rec.received_at <= resume_max_age_s
+        # At most one automatic resume per user message: a resume that is itself cut off stays so.
+        resumable = (adapter is not None and rec.message.platform != "api" and fresh
+                     and not rec.message.message_id.startswith(RESUME_PREFIX))
+        await router.store.finish_inbound(rec.id, "resumed" if resumable else "cancelled",
+                                          "resumed after restart" if resumable else "not resumed")
+        if resumable and adapter is not None:
+            log.info("resuming a turn cut off by a restart", extra={"session": rec.session_key})
+            await router.resume(_resume_message(rec), adapter, rec.session_key)
+
+
+async def _close_transcript(router: Router, rec: InboundRecord) -> None:
+    conversation, history = await router.store.conversation(rec.session_key)
+    if history and history[-1].role == "user":
+        await router.store.append(rec.session_key, conversation, TurnRecorder().interrupted(PROCESS_DIED))
+
+
+def _resume_message(rec: InboundRecord) -> InboundMessage:
+    m = rec.message
+    return InboundMessage(platform=m.platform, chat_id=m.chat_id, chat_type=m.chat_type, user_id=m.user_id,
+                          user_name=m.user_name, message_id=f"{RESUME_PREFIX}{rec.id}", text=RESUME_PROMPT,
+                          thread_id=m.thread_id, reply_to=m.message_id, user_handle=m.user_handle)
