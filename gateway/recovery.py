@@ -29,7 +29,7 @@ async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_ag
         adapter = adapters.get(rec.message.platform)
         if rec.status == "accepted":
             if adapter is None:
-                await router.store.finish_inbound(rec.id, "rejected", "platform no longer configured")
+                await router.store.finish_inbound(rec.session_key, rec.id, "rejected", "platform no longer configured")
                 continue
             log.info("replaying a message accepted before the restart", extra={"session": rec.session_key})
             await router.resume(rec.message, adapter, rec.session_key, inbound_id=rec.id)
@@ -43,7 +43,7 @@ async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_ag
         # At most one automatic resume per user message: a resume that is itself cut off stays so.
         resumable = (adapter is not None and rec.message.platform != "api" and fresh
                      and not rec.message.message_id.startswith(RESUME_PREFIX))
-        await router.store.finish_inbound(rec.id, "resumed" if resumable else "cancelled",
+        await router.store.finish_inbound(rec.session_key, rec.id, "resumed" if resumable else "cancelled",
                                           "resumed after restart" if resumable else "not resumed")
         if resumable and adapter is not None:
             log.info("resuming a turn cut off by a restart", extra={"session": rec.session_key})

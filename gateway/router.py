@@ -528,7 +528,7 @@ class Router:
         if turn.inbound_id is None:
             return
         try:
-            await self.store.finish_inbound(turn.inbound_id, status, detail)
+            await self.store.finish_inbound(turn.key, turn.inbound_id, status, detail)
         except StoreError as exc:
             log.error("could not mark a message %s: %s", status, exc, extra={"session": turn.key})
 

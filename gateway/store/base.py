@@ -43,11 +43,13 @@ class Store(Protocol):
     async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
         """Durably record an inbound message; None if (platform, message id) was seen before."""
 
-    async def finish_inbound(self, inbound_id: int, status: str, detail: str | None = None) -> None:
+    async def finish_inbound(self, session_key: str, inbound_id: int, status: str,
+                             detail: str | None = None) -> None:
         """Mark an accepted message done, cancelled or rejected, so it is not replayed."""
 
-    async def unfinished_inbound(self) -> list[InboundRecord]:
-        """Messages whose turn never ended (the process stopped first), oldest first."""
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        """Messages whose turn never ended (the process stopped first), oldest first — of one
+        session, or of all sessions this store can enumerate cheaply (a shared store: none)."""
 
     async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
         """The session's current conversation number and its history."""

@@ -184,14 +184,20 @@ class SqliteStore:
 
         return await self._call(op)
 
-    async def finish_inbound(self, inbound_id: int, status: str, detail: str | None = None) -> None:
+    async def finish_inbound(self, session_key: str, inbound_id: int, status: str,
+                             detail: str | None = None) -> None:
         await self._call(lambda c: c.execute(
             "UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status, detail, inbound_id)))
 
-    async def unfinished_inbound(self) -> list[InboundRecord]:
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
         def op(c: sqlite3.Connection) -> list[InboundRecord]:
+            where = "status IN ('accepted', 'running', 'restart')"
+            args: tuple[str, ...] = ()
+            if session_key is not None:
+                where += " AND session_key = ?"
+                args = (session_key,)
             rows = c.execute("SELECT id, session_key, payload, status, received_at FROM inbound"
-                             " WHERE status IN ('accepted', 'running', 'restart') ORDER BY id").fetchall()
+                             f" WHERE {where} ORDER BY id", args).fetchall()
             return [InboundRecord(r[0], r[1], _decode_inbound(json.loads(r[2])), r[3], r[4]) for r in rows]
 
         return await self._call(op)

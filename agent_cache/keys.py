@@ -1,0 +1,109 @@
+"""Every Redis key Switchboard uses, named in one place.
+
+All keys of one session share the hash tag `{s:<session key>}`, so each Lua script touches one
+slot and the same code runs on Redis Cluster as on a single Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PREFIX = "sb"
+
+
+def _tag(session_key: str) -> str:
+    # Braces inside a session key would end the hash tag early; chat ids never contain them,
+    # but make sure.
+    return "{s:" + session_key.replace("{", "(").replace("}", ")") + "}"
+
+
+# --- per session (one slot each) ------------------------------------------------------------
+
+def lease(session_key: str) -> str:
+    """Hash: token, worker, fence. Expires with the lease TTL (Redis server time)."""
+    return f"{PREFIX}:{_tag(session_key)}:lease"
+
+
+def fence(session_key: str) -> str:
+    """Integer, INCR on every acquisition; never expires. Writes carrying an older one are refused."""
+    return f"{PREFIX}:{_tag(session_key)}:fence"
+
+
+def meta(session_key: str) -> str:
+    """Hash: conversation number, created/updated timestamps."""
+    return f"{PREFIX}:{_tag(session_key)}:meta"
+
+
+def messages(session_key: str, conversation: int) -> str:
+    """List of JSON transcript rows of one conversation."""
+    return f"{PREFIX}:{_tag(session_key)}:msgs:{conversation}"
+
+
+def inbound(session_key: str) -> str:
+    """Hash: inbound id -> JSON {message, status, detail, received_at} for open messages."""
+    return f"{PREFIX}:{_tag(session_key)}:inbound"
+
+
+# --- global -----------------------------------------------------------------------------
+
+def dedup(platform: str, chat_id: str, message_id: str) -> str:
+    """SET NX with a TTL: the first worker to see a platform message id wins."""
+    return f"{PREFIX}:dedup:{platform}:{chat_id}:{message_id}"
+
+
+def inbound_ids() -> str:
+    """Integer counter for inbound ids."""
+    return f"{PREFIX}:inbound-ids"
+
+
+def sessions_index() -> str:
+    """Sorted set: session key -> last update time (for listings)."""
+    return f"{PREFIX}:sessions"
+
+
+def pairing_codes(platform: str) -> str:
+    """Hash: code -> JSON {user_id, user_name, created_at}."""
+    return f"{PREFIX}:pairing:{{{platform}}}:codes"
+
+
+def paired_users(platform: str) -> str:
+    """Hash: user id -> JSON {user_name, approved_at}."""
+    return f"{PREFIX}:pairing:{{{platform}}}:users"
+
+
+def pairing_code_index() -> str:
+    """Hash: code -> platform, so `pairing approve CODE` finds the platform."""
+    return f"{PREFIX}:pairing:code-index"
+
+
+def workers() -> str:
+    """Hash: worker id -> JSON {seen_at, http, sessions, ingress} heartbeat."""
+    return f"{PREFIX}:workers"
+
+
+def worker_inbox(worker_id: str) -> str:
+    """Stream of messages and commands forwarded to a worker (consumer group `GROUP`)."""
+    return f"{PREFIX}:inbox:{{{worker_id}}}"
+
+
+def forward_reply(request_id: str) -> str:
+    """List the owner pushes a forwarded command's result to (the sender BLPOPs it)."""
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def ingress(name: str) -> str:
+    """Leader lease of an ingress singleton (a Telegram poller, a Discord shard)."""
+    return f"{PREFIX}:ingress:{{{name}}}"
+
+
+def ingress_state(name: str, field: str) -> str:
+    """State an ingress leader hands on, e.g. the Telegram update offset."""
+    return f"{PREFIX}:ingress:{{{name}}}:{field}"
+
+
+def token_id(token: str) -> str:
+    """A stable, non-secret name for a bot token (never put the token itself in a key)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+GROUP = "workers"
