@@ -1,0 +1,469 @@
+"""Discord adapter on discord.py 2.7: DMs, guild channels and threads; text and application commands.
+
+discord.py owns the gateway (heartbeats, RESUME, re-IDENTIFY) and paces REST calls; this adapter
+turns messages and interactions into router input, and maps every discord.py failure on the way
+out to `RateLimited` / `OutboundError` so a turn never crashes on an `HTTPException`. Its own
+state lives on the adapter, not in discord.py's caches, which a re-IDENTIFY clears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import aiohttp
+import discord
+from discord import app_commands
+
+from gateway.cancellation import Run, ToolReason
+from gateway.commands import parse_command
+from gateway.config import DiscordConfig
+from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.router import Outcome, Router
+from platforms.base import Adapter, EditStreamReply, OutboundError, RateLimited, Reply
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "discord"
+MAX_LEN = 2000
+MEDIA_ONLY = "I can only read text for now."
+APP_COMMANDS = {
+    "stop": "Stop the current answer (and drop queued messages)",
+    "new": "Start a fresh conversation",
+    "reset": "Start a fresh conversation (same as /new)",
+    "status": "What is running in this chat",
+    "help": "List the commands",
+}
+PRIVATE_COMMANDS = frozenset({"status", "help"})  # answered only to whoever asked
+_TRANSIENT = (aiohttp.ClientError, OSError, TimeoutError)
+_USER_MESSAGES = (discord.MessageType.default, discord.MessageType.reply)
+T = TypeVar("T")
+Interaction = discord.Interaction[Any]
+
+
+class _Fatal(Exception):
+    """A failure no retry fixes (a rejected token); the text says what to do."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, discord.HTTPException):
+        return f"HTTP {exc.status} (code {exc.code}): {exc.text or 'no details'}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _Client(discord.Client):
+    """A discord.Client that forwards events to its adapter; it holds no state of its own."""
+
+    def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
+        intents = discord.Intents.none()
+        intents.guilds = intents.guild_messages = intents.dm_messages = intents.message_content = True
+        defaults: dict[str, Any] = {
+            "allowed_mentions": discord.AllowedMentions.none(),  # model text must never ping anyone
+            "max_messages": None,  # edits go through PartialMessage; no message cache needed
+            "max_ratelimit_timeout": 30.0,  # longer waits raise discord.RateLimited instead of sleeping
+        }
+        # The daemon never joins voice: skip discord.py's warnings about missing voice libraries.
+        discord.VoiceClient.warn_nacl = discord.VoiceClient.warn_dave = False
+        super().__init__(intents=intents, **{**defaults, **options})
+        self.adapter = adapter
+        self.tree: app_commands.CommandTree[_Client] = app_commands.CommandTree(self)
+
+    async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
+        if not initial:  # Discord allows one IDENTIFY per 5 s; discord.py's default waits that long
+            await asyncio.sleep(self.adapter.reidentify_delay_s)
+
+    async def on_ready(self) -> None:
+        self.adapter._set_connected(True)
+
+    async def on_resumed(self) -> None:
+        self.adapter._set_connected(True)
+
+    async def on_disconnect(self) -> None:
+        self.adapter._set_connected(False)
+
+    async def on_message(self, message: discord.Message) -> None:
+        await self.adapter._on_message(message)
+
+
+@dataclass(eq=False)
+class _PendingInteraction:
+    """An application command not answered yet; the lock orders defer against the answer."""
+
+    interaction: Interaction
+    ephemeral: bool
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    answered: bool = False
+
+
+class DiscordAdapter(Adapter):
+    name = PLATFORM
+    # discord.Client keyword arguments for every instance (tests lower guild_ready_timeout here).
+    client_options: ClassVar[dict[str, Any]] = {}
+    reidentify_delay_s: ClassVar[float] = 5.0
+    DEFER_AFTER_S: ClassVar[float] = 1.5  # Discord drops interactions not acknowledged within 3 s
+    LOGIN_RETRY_S: ClassVar[float] = 1.0  # doubling up to LOGIN_RETRY_MAX_S
+    LOGIN_RETRY_MAX_S: ClassVar[float] = 60.0
+    CLOSE_GRACE_S: ClassVar[float] = 15.0
+
+    def __init__(self, config: DiscordConfig, **client_options: Any) -> None:
+        if config.token is None:
+            raise ValueError("discord.token is required")
+        self._config = config
+        self._token = config.token.reveal()
+        self._client_kwargs = {**self.client_options, **client_options}
+        self.capabilities = Capabilities(max_message_len=MAX_LEN, can_edit=True, can_stream=True,
+                                         edit_interval_s=config.edit_interval_s)
+        self.client = self._new_client()
+        self._task: asyncio.Task[None] | None = None
+        self._connected = False
+        self._problem: str | None = None
+        self._closing = False
+        self._closed = False
+        self._close_timer: asyncio.Task[None] | None = None
+        self._replies: set[_DiscordReply] = set()
+        self._interactions: dict[str, _PendingInteraction] = {}
+        self._sent_ids: OrderedDict[int, None] = OrderedDict()  # ours, to spot replies to the bot
+
+    def _new_client(self) -> _Client:
+        client = _Client(self, **self._client_kwargs)
+        for name, description in APP_COMMANDS.items():
+            client.tree.add_command(app_commands.Command(name=name, description=description,
+                                                         callback=self._command_callback(name)))
+        return client
+
+    def _command_callback(self, name: str) -> Callable[[Interaction], Coroutine[Any, Any, None]]:
+        async def callback(interaction: Interaction) -> None:
+            await self._on_app_command(interaction, name)
+        return callback
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self, router: Router) -> None:
+        """Log in (a rejected token leaves the adapter unhealthy, not the daemon down), then connect."""
+        await super().start(router)
+        try:
+            logged_in = await self._login()
+        except _Fatal as exc:
+            self._fail(str(exc))
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run(logged_in), name="discord-gateway")
+
+    async def _login(self) -> bool:
+        """True once logged in, False on a transient failure; raises _Fatal for a rejected token."""
+        try:
+            await self.client.login(self._token)
+            return True
+        except discord.LoginFailure:
+            raise _Fatal("the bot token was rejected (401 Unauthorized); check discord.token") from None
+        except (discord.HTTPException, *_TRANSIENT) as exc:
+            log.warning("discord: login failed (%s); will retry", _describe(exc))
+            await self.client.close()  # a retry logs in on a fresh client (fresh HTTP session)
+            self.client = self._new_client()
+            return False
+
+    async def _run(self, logged_in: bool) -> None:
+        delay = self.LOGIN_RETRY_S
+        try:
+            while not logged_in:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.LOGIN_RETRY_MAX_S)
+                logged_in = await self._login()
+            if self._config.register_commands:
+                await self._sync_commands()
+            await self.client.connect(reconnect=True)  # returns when closed; reconnects on its own
+        except _Fatal as exc:
+            self._fail(str(exc))
+        except discord.PrivilegedIntentsRequired:
+            self._fail("the Message Content intent is not enabled for this bot in the Discord developer portal")
+        except (discord.DiscordException, *_TRANSIENT) as exc:
+            if not self.client.is_closed():
+                self._fail(f"the gateway connection ended: {_describe(exc)}")
+        except Exception:
+            log.exception("discord: the gateway task crashed")
+            self._problem = "the gateway task crashed (see the log)"
+
+    async def _sync_commands(self) -> None:
+        try:
+            synced = await self.client.tree.sync()
+            log.info("discord: registered %d application commands", len(synced))
+        except (discord.DiscordException, *_TRANSIENT) as exc:  # text commands still work without them
+            log.warning("discord: could not register application commands: %s", _describe(exc))
+
+    def _fail(self, problem: str) -> None:
+        self._problem = problem
+        log.error("discord: %s", problem)
+
+    def _set_connected(self, connected: bool) -> None:
+        was, self._connected = self._connected, connected
+        user = self.client.user
+        if connected and user is not None:
+            self.router.bot_usernames[PLATFORM] = user.name
+            if not was:
+                log.info("discord: connected as %s (%s)", user.name, user.id)
+        elif was and not connected and not self.client.is_closed():
+            log.info("discord: gateway disconnected; discord.py is reconnecting")
+
+    def healthy(self) -> tuple[bool, str]:
+        if self._problem is not None:
+            return False, self._problem
+        if self.client.is_closed():
+            return False, "stopped"
+        if self._connected and self.client.is_ready():
+            return True, f"connected as {self.client.user}"
+        return False, "connecting to the Discord gateway"
+
+    async def stop(self) -> None:
+        """Stop intake now; close the client once in-flight replies have shown how they ended."""
+        self._closing = True
+        if not self._replies:
+            await self._close()
+        elif self._close_timer is None:  # in case a reply never reports its end
+            self._close_timer = asyncio.get_running_loop().create_task(self._close_later())
+
+    async def _close_later(self) -> None:
+        await asyncio.sleep(self.CLOSE_GRACE_S)
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        timer, task = self._close_timer, self._task
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+        if task is not None and not self.client.is_ready():
+            task.cancel()  # still logging in or connecting: nothing to wind down
+        await self.client.close()
+        if task is not None:
+            _done, late = await asyncio.wait({task}, timeout=5.0)
+            for stuck in late:
+                log.warning("discord: the gateway task did not end after close")
+                stuck.cancel()
+
+    async def _reply_done(self, reply: _DiscordReply) -> None:
+        self._replies.discard(reply)
+        if self._closing and not self._replies:
+            await self._close()
+
+    # --- inbound --------------------------------------------------------------------------
+
+    @staticmethod
+    def _chat_for(channel: object) -> ChatRef | None:
+        """Threads are sessions of their own: chat_id is the parent channel, thread_id the thread."""
+        if isinstance(channel, discord.DMChannel):
+            return ChatRef(PLATFORM, str(channel.id), ChatType.DM)
+        if isinstance(channel, discord.Thread):
+            return ChatRef(PLATFORM, str(channel.parent_id), ChatType.GROUP, str(channel.id))
+        if isinstance(channel, (discord.TextChannel, discord.VoiceChannel, discord.StageChannel)):
+            return ChatRef(PLATFORM, str(channel.id), ChatType.GROUP)
+        if isinstance(channel, discord.PartialMessageable):  # not in discord.py's cache
+            return ChatRef(PLATFORM, str(channel.id), ChatType.DM if channel.guild_id is None else ChatType.GROUP)
+        return None
+
+    def _addressed(self, message: discord.Message, chat: ChatRef, text: str) -> bool:
+        """In a guild: a mention, a reply to the bot, a known command, or any message in "all" mode."""
+        me = self.client.user
+        if me is None:
+            return False
+        role = message.guild.self_role if message.guild else None
+        if any(u.id == me.id for u in message.mentions) or (role is not None and role in message.role_mentions):
+            return True
+        ref = message.reference
+        if ref is not None and ref.message_id is not None:
+            resolved = ref.resolved
+            if ref.message_id in self._sent_ids or (
+                    isinstance(resolved, discord.Message) and resolved.author.id == me.id):
+                return True
+        command = parse_command(text, self.router.bot_usernames.get(PLATFORM))
+        if command is not None and command.known:
+            return True
+        allowed = self._config.allowed_channels
+        return self._config.guild_mode == "all" and (
+            not allowed or chat.chat_id in allowed or (chat.thread_id is not None and chat.thread_id in allowed))
+
+    def _strip_mentions(self, message: discord.Message) -> str:
+        me = self.client.user
+        role = message.guild.self_role if message.guild else None
+        ids = [str(x.id) for x in (me, role) if x is not None]
+        if not ids:
+            return message.content
+        return re.sub(rf"<@[!&]?(?:{'|'.join(ids)})>", "", message.content).strip()
+
+    async def _on_message(self, message: discord.Message) -> None:
+        if self._closing or message.author.bot or message.type not in _USER_MESSAGES:
+            return  # bot messages (our own echoes included) never start turns
+        chat = self._chat_for(message.channel)
+        if chat is None:
+            return
+        try:
+            text = message.content
+            if chat.chat_type is not ChatType.DM:
+                text = self._strip_mentions(message)
+                if not self._addressed(message, chat, text):
+                    return
+            ref = message.reference
+            msg = InboundMessage(
+                platform=PLATFORM, chat_id=chat.chat_id, chat_type=chat.chat_type, thread_id=chat.thread_id,
+                user_id=str(message.author.id), user_name=message.author.display_name,
+                message_id=str(message.id), text=text, timestamp=message.created_at.timestamp(),
+                reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None)
+            if not text.strip() and (message.attachments or message.stickers):
+                await self._media_only(msg)
+                return
+            await self.router.submit(msg, self)
+        except Exception:
+            log.exception("discord: could not handle message %s", message.id)
+
+    async def _media_only(self, msg: InboundMessage) -> None:
+        """Say we read only text, but to approved users only: strangers get a pairing code."""
+        access = self.router.access
+        if access is not None:
+            allowed, notice = await access.check(msg)
+            if not allowed:
+                if notice:
+                    await self.notify(msg.chat, notice, reply_to=msg.message_id)
+                return
+        await self.notify(msg.chat, MEDIA_ONLY, reply_to=msg.message_id)
+
+    async def _on_app_command(self, interaction: Interaction, name: str) -> None:
+        """Run `/name` as the router's text command; the interaction is always answered."""
+        pending = _PendingInteraction(interaction, ephemeral=name in PRIVATE_COMMANDS)
+        chat = self._chat_for(interaction.channel)
+        if self._closing or chat is None:
+            await self._answer(pending, "The gateway is restarting; please try again in a moment." if self._closing
+                               else "This command works in DMs, text channels and threads.")
+            return
+        msg = InboundMessage(platform=PLATFORM, chat_id=chat.chat_id, chat_type=chat.chat_type,
+                             thread_id=chat.thread_id, user_id=str(interaction.user.id),
+                             user_name=interaction.user.display_name, message_id=f"i{interaction.id}",
+                             text=f"/{name}")
+        self._interactions[msg.message_id] = pending  # the router's notice for it goes to `notify`
+        submit = asyncio.ensure_future(self.router.submit(msg, self))
+        text = "Done."
+        try:
+            done, _ = await asyncio.wait({submit}, timeout=self.DEFER_AFTER_S)
+            if not done:
+                await self._defer(pending)
+            result = await submit
+            text = result.detail or text
+            if result.outcome is Outcome.REJECTED:  # access refused with the notice throttled
+                text = "Sorry, you cannot use this bot yet."
+        except Exception:
+            log.exception("discord: /%s failed", name)
+            text = "Something went wrong on our side; it has been logged."
+        finally:
+            self._interactions.pop(msg.message_id, None)
+        await self._answer(pending, text)
+
+    async def _defer(self, pending: _PendingInteraction) -> None:
+        async with pending.lock:
+            if pending.answered or pending.interaction.response.is_done():
+                return
+            try:
+                await pending.interaction.response.defer(thinking=True, ephemeral=pending.ephemeral)
+            except (discord.HTTPException, *_TRANSIENT) as exc:
+                log.warning("discord: could not defer an interaction: %s", _describe(exc))
+
+    async def _answer(self, pending: _PendingInteraction, text: str) -> None:
+        async with pending.lock:
+            if pending.answered:
+                return
+            pending.answered = True
+            response = pending.interaction.response
+            try:
+                if response.is_done():  # deferred: the "thinking…" message becomes the answer
+                    await pending.interaction.edit_original_response(content=text[:MAX_LEN])
+                else:
+                    await response.send_message(text[:MAX_LEN], ephemeral=pending.ephemeral)
+            except (discord.HTTPException, *_TRANSIENT) as exc:
+                log.warning("discord: could not answer an interaction: %s", _describe(exc))
+
+    # --- outbound -------------------------------------------------------------------------
+
+    def _target(self, chat: ChatRef) -> discord.PartialMessageable:
+        if self._closed or self.client.is_closed():
+            raise OutboundError("the Discord client is closed")
+        return self.client.get_partial_messageable(int(chat.thread_id or chat.chat_id))
+
+    async def _call(self, call: Callable[[], Awaitable[T]], *, idempotent: bool) -> T:
+        """Await a discord.py call, mapping its failures to what the reply streamer understands."""
+        try:
+            return await call()
+        except discord.RateLimited as exc:  # longer than max_ratelimit_timeout: skip, don't sleep
+            raise RateLimited(exc.retry_after) from None
+        except discord.HTTPException as exc:
+            if exc.status == 429 and exc.response.headers.get("Via"):  # discord.py gave up retrying
+                raise RateLimited(float(exc.response.headers.get("Retry-After") or 1.0)) from None
+            raise OutboundError(_describe(exc)) from None
+        except _TRANSIENT as exc:
+            if idempotent:  # an edit can simply be repeated; a repeated send could post twice
+                raise RateLimited(1.0) from None
+            raise OutboundError(_describe(exc)) from None
+
+    async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
+        channel = self._target(chat)
+        reference = None
+        if reply_to is not None and reply_to.isdigit():
+            reference = discord.MessageReference(message_id=int(reply_to), channel_id=channel.id,
+                                                 fail_if_not_exists=False)
+        message = await self._call(lambda: channel.send(text, reference=reference) if reference
+                                   else channel.send(text), idempotent=False)
+        self._sent_ids[message.id] = None
+        if len(self._sent_ids) > 10_000:
+            self._sent_ids.popitem(last=False)
+        return str(message.id)
+
+    async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
+        partial = self._target(chat).get_partial_message(int(message_id))
+        await self._call(lambda: partial.edit(content=text), idempotent=True)
+
+    async def typing(self, chat: ChatRef) -> None:
+        channel = self._target(chat)
+        await self._call(lambda: channel.typing(), idempotent=True)
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
+        """Notices about an application command answer its interaction; others are messages."""
+        pending = self._interactions.pop(reply_to, None) if reply_to else None
+        if pending is not None:
+            await self._answer(pending, text)
+            return
+        await super().notify(chat, text, reply_to=reply_to)
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
+        reply = _DiscordReply(self, msg, run)
+        self._replies.add(reply)
+        return reply
+
+
+class _DiscordReply(EditStreamReply):
+    """EditStreamReply that tells the adapter when it has ended, so shutdown can wait for it."""
+
+    def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id)
+        self._owner = adapter
+
+    async def finish(self, text: str) -> None:
+        try:
+            await super().finish(text)
+        finally:
+            await self._owner._reply_done(self)
+
+    async def interrupted(self, reason: ToolReason) -> None:
+        try:
+            await super().interrupted(reason)
+        finally:
+            await self._owner._reply_done(self)
+
+    async def failed(self, text: str) -> None:
+        try:
+            await super().failed(text)
+        finally:
+            await self._owner._reply_done(self)
+
+
+__all__ = ["DiscordAdapter"]
