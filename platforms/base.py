@@ -70,6 +70,9 @@ class Adapter(ABC):
     name: str
     capabilities: Capabilities
     router: Router
+    # Can any worker reach this platform's chats (a REST API), or only the one holding the
+    # user's connection (web chat, HTTP API)? Decides whether messages may be forwarded.
+    pushes_anywhere: bool = False
 
     async def start(self, router: Router) -> None:
         self.router = router
@@ -147,7 +150,7 @@ class EditStreamReply(Reply):
         self._pump_rendering = False  # the pump is inside _render (a send may be in flight)
 
     async def delta(self, text: str) -> None:
-        if self._ended or self._run.is_cancelled():
+        if self._ended or not self._run.may_send():
             return
         self._text += text
         if self._caps.can_edit and self._caps.can_stream:
@@ -157,7 +160,7 @@ class EditStreamReply(Reply):
                 asyncio.get_running_loop().call_soon(self._start_pump)
 
     async def finish(self, text: str) -> None:
-        if self._ended or self._run.is_cancelled():
+        if self._ended or not self._run.may_send():
             return
         await self._end()
         self._text = text
@@ -168,6 +171,8 @@ class EditStreamReply(Reply):
             return
         self._notice_shown = True
         await self._end()
+        if self._run.guard is not None and not self._run.guard():
+            return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
         if self._shown and self._caps.can_edit:
             mid, shown = self._shown[-1]
@@ -181,7 +186,7 @@ class EditStreamReply(Reply):
 
 
     async def failed(self, text: str) -> None:
-        if self._ended or self._run.is_cancelled():
+        if self._ended or not self._run.may_send():
             return
         await self._end()
         body = f"{self._text}\n\n⚠️ {text}" if self._text else f"⚠️ {text}"
@@ -242,7 +247,7 @@ class EditStreamReply(Reply):
 
     async def _put(self, index: int, text: str, *, final: bool) -> None:
         for attempt in range(self.FINAL_RETRIES if final else 1):
-            if self._run.is_cancelled():
+            if not self._run.may_send():
                 return
             try:
                 if index < len(self._shown):
@@ -269,7 +274,11 @@ class EditStreamReply(Reply):
 
 
 def _with_notice(text: str, notice: str, caps: Capabilities) -> str:
+    measure = utf16_len if caps.length_unit == "utf16" else len
     joined = f"{text}\n\n{notice}"
-    if len(joined) <= caps.max_message_len:
+    if measure(joined) <= caps.max_message_len:
         return joined
-    return text[: caps.max_message_len - len(notice) - 3] + "…\n\n" + notice
+    room = caps.max_message_len - measure(notice) - 3
+    while measure(text) > room:  # trim from the end until the notice fits (UTF-16 aware)
+        text = text[: max(0, len(text) - max(1, measure(text) - room))]
+    return text + "…\n\n" + notice
