@@ -76,9 +76,19 @@ def pairing_code_index() -> str:
     return f"{PREFIX}:pairing:code-index"
 
 
+def pairing_platforms() -> str:
+    """Set of platforms that ever issued a pairing code, so `pairing list` can enumerate them."""
+    return f"{PREFIX}:pairing:platforms"
+
+
 def workers() -> str:
     """Hash: worker id -> JSON {seen_at, http, sessions, ingress} heartbeat."""
     return f"{PREFIX}:workers"
+
+
+def worker_alive(worker_id: str) -> str:
+    """Exists while the worker is alive (SET PX, refreshed with its heartbeat; server-side expiry)."""
+    return f"{PREFIX}:alive:{{{worker_id}}}"
 
 
 def worker_inbox(worker_id: str) -> str:

@@ -66,6 +66,7 @@ CLIENT_DISCONNECTED = ToolReason.system("client disconnected")
 STOPPED_BY_OPERATOR = ToolReason.system("stopped by operator")
 LEASE_LOST = ToolReason.system("session lease lost")
 PROCESS_DIED = ToolReason.system("gateway stopped before the turn finished")
+TAKEN_OVER = ToolReason.system("worker stopped responding; session taken over")
 
 
 def timed_out(seconds: float) -> ToolReason:
@@ -93,12 +94,14 @@ class Run:
     """
 
     __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "_thread_event", "_waiters",
-                 "cancelled_at", "done_at", "fence", "run_id", "session_key", "started_at")
+                 "cancelled_at", "done_at", "fence", "guard", "run_id", "session_key", "started_at")
 
     def __init__(self, session_key: str, *, fence: int | None = None) -> None:
         self.run_id = f"r{next(_run_ids)}"
         self.session_key = session_key
         self.fence = fence
+        # In cluster mode: "do we still own the session?" — checked before anything is sent.
+        self.guard: Callable[[], bool] | None = None
         self.started_at: float | None = None
         self.cancelled_at: float | None = None  # perf_counter() at cancel
         self.done_at: float | None = None  # perf_counter() when the run's task ended
@@ -125,6 +128,16 @@ class Run:
 
     def is_cancelled(self) -> bool:
         return self._reason is not None
+
+    def may_send(self) -> bool:
+        """May output of this run still reach the chat? Not once cancelled, nor once its session's
+        lease can no longer be proven (the run is then cancelled with the lease-lost reason)."""
+        if self._reason is not None:
+            return False
+        if self.guard is not None and not self.guard():
+            self.cancel(LEASE_LOST)
+            return False
+        return True
 
     def raise_if_cancelled(self) -> None:
         if self._reason is not None:

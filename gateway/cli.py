@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     sessions.add_argument("action", choices=["list", "stop"])
     sessions.add_argument("key", nargs="?", help="session key, for stop")
     sessions.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
+    status = sub.add_parser("status", help="cluster mode: workers, their sessions and ingress leases")
+    status.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
     run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
     return p
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_pairing(config, args.action, args.code))
     if args.command == "sessions":
         return asyncio.run(_sessions(config, args.action, args.key))
+    if args.command == "status":
+        return asyncio.run(_status(config))
     if args.log_format:
         config.log.format = args.log_format
     if args.log_level:
@@ -68,12 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _pairing(config: Config, action: str, code: str | None) -> int:
-    from pathlib import Path
-
     from gateway.access import CODE_TTL_S
-    from gateway.store.sqlite import SqliteStore
+    from gateway.daemon import build_store
 
-    store = SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+    store = build_store(config)
     await store.open()
     try:
         if action == "list":
@@ -130,3 +132,38 @@ async def _sessions(config: Config, action: str, key: str | None) -> int:
     except aiohttp.ClientConnectionError:
         print(f"switchboard: no daemon answering on {admin.host}:{admin.port} (is it running?)", file=sys.stderr)
         return 1
+
+
+async def _status(config: Config) -> int:
+    import json
+    import time
+    from typing import cast
+
+    from redis.asyncio import Redis
+    from redis.exceptions import RedisError
+
+    from agent_cache import keys
+
+    if config.redis.url is None:
+        print("single-process mode (no [redis] url); see `switchboard sessions list`")
+        return 0
+    redis = Redis.from_url(config.redis.url.reveal(), decode_responses=True)
+    try:
+        workers = cast("dict[str, str]", await redis.hgetall(keys.workers()))
+        if not workers:
+            print("no workers registered")
+        for worker, raw in sorted(workers.items()):
+            beat = json.loads(raw)
+            alive = bool(await redis.exists(keys.worker_alive(worker)))
+            print(f"{worker}  {'alive' if alive else 'DEAD'}  seen {time.time() - beat['seen_at']:.0f}s ago  "
+                  f"http {beat.get('http', '?')}  {len(beat['sessions'])} session(s)")
+            for name, what in sorted(beat.get("ingress", {}).items()):
+                print(f"    ingress  {name}: {what}")
+            for session in beat["sessions"]:
+                print(f"    session  {session}")
+        return 0
+    except (RedisError, OSError) as exc:
+        print(f"switchboard: cannot read cluster state from Redis ({type(exc).__name__})", file=sys.stderr)
+        return 1
+    finally:
+        await redis.aclose()

@@ -157,6 +157,17 @@ class StoreConfig:
 
 
 @dataclass
+class RedisConfig:
+    url: Secret | None = None  # set: cluster mode (redis://[:password@]host:6379/0)
+
+
+@dataclass
+class ClusterConfig:
+    worker_id: str | None = None  # default host:pid; systemd template units pass their instance name
+    lease_ttl_s: float = 30.0
+
+
+@dataclass
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
@@ -176,6 +187,8 @@ class Config:
     router: RouterConfig = field(default_factory=RouterConfig)
     agent_cache: AgentCacheConfig = field(default_factory=AgentCacheConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def secrets(self) -> list[str]:
@@ -339,6 +352,10 @@ def _validate(c: Config) -> None:
                        ("daemon.shutdown_grace_s", c.daemon.shutdown_grace_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    if c.cluster.lease_ttl_s < 3:
+        raise ConfigError(f"cluster.lease_ttl_s: must be at least 3 seconds (got {c.cluster.lease_ttl_s:g})")
+    if c.redis.url is not None and not c.redis.url.reveal().startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("redis.url: must start with redis://, rediss:// or unix://")
     if c.router.messages_per_minute < 0:
         raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
     if c.tools.tool_kill_grace_s < 0:

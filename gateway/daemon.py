@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib
 import logging
+import os
 import signal
+import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -19,11 +20,13 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cancellation import GATEWAY_RESTART, ToolReason
+from gateway.cluster import Cluster
 from gateway.config import Config
 from gateway.logs import redactor
 from gateway.processes import ProcessReaper
 from gateway.router import Router, RouterSettings
 from gateway.server import build_app, serve
+from gateway.store import Store
 from gateway.store.sqlite import SqliteStore
 from platforms.base import Adapter
 
@@ -51,15 +54,26 @@ def build_adapters(config: Config) -> dict[str, Adapter]:
 
     adapters: dict[str, Adapter] = {}
     if config.telegram.token is not None:
-        adapters["telegram"] = importlib.import_module("platforms.telegram_bot").TelegramAdapter(config.telegram)
+        from platforms.telegram_bot import TelegramAdapter
+        adapters["telegram"] = TelegramAdapter(config.telegram)
     if config.discord.token is not None:
-        adapters["discord"] = importlib.import_module("platforms.discord_bot").DiscordAdapter(config.discord)
+        from platforms.discord_bot import DiscordAdapter
+        adapters["discord"] = DiscordAdapter(config.discord)
     if config.webchat_enabled:
         adapters["webchat"] = WebchatAdapter()
     if config.api.enabled:
         adapters["api"] = ApiAdapter(keys=[k.reveal() for k in config.api.keys],
                                      model_name=config.api.model_name)
     return adapters
+
+
+def build_store(config: Config) -> Store:
+    """SQLite in the data dir, or the shared Redis store in cluster mode."""
+    if config.redis.url is not None:
+        from gateway.store.redis import RedisStore
+
+        return RedisStore(config.redis.url.reveal())
+    return SqliteStore(Path(config.store.data_dir) / "switchboard.db")
 
 
 def tune_gc() -> None:
@@ -77,7 +91,8 @@ class Daemon:
         for secret in config.secrets():
             redactor.add(secret)
         self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
-        self.store = SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+        self.store: Store = build_store(config)
+        self.cluster: Cluster | None = None
         self.agent = build_agent(config, self.reaper)
         r, c = config.router, config.agent_cache
         self.router = Router(RouterSettings(
@@ -94,13 +109,17 @@ class Daemon:
         self._stopped = asyncio.Event()
 
     async def readiness(self) -> dict[str, tuple[bool, str]]:
-        checks = {"store": (await self.store.ping(), "sqlite")}
+        checks = {"store": (await self.store.ping(), "redis" if self.config.redis.url else "sqlite")}
+        if self.cluster is not None:
+            checks["cluster"] = self.cluster.healthy()
         for name, adapter in self.adapters.items():
             checks[name] = adapter.healthy()
         return checks
 
     async def start(self) -> None:
         await self.store.open()
+        if self.config.redis.url is not None:
+            await self._start_cluster(self.config.redis.url.reveal())
         app = build_app(self.readiness)
         for adapter in self.adapters.values():
             adapter.routes(app)
@@ -118,6 +137,21 @@ class Daemon:
                  self.config.http.host, self.config.http.port, self.agent.description,
                  ", ".join(self.adapters) or "none")
 
+    async def _start_cluster(self, url: str) -> None:
+        from redis.asyncio import Redis
+
+        c = self.config.cluster
+        worker_id = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.cluster = Cluster(
+            Redis.from_url(url, decode_responses=True, health_check_interval=10), worker_id,
+            ttl_s=c.lease_ttl_s, router=self.router, adapters=self.adapters,
+            info={"http": f"{self.config.http.host}:{self.config.http.port}",
+                  "admin": f"{self.config.admin.host}:{self.config.admin.port}"},
+            resume_max_age_s=self.config.daemon.resume_max_age_s)
+        self.router.cluster = self.cluster
+        self.router.worker_id = worker_id
+        await self.cluster.start()
+
     async def stop(self, reason: ToolReason = GATEWAY_RESTART) -> None:
         """Stop intake, hard_cancel running turns for `reason`, flush, close."""
         log.info("shutting down: %s", reason.marker)
@@ -126,6 +160,8 @@ class Daemon:
                 await adapter.stop()
         d = self.config.daemon
         await self.router.shutdown(reason, drain_s=d.drain_timeout_s, grace_s=d.shutdown_grace_s)
+        if self.cluster is not None:
+            await self.cluster.stop()  # releases leases: the next worker to need a session takes it
         try:
             await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
         except TimeoutError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 
 class ChatType(StrEnum):
@@ -45,6 +45,20 @@ class InboundMessage:
     @property
     def chat(self) -> ChatRef:
         return ChatRef(self.platform, self.chat_id, self.chat_type, self.thread_id)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form for stores and forwarding (without `extra`, which stays local)."""
+        return {"platform": self.platform, "chat_id": self.chat_id, "chat_type": self.chat_type.value,
+                "user_id": self.user_id, "user_name": self.user_name, "message_id": self.message_id,
+                "text": self.text, "thread_id": self.thread_id, "reply_to": self.reply_to,
+                "timestamp": self.timestamp, "user_handle": self.user_handle}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InboundMessage:
+        return cls(platform=d["platform"], chat_id=d["chat_id"], chat_type=ChatType(d["chat_type"]),
+                   user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"], text=d["text"],
+                   thread_id=d.get("thread_id"), reply_to=d.get("reply_to"),
+                   timestamp=d.get("timestamp", time.time()), user_handle=d.get("user_handle"))
 
 
 @dataclass(frozen=True, slots=True)

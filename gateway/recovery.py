@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gateway.cancellation import GATEWAY_RESTART, PROCESS_DIED
+from gateway.cancellation import GATEWAY_RESTART, PROCESS_DIED, ToolReason
 from gateway.events import InboundMessage
 from gateway.store import InboundRecord
 from gateway.transcript import TurnRecorder
@@ -24,20 +24,29 @@ RESUME_PROMPT = (f"{GATEWAY_RESTART.marker} The gateway restarted while you were
 
 
 async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_age_s: float) -> None:
-    for rec in await router.store.unfinished_inbound():
+    """At start-up: everything the store can enumerate (a shared store leaves this to takeovers)."""
+    await recover_records(router, adapters, await router.store.unfinished_inbound(),
+                          resume_max_age_s=resume_max_age_s)
+
+
+async def recover_records(router: Router, adapters: dict[str, Adapter], records: list[InboundRecord], *,
+                          resume_max_age_s: float, cut_off: ToolReason = PROCESS_DIED) -> None:
+    """`cut_off` names what stopped turns that were still running (a crash, a dead worker)."""
+    for rec in records:
         router.remember(rec.message)
         adapter = adapters.get(rec.message.platform)
         if rec.status == "accepted":
             if adapter is None:
-                await router.store.finish_inbound(rec.session_key, rec.id, "rejected", "platform no longer configured")
+                await router.store.finish_inbound(rec.session_key, rec.id, "rejected",
+                                                  "platform no longer configured")
                 continue
-            log.info("replaying a message accepted before the restart", extra={"session": rec.session_key})
+            log.info("replaying a message accepted but never answered", extra={"session": rec.session_key})
             await router.resume(rec.message, adapter, rec.session_key, inbound_id=rec.id)
             continue
         if rec.status == "running":  # the process died mid-turn: nobody told the user
-            await _close_transcript(router, rec)
+            await _close_transcript(router, rec, cut_off)
             if adapter is not None:
-                await adapter.notify(rec.message.chat, f"⏹ interrupted: {PROCESS_DIED.text}",
+                await adapter.notify(rec.message.chat, f"⏹ interrupted: {cut_off.text}",
                                      reply_to=rec.message.message_id)
         fresh = time.time() - rec.received_at <= resume_max_age_s
         # At most one automatic resume per user message: a resume that is itself cut off stays so.
@@ -46,14 +55,15 @@ async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_ag
         await router.store.finish_inbound(rec.session_key, rec.id, "resumed" if resumable else "cancelled",
                                           "resumed after restart" if resumable else "not resumed")
         if resumable and adapter is not None:
-            log.info("resuming a turn cut off by a restart", extra={"session": rec.session_key})
+            log.info("resuming a turn that was cut off", extra={"session": rec.session_key})
             await router.resume(_resume_message(rec), adapter, rec.session_key)
 
 
-async def _close_transcript(router: Router, rec: InboundRecord) -> None:
+async def _close_transcript(router: Router, rec: InboundRecord, reason: ToolReason) -> None:
     conversation, history = await router.store.conversation(rec.session_key)
     if history and history[-1].role == "user":
-        await router.store.append(rec.session_key, conversation, TurnRecorder().interrupted(PROCESS_DIED))
+        fence = router.cluster.leases.held[rec.session_key].fence if router.cluster else None
+        await router.store.append(rec.session_key, conversation, TurnRecorder().interrupted(reason), fence=fence)
 
 
 def _resume_message(rec: InboundRecord) -> InboundMessage:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import re
 import time
@@ -18,12 +19,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
+from redis.exceptions import RedisError
+
 from agent_cache import AgentCache, CacheFull
 from gateway.access import AccessControl
 from gateway.agents import Agent, AgentError
 from gateway.cancellation import (
     EVICTED,
     GATEWAY_RESTART,
+    LEASE_LOST,
     NEW_MESSAGE,
     SESSION_RESET,
     STOPPED_BY_USER,
@@ -41,11 +45,13 @@ from gateway.store import Store, StoreError
 from gateway.transcript import ChatMessage, TextDelta, TurnRecorder
 
 if TYPE_CHECKING:
+    from gateway.cluster import Cluster
     from platforms.base import Adapter, Reply
 
 log = logging.getLogger(__name__)
 
 BusyPolicy = Literal["interrupt", "queue"]
+MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
 
@@ -67,6 +73,7 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     REJECTED = "rejected"
     COMMAND = "command"
+    FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,7 @@ class Router:
         self.interruptions: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
         self.worker_id: str | None = None  # set in cluster mode
+        self.cluster: Cluster | None = None
         self.access: AccessControl | None = None
         self.rate_limit = UserRateLimit(settings.messages_per_minute)
 
@@ -176,14 +184,17 @@ class Router:
     # --- intake ---------------------------------------------------------------------------
 
     async def submit(self, msg: InboundMessage, adapter: Adapter, *,
-                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
-        """Route one inbound message. Never raises for bad input: the user gets a reason."""
-        result = await self._submit(msg, adapter, ephemeral, key)
+                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None,
+                     hops: int = 0) -> Submitted:
+        """Route one inbound message. Never raises for bad input: the user gets a reason.
+
+        `hops` counts forwards between cluster workers (a forwarded message arrives with 1)."""
+        result = await self._submit(msg, adapter, ephemeral, key, hops)
         self.metrics.messages_in.labels(msg.platform, result.outcome.value).inc()
         return result
 
     async def _submit(self, msg: InboundMessage, adapter: Adapter, ephemeral: Sequence[ChatMessage] | None,
-                      key: str | None) -> Submitted:
+                      key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
         problem = self._validate(msg.text)
         if problem is None and self._closing:
@@ -206,6 +217,16 @@ class Router:
                     await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
                 log.info("rate limited", extra={"session": key})
                 return Submitted(Outcome.REJECTED, notice or "rate limited (notice already sent)")
+        if self.cluster is not None and ephemeral is None:
+            owner = await self._owner(key)
+            if owner is None:
+                reason = "I can't take messages right now (shared storage is unavailable). Please try again shortly."
+                await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
+                return Submitted(Outcome.REJECTED, reason)
+            if owner != self.worker_id:
+                if self._remember(msg):
+                    return Submitted(Outcome.DUPLICATE)
+                return await self._forward(owner, cmd, msg, key, adapter, hops)
         if cmd is not None:
             if self._remember(msg):
                 return Submitted(Outcome.DUPLICATE)
@@ -283,6 +304,9 @@ class Router:
 
     def _enqueue(self, turn: Turn) -> int:
         """Put a turn in its lane; returns how many turns are ahead of it."""
+        if self.cluster is not None and (lease := self.cluster.leases.held.get(turn.key)) is not None:
+            turn.run.fence = lease.fence
+            turn.run.guard = functools.partial(self.cluster.guard, turn.key, lease.fence)
         lane = self._lanes.get(turn.key)
         if lane is None:
             lane = self._lanes[turn.key] = Lane(turn.key)
@@ -325,6 +349,62 @@ class Router:
     def _on_evict(self, key: str, _agent: SessionAgent, running: bool) -> None:
         if running:
             self.hard_cancel(key, EVICTED)
+
+    # --- cluster mode ---------------------------------------------------------------------
+
+    async def _owner(self, key: str) -> str | None:
+        """The worker that owns `key` (this one if it was free); None if that cannot be known."""
+        assert self.cluster is not None
+        if not self.cluster.healthy()[0] and key not in self.cluster.leases.held:
+            return None
+        try:
+            route = await self.cluster.route(key)
+        except (RedisError, OSError) as exc:
+            log.warning("cannot route %s: %s", key, type(exc).__name__)
+            return None
+        return self.worker_id if route.fence is not None else route.owner
+
+    async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, adapter: Adapter,
+                       hops: int) -> Submitted:
+        assert self.cluster is not None
+        if hops >= MAX_HOPS or (cmd is None and not adapter.pushes_anywhere):
+            # A web chat or API client waits on this worker's connection, and only the owner may
+            # answer: say so rather than answer twice or not at all.
+            reason = "This conversation is busy on another worker right now; please try again in a moment."
+            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
+            return Submitted(Outcome.REJECTED, reason)
+        try:
+            result = await self.cluster.forward(owner, msg, key, hops=hops, want_reply=cmd is not None)
+        except (RedisError, OSError) as exc:
+            self._forget(msg)
+            reason = "I could not pass that on (shared storage is unavailable). Please try again shortly."
+            log.warning("forwarding to %s failed: %s", owner, type(exc).__name__, extra={"session": key})
+            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
+            return Submitted(Outcome.REJECTED, reason)
+        if cmd is None:
+            return Submitted(Outcome.FORWARDED, owner)
+        if result is None:
+            detail = "The worker running this conversation did not answer in time; please try again."
+            outcome = Outcome.REJECTED
+        else:
+            detail, outcome = result["detail"], Outcome(result["outcome"])
+        if not adapter.pushes_anywhere or result is None:  # the owner could not show it to this client
+            await adapter.notify(msg.chat, detail, reply_to=msg.message_id)
+        return Submitted(outcome, detail)
+
+    def lease_lost(self, session: str) -> None:
+        """Another worker owns `session` now: stop its turn and drop everything local, silently.
+
+        Queued messages stay open in the shared store; the new owner replays them."""
+        lane = self._lanes.get(session)
+        if lane is not None:
+            for turn in ([lane.current] if lane.current else []) + list(lane.pending):
+                turn.run.cancel(LEASE_LOST)
+        self.cache.discard(session)
+
+    def busy(self, session: str) -> bool:
+        lane = self._lanes.get(session)
+        return lane is not None and (lane.current is not None or bool(lane.pending))
 
     # --- commands (never behind the lane) -------------------------------------------------
 
@@ -416,6 +496,8 @@ class Router:
             return
         user = ChatMessage("user", msg.text, created_at=msg.timestamp)
         recorder = TurnRecorder()
+        if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
+            return
         if run.is_cancelled():  # stopped while queued or starting: it never runs
             assert run.reason is not None
             self._count_cancel(turn.key, run)
@@ -451,6 +533,9 @@ class Router:
             self.metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
         self.metrics.turns.labels(status).inc()
+        if run.reason == LEASE_LOST:  # fenced out: the new owner closes this turn's record
+            self._count_cancel(turn.key, run)
+            return
         if status == "cancelled":
             self._count_cancel(turn.key, run)
             if run.reason == GATEWAY_RESTART:
@@ -464,9 +549,10 @@ class Router:
                       recorder: TurnRecorder) -> None:
         async for event in self.agent.run_turn(history, user):
             recorder.feed(event)
-            if isinstance(event, TextDelta) and not run.is_cancelled():
+            if isinstance(event, TextDelta) and run.may_send():
                 await reply.delta(event.text)
-        await reply.finish(recorder.text)
+        if run.may_send():
+            await reply.finish(recorder.text)
 
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
                        reply: Reply) -> tuple[list[ChatMessage], str, str | None]:

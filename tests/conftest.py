@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from gateway.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
+from tests.redis_server import RedisServer, RedisServerMissing
 
 if TYPE_CHECKING:
     from gateway.daemon import Daemon
@@ -118,3 +119,18 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
     yield factory
     for daemon in started:
         await daemon.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port (no persistence), stopped at teardown.
+
+    Fails (never skips) when the binary is missing and cannot be installed.
+    """
+    server = RedisServer(tmp_path / "redis")
+    try:
+        server.start()
+    except RedisServerMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield server
+    server.stop()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.events import ChatType, InboundMessage
+from gateway.events import InboundMessage
 from gateway.store.base import InboundRecord, SessionInfo, StoreError
 from gateway.transcript import ChatMessage
 
@@ -173,7 +173,7 @@ class SqliteStore:
             return False
 
     async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
-        payload = json.dumps(_encode_inbound(msg))
+        payload = json.dumps(msg.to_dict())
 
         def op(c: sqlite3.Connection) -> int | None:
             cur = c.execute(
@@ -198,7 +198,7 @@ class SqliteStore:
                 args = (session_key,)
             rows = c.execute("SELECT id, session_key, payload, status, received_at FROM inbound"
                              f" WHERE {where} ORDER BY id", args).fetchall()
-            return [InboundRecord(r[0], r[1], _decode_inbound(json.loads(r[2])), r[3], r[4]) for r in rows]
+            return [InboundRecord(r[0], r[1], InboundMessage.from_dict(json.loads(r[2])), r[3], r[4]) for r in rows]
 
         return await self._call(op)
 
@@ -313,17 +313,3 @@ def _settle(results: list[_Result]) -> None:
             fut.set_exception(exc)
         else:
             fut.set_result(value)
-
-
-def _encode_inbound(msg: InboundMessage) -> dict[str, Any]:
-    return {"platform": msg.platform, "chat_id": msg.chat_id, "chat_type": msg.chat_type.value,
-            "user_id": msg.user_id, "user_name": msg.user_name, "message_id": msg.message_id,
-            "text": msg.text, "thread_id": msg.thread_id, "reply_to": msg.reply_to,
-            "timestamp": msg.timestamp, "user_handle": msg.user_handle}
-
-
-def _decode_inbound(d: dict[str, Any]) -> InboundMessage:
-    return InboundMessage(platform=d["platform"], chat_id=d["chat_id"], chat_type=ChatType(d["chat_type"]),
-                          user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"],
-                          text=d["text"], thread_id=d["thread_id"], reply_to=d["reply_to"],
-                          timestamp=d["timestamp"], user_handle=d.get("user_handle"))

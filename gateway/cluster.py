@@ -1,0 +1,234 @@
+"""Cluster mode: several workers share one Redis; each session has exactly one owner.
+
+A worker that receives a message for a session either owns it (holds its lease, taking it if
+free — and then recovering what a dead owner left open), or forwards the message to the owner's
+inbox stream. Entries a dead worker never acknowledged are claimed by the living, so nothing
+forwarded is lost. Commands forwarded from another worker have their result relayed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from agent_cache import keys
+from agent_cache.leases import LeaseManager
+from gateway.cancellation import TAKEN_OVER
+from gateway.events import InboundMessage
+
+if TYPE_CHECKING:
+    from gateway.router import Router, Submitted
+    from platforms.base import Adapter
+
+log = logging.getLogger(__name__)
+
+MAX_HOPS = 3
+REPLY_WAIT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    fence: int | None = None  # set: ours, with this fencing number
+    owner: str | None = None  # set: forward to this worker
+
+
+class Cluster:
+    def __init__(self, redis: Redis, worker_id: str, *, ttl_s: float, router: Router,
+                 adapters: dict[str, Adapter], info: dict[str, Any] | None = None,
+                 resume_max_age_s: float = 600.0) -> None:
+        self.resume_max_age_s = resume_max_age_s
+        self.redis = redis
+        self.worker_id = worker_id
+        self.ttl_s = ttl_s
+        self.router = router
+        self.adapters = adapters
+        self.info = info or {}
+        self.leases = LeaseManager(redis, worker_id, ttl_s=ttl_s, on_lost=self._lost)
+        self.ingress: dict[str, str] = {}  # ingress leases held: name -> description
+        self._acquiring: dict[str, asyncio.Future[Route]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inbox = keys.worker_inbox(worker_id)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
+            await self.redis.xgroup_create(self._inbox, keys.GROUP, id="0", mkstream=True)
+        await self._heartbeat()
+        self.leases.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._consume()), loop.create_task(self._background())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.leases.stop(release=True)
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.delete(keys.worker_alive(self.worker_id))
+            await self.redis.hdel(keys.workers(), self.worker_id)
+        await self.redis.aclose()
+
+    def healthy(self) -> tuple[bool, str]:
+        age = time.monotonic() - self.leases.last_ok
+        if age < self.ttl_s:
+            return True, f"worker {self.worker_id}, {len(self.leases.held)} lease(s)"
+        return False, f"Redis unreachable for {age:.0f} s; leases cannot be proven"
+
+    # --- routing --------------------------------------------------------------------------
+
+    async def route(self, session: str) -> Route:
+        """Ours (with the fence) or someone else's. Concurrent callers for one session share one
+        acquisition, so messages and commands keep their order."""
+        lease = self.leases.held.get(session)
+        if lease is not None and self.leases.valid(session):
+            return Route(fence=lease.fence)
+        pending = self._acquiring.get(session)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+        self._acquiring[session] = fut
+        try:
+            got = await self.leases.acquire(session, keys.lease(session), keys.fence(session))
+            if got.lease is None:
+                route = Route(owner=got.owner)
+            else:
+                self.router.metrics.lease_events.labels("acquired").inc()
+                await self._recover(session)
+                route = Route(fence=got.lease.fence)
+            fut.set_result(route)
+            return route
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: no "never retrieved" warning if nobody else waits
+            raise
+        finally:
+            self._acquiring.pop(session, None)
+
+    def guard(self, session: str, fence: int) -> bool:
+        return self.leases.valid(session, fence)
+
+    async def _recover(self, session: str) -> None:
+        """We just took the session: finish what its previous owner left open."""
+        from gateway.recovery import recover_records
+
+        records = await self.router.store.unfinished_inbound(session)
+        if records:
+            log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
+            await recover_records(self.router, self.adapters, records, resume_max_age_s=self.resume_max_age_s,
+                                  cut_off=TAKEN_OVER)
+
+    def _lost(self, session: str) -> None:
+        self.router.metrics.lease_events.labels("lost").inc()
+        self.router.lease_lost(session)
+
+    # --- forwarding -----------------------------------------------------------------------
+
+    async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
+                      want_reply: bool) -> dict[str, str] | None:
+        """Hand a message to its owner's inbox; with `want_reply`, wait for the command's result."""
+        request = uuid.uuid4().hex if want_reply else ""
+        entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
+                 "from": self.worker_id}
+        await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry)})
+        if not want_reply:
+            return None
+        got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
+        return json.loads(got[1]) if got else None
+
+    async def _consume(self) -> None:
+        while True:
+            try:
+                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self._inbox: ">"},
+                                                    count=100, block=1000)
+            except (RedisError, OSError) as exc:
+                log.warning("reading the inbox failed: %s", type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            streams = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]]", batch or [])
+            for _stream, entries in streams:
+                for entry_id, fields in entries:
+                    await self._handle(self._inbox, entry_id, fields)
+
+    async def _handle(self, stream: str, entry_id: str, fields: dict[str, str]) -> None:
+        try:
+            entry = json.loads(fields["data"])
+            msg = InboundMessage.from_dict(entry["msg"])
+            adapter = self.adapters.get(msg.platform)
+            if adapter is None:
+                log.error("forwarded message for platform %s, which this worker does not run", msg.platform)
+            else:
+                result = await self.router.submit(msg, adapter, key=entry["session"], hops=int(entry["hops"]))
+                if entry.get("reply"):
+                    await self._reply(entry["reply"], result)
+        except (ValueError, KeyError, TypeError):
+            log.exception("dropping a malformed inbox entry %s", entry_id)
+        except (RedisError, OSError) as exc:
+            log.warning("handling a forwarded message failed (%s); it stays pending", type(exc).__name__)
+            return
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.xack(stream, keys.GROUP, entry_id)
+
+    async def _reply(self, request: str, result: Submitted) -> None:
+        key = keys.forward_reply(request)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpush(key, json.dumps({"outcome": result.outcome.value, "detail": result.detail}))
+            pipe.expire(key, 60)
+            await pipe.execute()
+
+    # --- heartbeat, idle leases, dead workers ---------------------------------------------
+
+    async def _background(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self._heartbeat()
+                await self._release_idle()
+                await self._claim_from_the_dead()
+            except (RedisError, OSError) as exc:
+                log.warning("cluster housekeeping failed: %s", type(exc).__name__)
+
+    async def _heartbeat(self) -> None:
+        beat = {"seen_at": time.time(), "sessions": sorted(self.leases.held), "ingress": self.ingress,
+                **self.info}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(keys.worker_alive(self.worker_id), 1, px=int(self.ttl_s * 2000))
+            pipe.hset(keys.workers(), self.worker_id, json.dumps(beat))
+            await pipe.execute()
+
+    async def _release_idle(self) -> None:
+        """A lease is kept only while the session has a cached agent or work in its lane."""
+        for session in list(self.leases.held):
+            if session not in self.router.cache and not self.router.busy(session) \
+                    and session not in self._acquiring:
+                await self.leases.release(session)
+
+    async def _claim_from_the_dead(self) -> None:
+        workers = cast("list[str]", await self.redis.hkeys(keys.workers()))  # decode_responses=True
+        for worker in workers:
+            if worker == self.worker_id or await self.redis.exists(keys.worker_alive(worker)):
+                continue
+            inbox = keys.worker_inbox(worker)
+            with contextlib.suppress(ResponseError):  # its group may not exist yet
+                _next, claimed, *_ = await self.redis.xautoclaim(
+                    inbox, keys.GROUP, self.worker_id, min_idle_time=int(self.ttl_s * 1000), count=100)
+                for entry_id, fields in claimed:
+                    if fields:
+                        log.info("re-routing a message forwarded to dead worker %s", worker)
+                        await self._handle(inbox, entry_id, fields)
+                if claimed:
+                    continue
+            pending = await self.redis.xpending(inbox, keys.GROUP) if await self.redis.exists(inbox) else None
+            if not pending or not pending.get("pending"):
+                await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind

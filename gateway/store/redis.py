@@ -1,0 +1,388 @@
+"""Redis store for cluster mode: workers share transcripts, inbound state and pairing.
+
+Every key is named in agent_cache.keys. Each Lua script touches the keys of one session (or,
+for pairing, of one platform), which share a hash tag, so the same code runs on Redis Cluster
+(`redis+cluster://host:port` or `?cluster=true`). What spans slots (dedup, inbound ids, the
+sessions index, the pairing code index) is done by separate, non-atomic commands around them; a
+session's own state always changes in one script.
+
+A command that meets a dropped connection is retried (after a Redis restart every pooled
+connection is dead). A write whose reply was lost may have happened, so each write carries a
+one-off token and a retry finds it already applied instead of applying it twice. Timeouts are
+not retried: the StoreError comes sooner, and the router handles it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, cast
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from agent_cache import keys
+from gateway.events import InboundMessage
+from gateway.store.base import InboundRecord, SessionInfo, StoreError
+from gateway.transcript import ChatMessage
+
+log = logging.getLogger(__name__)
+
+# Dropped connections only; the cluster client keeps redis-py's own policy, which follows failovers.
+_RETRY = Retry(ExponentialBackoff(cap=0.2, base=0.02), 2, supported_errors=(RedisConnectionError,))
+
+# Statuses that keep an inbound message open (it will be replayed or resumed); any other closes it.
+OPEN_STATUSES = frozenset({"accepted", "running", "restart"})
+
+# Shared by FINISH and APPEND. Only status and detail change; the rest of the record is spliced
+# on as stored text, because cjson would re-encode its floats with 14 significant digits. The
+# first `,"received_at":` is the real key: a quote inside a JSON string is always escaped.
+_FINISH_LUA = """
+local function finish(key, id, keep, head)
+  if keep == '1' then
+    local rec = redis.call('HGET', key, id)
+    if rec then
+      local at = string.find(rec, ',"received_at":', 1, true)
+      redis.call('HSET', key, id, head .. string.sub(rec, at))
+    end
+  else
+    redis.call('HDEL', key, id)
+  end
+end
+"""
+
+# KEYS: inbound.  ARGV: id, keep (1/0), head.
+FINISH = _FINISH_LUA + "finish(KEYS[1], ARGV[1], ARGV[2], ARGV[3])"
+
+# KEYS: fence, meta, messages, inbound.
+# ARGV: fence ('' = unfenced), now, conversation, token, inbound id ('' = none), keep, head, rows...
+# Returns 0, or the session's current fence if the caller's is older (nothing written).
+APPEND = _FINISH_LUA + """
+if redis.call('HGET', KEYS[2], 'op') == ARGV[4] then return 0 end
+if ARGV[1] ~= '' then
+  local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if current > tonumber(ARGV[1]) then return current end
+end
+for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+redis.call('HSET', KEYS[2], 'updated_at', ARGV[2], 'op', ARGV[4])
+redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
+redis.call('HSETNX', KEYS[2], 'conversation', ARGV[3])
+if ARGV[5] ~= '' then finish(KEYS[4], ARGV[5], ARGV[6], ARGV[7]) end
+return 0
+"""
+
+# KEYS: meta.  ARGV: now, token.  A session without meta is on conversation 1, so its first reset gives 2.
+RESET = """
+if redis.call('HGET', KEYS[1], 'op') == ARGV[2] then return tonumber(redis.call('HGET', KEYS[1], 'conversation')) end
+redis.call('HSETNX', KEYS[1], 'conversation', 1)
+local conversation = redis.call('HINCRBY', KEYS[1], 'conversation', 1)
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[1], 'op', ARGV[2])
+redis.call('HSETNX', KEYS[1], 'created_at', ARGV[1])
+return conversation
+"""
+
+# Pairing times are Redis server time, so workers with skewed clocks agree on expiry.
+_NOW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+
+# KEYS: codes(platform).  ARGV: user id, user name, new code, ttl, max pending.
+# Returns {code or '', expired codes (for the code index)}.
+PAIRING_CODE = _NOW_LUA + """
+local expired, mine, pending = {}, '', 0
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local rec = cjson.decode(all[i + 1])
+  if rec.created_at < now - tonumber(ARGV[4]) then
+    redis.call('HDEL', KEYS[1], all[i])
+    table.insert(expired, all[i])
+  else
+    pending = pending + 1
+    if rec.user_id == ARGV[1] then mine = all[i] end
+  end
+end
+if mine == '' and pending < tonumber(ARGV[5]) then
+  redis.call('HSET', KEYS[1], ARGV[3], cjson.encode({user_id = ARGV[1], user_name = ARGV[2], created_at = now}))
+  mine = ARGV[3]
+end
+return {mine, expired}
+"""
+
+# KEYS: codes(platform), users(platform).  ARGV: code, ttl.  The code goes even if expired.
+APPROVE = _NOW_LUA + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local rec = cjson.decode(raw)
+if rec.created_at < now - tonumber(ARGV[2]) then return false end
+redis.call('HSET', KEYS[2], rec.user_id, cjson.encode({user_name = rec.user_name, approved_at = now}))
+return {rec.user_id, rec.user_name}
+"""
+
+
+class RedisStore:
+    """The Store protocol (and pairing) on a shared Redis; see the module docstring."""
+
+    def __init__(self, url: str, *, dedup_ttl_s: float = 7 * 86400) -> None:
+        self.dedup_ttl_s = dedup_ttl_s
+        self._secrets = _secrets(url)
+        self._url = self._redact(url)
+        try:
+            plain, cluster = _parse(url)
+            # URL query options (e.g. ?socket_timeout=2) override these.
+            opts: dict[str, Any] = {"decode_responses": True, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+            r: aioredis.Redis | RedisCluster = (RedisCluster.from_url(plain, **opts) if cluster
+                                                else aioredis.from_url(plain, retry=_RETRY, **opts))
+        except (ValueError, TypeError, RedisError) as exc:  # connects lazily: only the URL can be wrong here
+            raise StoreError(f"invalid redis url: {self._redact(str(exc))}") from None
+        self._r = r
+        self._finish = r.register_script(FINISH)
+        self._append = r.register_script(APPEND)
+        self._reset = r.register_script(RESET)
+        self._pairing_code = r.register_script(PAIRING_CODE)
+        self._approve = r.register_script(APPROVE)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._url!r})"
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Check that Redis answers, so a wrong URL or password fails at start, not at the first message."""
+        with self._errors("connect"):
+            await self._r.ping()
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Redis failures become StoreError, without the URL's password and without a cause chain."""
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            text = self._redact(str(exc))[:200]
+            raise StoreError(f"redis {what} failed: {type(exc).__name__}: {text}") from None
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # --- operations -----------------------------------------------------------------------
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._r.ping())
+        except Exception:
+            return False
+
+    async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
+        r = self._r
+        dedup, token = keys.dedup(msg.platform, msg.chat_id, msg.message_id), _token()
+        with self._errors("accept_inbound"):
+            pipe = r.pipeline(transaction=False)
+            pipe.set(dedup, token, nx=True, px=max(1, int(self.dedup_ttl_s * 1000)))
+            pipe.incr(keys.inbound_ids())  # an id wasted on a duplicate costs nothing
+            first, inbound_id = await pipe.execute()
+            if not first and await r.get(dedup) != token:  # (our token: a retry of our own SET)
+                return None
+        record = {"status": "accepted", "detail": None, "received_at": time.time(), "message": msg.to_dict()}
+        try:
+            with self._errors("accept_inbound"):
+                await r.hset(keys.inbound(session_key), str(inbound_id), _json(record))
+        except StoreError:
+            # Not recorded: let the platform's redelivery (or the user's retry) through again.
+            with suppress(RedisError, OSError):
+                await r.delete(dedup)
+            raise
+        return int(inbound_id)
+
+    async def finish_inbound(self, session_key: str, inbound_id: int, status: str,
+                             detail: str | None = None) -> None:
+        with self._errors("finish_inbound"):
+            await self._finish(keys=[keys.inbound(session_key)], args=_finish_args(inbound_id, status, detail))
+
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        """Open inbound messages of one session, oldest first.
+
+        Without a session this returns []: a shared store cannot tell which sessions this worker
+        should recover, so recovery runs per session when a worker acquires the session's lease.
+        """
+        if session_key is None:
+            return []
+        with self._errors("unfinished_inbound"):
+            raw = cast(dict[str, str], await self._r.hgetall(keys.inbound(session_key)))
+        out = []
+        for inbound_id, text in sorted(raw.items(), key=lambda kv: int(kv[0])):
+            rec = json.loads(text)
+            out.append(InboundRecord(int(inbound_id), session_key, InboundMessage.from_dict(rec["message"]),
+                                     rec["status"], rec["received_at"]))
+        return out
+
+    async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
+        # Two reads, not one script: the rows are always those of the number returned.
+        r = self._r
+        with self._errors("conversation"):
+            conversation = int(await r.hget(keys.meta(session_key), "conversation") or 1)
+            rows = cast(list[str], await r.lrange(keys.messages(session_key, conversation), 0, -1))
+        return conversation, [_decode_row(row) for row in rows]
+
+    async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
+                     *, fence: int | None = None, inbound: tuple[int, str, str | None] | None = None) -> None:
+        now = time.time()
+        finish = _finish_args(*inbound) if inbound is not None else ["", "", ""]
+        args: list[str | float | int] = ["" if fence is None else fence, now, conversation, _token(), *finish,
+                                         *(_encode_row(m) for m in rows)]
+        with self._errors("append"):
+            current = await self._append(keys=[keys.fence(session_key), keys.meta(session_key),
+                                               keys.messages(session_key, conversation),
+                                               keys.inbound(session_key)], args=args)
+        if current:
+            raise StoreError(f"fenced out: session {session_key} is at fence {current}, this write had {fence}")
+        await self._touch(session_key, now)
+
+    async def reset(self, session_key: str) -> int:
+        now = time.time()
+        with self._errors("reset"):
+            conversation = int(await self._reset(keys=[keys.meta(session_key)], args=[now, _token()]))
+        await self._touch(session_key, now)
+        return conversation
+
+    async def _touch(self, session_key: str, now: float) -> None:
+        """Best effort: the write itself succeeded, and the index only orders listings."""
+        try:
+            await self._r.zadd(keys.sessions_index(), {session_key: now})
+        except (RedisError, OSError) as exc:
+            log.warning("could not update the sessions index: %s", self._redact(str(exc)),
+                        extra={"session": session_key})
+
+    async def sessions(self, limit: int = 100) -> list[SessionInfo]:
+        r = self._r
+        with self._errors("sessions"):
+            index = cast(list[tuple[str, float]],
+                         await r.zrevrange(keys.sessions_index(), 0, limit - 1, withscores=True))
+            pipe = r.pipeline(transaction=False)
+            for key, _ in index:
+                pipe.hmget(keys.meta(key), ["conversation", "updated_at"])
+            metas = await pipe.execute()
+            pipe = r.pipeline(transaction=False)
+            convs = [int(meta[0] or 1) for meta in metas]
+            for (key, _), conv in zip(index, convs, strict=True):
+                pipe.llen(keys.messages(key, conv))
+            counts = await pipe.execute()
+        return [SessionInfo(key, conv, float(meta[1] or score), int(count))
+                for (key, score), meta, conv, count in zip(index, metas, convs, counts, strict=True)]
+
+    # --- pairing --------------------------------------------------------------------------
+
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        with self._errors("is_paired"):
+            return bool(await self._r.hexists(keys.paired_users(platform), user_id))
+
+    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
+                           ttl_s: float, max_pending: int) -> str | None:
+        r = self._r
+        with self._errors("pairing_code"):
+            await r.sadd(keys.pairing_platforms(), platform)
+            issued, expired = await self._pairing_code(keys=[keys.pairing_codes(platform)],
+                                                       args=[user_id, user_name, code, ttl_s, max_pending])
+            pipe = r.pipeline(transaction=False)
+            if expired:
+                pipe.hdel(keys.pairing_code_index(), *expired)
+            if issued == code:
+                pipe.hset(keys.pairing_code_index(), code, platform)
+            await pipe.execute()
+        return str(issued) or None
+
+    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+        r = self._r
+        with self._errors("approve_pairing"):
+            platform = cast(str | None, await r.hget(keys.pairing_code_index(), code))
+            if platform is None:
+                return None
+            approved = await self._approve(keys=[keys.pairing_codes(platform), keys.paired_users(platform)],
+                                           args=[code, ttl_s])
+            await r.hdel(keys.pairing_code_index(), code)
+        if not approved:
+            return None
+        return platform, str(approved[0]), str(approved[1])
+
+    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]:
+        """(pending codes, paired users) for `switchboard pairing list`."""
+        r = self._r
+        with self._errors("pairing_state"):
+            platforms = sorted(cast(set[str], await r.smembers(keys.pairing_platforms())))
+            pipe = r.pipeline(transaction=False)
+            for platform in platforms:
+                pipe.hgetall(keys.pairing_codes(platform))
+                pipe.hgetall(keys.paired_users(platform))
+            found = await pipe.execute()
+        pending: list[tuple[str, str, str, str, float]] = []
+        paired: list[tuple[str, str, str]] = []
+        for platform, codes, users in zip(platforms, found[::2], found[1::2], strict=True):
+            for code, raw in codes.items():
+                rec = json.loads(raw)
+                pending.append((code, platform, rec["user_id"], rec["user_name"], float(rec["created_at"])))
+            for user_id, raw in users.items():
+                paired.append((platform, user_id, json.loads(raw)["user_name"]))
+        return pending, paired
+
+
+# --- encoding -----------------------------------------------------------------------------
+
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _finish_args(inbound_id: int, status: str, detail: str | None) -> list[str]:
+    keep = status in OPEN_STATUSES
+    # The record's text up to (not including) `,"received_at":`, which the script splices on.
+    head = _json({"status": status, "detail": detail})[:-1] if keep else ""
+    return [str(inbound_id), "1" if keep else "0", head]
+
+
+def _encode_row(m: ChatMessage) -> str:
+    return _json({"role": m.role, "content": m.content, "tool_calls": m.tool_calls_json(),
+                  "tool_call_id": m.tool_call_id, "interrupted_by": m.interrupted_by, "reason": m.reason,
+                  "created_at": m.created_at})
+
+
+def _decode_row(text: str) -> ChatMessage:
+    d = json.loads(text)
+    return ChatMessage(d["role"], d["content"], ChatMessage.tool_calls_from_json(d["tool_calls"]),
+                       d["tool_call_id"], d["interrupted_by"], d["reason"], d["created_at"])
+
+
+def _parse(url: str) -> tuple[str, bool]:
+    """(URL for redis-py, whether it names a cluster): `redis+cluster://` or `?cluster=true`."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster = parts.scheme.endswith("+cluster") or any(
+        k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
+    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
+    return urlunsplit((parts.scheme.removesuffix("+cluster"), parts.netloc, parts.path, rest, "")), cluster
+
+
+def _secrets(url: str) -> list[str]:
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return []
+    return [s for s in {password, unquote(password)} if s] if password else []

@@ -1,0 +1,388 @@
+"""One behaviour, three backends: SQLite, Redis, and a one-node Redis Cluster (which refuses any
+script or command that touches more than one slot). Then what only the Redis store does:
+fencing, one hash slot per session, and errors and recovery when Redis dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.asyncio.connection import Connection
+from redis.crc import key_slot
+
+from agent_cache import keys
+from gateway.events import ChatType, InboundMessage
+from gateway.store import Store, StoreError
+from gateway.store.redis import RedisStore
+from gateway.store.sqlite import SqliteStore
+from gateway.transcript import ChatMessage, ToolCall
+from tests.redis_server import RedisServer, RedisServerMissing
+
+S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
+
+
+def msg(message_id: str, chat_id: str = "alice", platform: str = "webchat", text: str = "hi") -> InboundMessage:
+    return InboundMessage(platform=platform, chat_id=chat_id, chat_type=ChatType.DM, user_id="u1",
+                          user_name="Alice", message_id=message_id, text=text, thread_id=None, reply_to="m0",
+                          timestamp=1712345678.123456789, user_handle="alice")
+
+
+ROWS = [
+    ChatMessage("user", "what's in /tmp?", created_at=1712345678.000001),
+    ChatMessage("assistant", "", tool_calls=(ToolCall("c1", "shell", '{"cmd": "ls /tmp"}'),), created_at=1712345679.5),
+    ChatMessage("tool", "a\nb", tool_call_id="c1", created_at=1712345680.25),
+    ChatMessage("assistant", "There are two fi", interrupted_by="user", reason="/stop", created_at=1712345681.75),
+]
+
+
+def _started(server: RedisServer) -> RedisServer:
+    try:
+        return server.start()
+    except RedisServerMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """Shared by the module: a new cluster node only reports itself ready after two seconds."""
+    server = _started(RedisServer(tmp_path_factory.mktemp("redis-cluster"), cluster=True))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    store: SqliteStore | RedisStore
+    if request.param == "sqlite":
+        store = SqliteStore(tmp_path / "contract.db")
+    elif request.param == "redis":
+        store = RedisStore(request.getfixturevalue("redis_server").url)
+    else:
+        server: RedisServer = request.getfixturevalue("cluster_server")
+        server.client().flushall()
+        store = RedisStore(server.url)
+    await store.open()
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+async def redis_store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    store = RedisStore(redis_server.url)
+    await store.open()
+    yield store
+    await store.close()
+
+
+async def archived(store: Store, session: str, conversation: int) -> list[str]:
+    """Contents of a conversation that is no longer current (the protocol has no read for it)."""
+    if isinstance(store, SqliteStore):
+        with sqlite3.connect(store.path) as c:
+            return [r[0] for r in c.execute("SELECT content FROM messages WHERE session_key = ? AND conversation = ?"
+                                            " ORDER BY id", (session, conversation))]
+    assert isinstance(store, RedisStore)
+    return [json.loads(r)["content"] for r in await store._r.lrange(keys.messages(session, conversation), 0, -1)]
+
+
+# --- inbound ------------------------------------------------------------------------------
+
+async def test_accept_dedup_finish(any_store: Store) -> None:
+    first = await any_store.accept_inbound(S1, msg("m1"))
+    assert first is not None
+    assert await any_store.accept_inbound(S1, msg("m1")) is None
+    second = await any_store.accept_inbound(S1, msg("m2"))
+    assert second is not None and second > first
+    # The same message id elsewhere is a different message.
+    assert await any_store.accept_inbound(S2, msg("m1", chat_id="-100")) is not None
+    assert await any_store.accept_inbound(S2, msg("m1", platform="telegram")) is not None
+
+    open_ = await any_store.unfinished_inbound(S1)
+    assert [(r.id, r.session_key, r.message, r.status) for r in open_] == [
+        (first, S1, msg("m1"), "accepted"), (second, S1, msg("m2"), "accepted")]
+    assert open_[0].received_at == pytest.approx(time.time(), abs=60)
+
+    # Open statuses keep the record (and the message intact, even with a detail that looks like JSON).
+    await any_store.finish_inbound(S1, first, "running", 'cut ,"received_at": 0, "quote"}')
+    open_ = await any_store.unfinished_inbound(S1)
+    assert [(r.id, r.status, r.message) for r in open_] == [(first, "running", msg("m1")),
+                                                            (second, "accepted", msg("m2"))]
+    await any_store.finish_inbound(S1, first, "restart")
+    assert (await any_store.unfinished_inbound(S1))[0].status == "restart"
+
+    for status in ("done", "cancelled"):
+        await any_store.finish_inbound(S1, first if status == "done" else second, status, "detail")
+    assert await any_store.unfinished_inbound(S1) == []
+    # A finished message stays de-duplicated.
+    assert await any_store.accept_inbound(S1, msg("m1")) is None
+
+
+async def test_unfinished_per_session(any_store: Store) -> None:
+    a = await any_store.accept_inbound(S1, msg("a"))
+    b = await any_store.accept_inbound(S2, msg("b", chat_id="-100"))
+    assert [r.id for r in await any_store.unfinished_inbound(S1)] == [a]
+    assert [r.id for r in await any_store.unfinished_inbound(S2)] == [b]
+    everywhere = await any_store.unfinished_inbound()
+    if isinstance(any_store, SqliteStore):
+        assert [r.id for r in everywhere] == [a, b]
+    else:  # a shared store recovers per session, when a worker takes the session's lease
+        assert everywhere == []
+    for status in ("rejected", "failed", "resumed"):
+        c = await any_store.accept_inbound(S1, msg(f"c-{status}"))
+        assert c is not None
+        await any_store.finish_inbound(S1, c, status)
+    assert [r.id for r in await any_store.unfinished_inbound(S1)] == [a]
+
+
+# --- transcripts --------------------------------------------------------------------------
+
+async def test_conversation_append_reset(any_store: Store) -> None:
+    assert await any_store.conversation(S1) == (1, [])
+    await any_store.append(S1, 1, ROWS[:2])
+    await any_store.append(S1, 1, ROWS[2:])
+    await any_store.append(S1, 1, [])
+    assert await any_store.conversation(S1) == (1, ROWS)
+    assert await any_store.conversation(S2) == (1, [])
+
+    assert await any_store.reset(S1) == 2
+    assert await any_store.conversation(S1) == (2, [])
+    # A turn that started before /new still writes into its own (now archived) conversation.
+    late = ChatMessage("assistant", "late", created_at=1712345690.0)
+    await any_store.append(S1, 1, [late])
+    await any_store.append(S1, 2, [ROWS[0]])
+    assert await any_store.conversation(S1) == (2, [ROWS[0]])
+    assert await archived(any_store, S1, 1) == [m.content for m in [*ROWS, late]]
+
+    assert await any_store.reset(S1) == 3
+    assert await any_store.reset(S2) == 2  # a session never written to starts from 1
+
+
+async def test_inbound_status_set_by_append(any_store: Store) -> None:
+    done = await any_store.accept_inbound(S1, msg("m1"))
+    running = await any_store.accept_inbound(S1, msg("m2"))
+    assert done is not None and running is not None
+    await any_store.append(S1, 1, ROWS[:1], inbound=(running, "running", None))
+    await any_store.append(S1, 1, ROWS[1:], inbound=(done, "done", None))
+    assert [(r.id, r.status, r.message) for r in await any_store.unfinished_inbound(S1)] == [
+        (running, "running", msg("m2"))]
+    assert (await any_store.conversation(S1))[1] == ROWS
+
+
+async def test_sessions_listing(any_store: Store) -> None:
+    await any_store.append(S1, 1, ROWS)
+    await asyncio.sleep(0.01)
+    await any_store.append(S2, 1, ROWS[:1])
+    await asyncio.sleep(0.01)
+    await any_store.reset(S1)
+    await any_store.append(S1, 2, ROWS[:2])
+    listed = await any_store.sessions()
+    assert [(s.key, s.conversation, s.messages) for s in listed] == [(S1, 2, 2), (S2, 1, 1)]
+    assert listed[0].updated_at >= listed[1].updated_at > 1e9
+    assert [s.key for s in await any_store.sessions(limit=1)] == [S1]
+
+
+# --- pairing ------------------------------------------------------------------------------
+
+async def test_pairing_issue_reuse_cap_approve(any_store: Store) -> None:
+    issue = any_store.pairing_code
+    assert await issue("telegram", "u1", "Ann", code="AAAA2222", ttl_s=3600, max_pending=2) == "AAAA2222"
+    assert await issue("telegram", "u1", "Ann", code="BBBB3333", ttl_s=3600, max_pending=2) == "AAAA2222"
+    assert await issue("telegram", "u2", "Bob", code="CCCC4444", ttl_s=3600, max_pending=2) == "CCCC4444"
+    assert await issue("telegram", "u3", "Cy", code="DDDD5555", ttl_s=3600, max_pending=2) is None
+    assert await issue("discord", "u3", "Cy", code="EEEE6666", ttl_s=3600, max_pending=2) == "EEEE6666"
+
+    pending, paired = await any_store.pairing_state()
+    assert sorted(p[:4] for p in pending) == [("AAAA2222", "telegram", "u1", "Ann"),
+                                               ("CCCC4444", "telegram", "u2", "Bob"),
+                                               ("EEEE6666", "discord", "u3", "Cy")]
+    assert paired == []
+    assert not await any_store.is_paired("telegram", "u1")
+
+    assert await any_store.approve_pairing("AAAA2222", ttl_s=3600) == ("telegram", "u1", "Ann")
+    assert await any_store.approve_pairing("AAAA2222", ttl_s=3600) is None
+    assert await any_store.approve_pairing("NOSUCH22", ttl_s=3600) is None
+    assert await any_store.is_paired("telegram", "u1")
+    assert not await any_store.is_paired("discord", "u1")
+    # Approval freed a place.
+    assert await issue("telegram", "u3", "Cy", code="FFFF7777", ttl_s=3600, max_pending=2) == "FFFF7777"
+    pending, paired = await any_store.pairing_state()
+    assert sorted(p[0] for p in pending) == ["CCCC4444", "EEEE6666", "FFFF7777"]
+    assert paired == [("telegram", "u1", "Ann")]
+
+
+async def test_pairing_expiry(any_store: Store) -> None:
+    issue = any_store.pairing_code
+    assert await issue("telegram", "u1", "Ann", code="AAAA2222", ttl_s=0.3, max_pending=1) == "AAAA2222"
+    assert await issue("telegram", "u2", "Bob", code="BBBB3333", ttl_s=0.3, max_pending=1) is None
+    await asyncio.sleep(0.4)
+    # Expired codes neither count against the cap nor get reused.
+    assert await issue("telegram", "u2", "Bob", code="BBBB3333", ttl_s=0.3, max_pending=1) == "BBBB3333"
+    assert await issue("telegram", "u1", "Ann", code="CCCC4444", ttl_s=3600, max_pending=2) == "CCCC4444"
+    await asyncio.sleep(0.4)
+    assert await any_store.approve_pairing("BBBB3333", ttl_s=0.3) is None
+    assert not await any_store.is_paired("telegram", "u2")
+    assert await any_store.approve_pairing("CCCC4444", ttl_s=3600) == ("telegram", "u1", "Ann")
+
+
+# --- Redis only ---------------------------------------------------------------------------
+
+async def test_fenced_write_is_refused_and_writes_nothing(redis_store: RedisStore,
+                                                          redis_server: RedisServer) -> None:
+    raw = redis_server.client()
+    inbound = await redis_store.accept_inbound(S1, msg("m1"))
+    assert inbound is not None
+    await redis_store.append(S1, 1, ROWS[:1], fence=None)  # before any lease: no fence to check
+    raw.set(keys.fence(S1), 5)
+    meta = raw.hgetall(keys.meta(S1))
+
+    with pytest.raises(StoreError, match="fenced out"):
+        await redis_store.append(S1, 1, ROWS[1:], fence=4, inbound=(inbound, "done", None))
+    assert await redis_store.conversation(S1) == (1, ROWS[:1])
+    assert raw.hgetall(keys.meta(S1)) == meta
+    assert [r.status for r in await redis_store.unfinished_inbound(S1)] == ["accepted"]
+
+    await redis_store.append(S1, 1, ROWS[1:2], fence=5)
+    await redis_store.append(S1, 1, ROWS[2:], fence=6, inbound=(inbound, "done", None))
+    assert await redis_store.conversation(S1) == (1, ROWS)
+    assert await redis_store.unfinished_inbound(S1) == []
+
+
+def lose_next_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next command runs on the server, but its reply never arrives (the connection drops)."""
+    original = Connection.read_response
+    lost: list[Any] = []
+
+    async def read_response(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        reply = await original(self, *args, **kwargs)
+        if not lost:
+            lost.append(reply)
+            raise redis.ConnectionError("connection dropped (test)")
+        return reply
+
+    monkeypatch.setattr(Connection, "read_response", read_response)
+
+
+async def test_a_write_retried_after_a_lost_reply_is_applied_once(redis_store: RedisStore,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    await redis_store.append(S2, 1, ROWS[:1])  # load the scripts: lose the writes' replies, not SCRIPT LOAD's
+    await redis_store.reset(S2)
+    lose_next_reply(monkeypatch)
+    inbound = await redis_store.accept_inbound(S1, msg("m1"))  # the retry finds its own dedup claim
+    assert inbound is not None
+    assert [r.id for r in await redis_store.unfinished_inbound(S1)] == [inbound]
+    assert await redis_store.accept_inbound(S1, msg("m1")) is None
+
+    lose_next_reply(monkeypatch)
+    await redis_store.append(S1, 1, ROWS[:2], inbound=(inbound, "running", None))
+    assert await redis_store.conversation(S1) == (1, ROWS[:2])
+
+    lose_next_reply(monkeypatch)
+    assert await redis_store.reset(S1) == 2
+    assert await redis_store.reset(S1) == 3
+
+
+@pytest.mark.parametrize("session", [S1, S2, "discord:thread:1:2:3", "odd:{brace}:key}{"])
+async def test_all_keys_of_a_session_share_one_slot(redis_store: RedisStore, redis_server: RedisServer,
+                                                    session: str) -> None:
+    inbound = await redis_store.accept_inbound(session, msg("m1"))
+    assert inbound is not None
+    await redis_store.append(session, 1, ROWS, inbound=(inbound, "running", None))
+    await redis_store.reset(session)
+    await redis_store.append(session, 2, ROWS)
+    written = {k for k in redis_server.client().scan_iter("*") if "{s:" in k}
+    named = {keys.lease(session), keys.fence(session), keys.meta(session), keys.inbound(session),
+             keys.messages(session, 1), keys.messages(session, 2)}
+    assert written <= named and len(written) == 4
+    assert len({key_slot(k.encode()) for k in named}) == 1
+    assert len({key_slot(k.encode()) for k in (keys.pairing_codes("x"), keys.paired_users("x"))}) == 1
+
+
+async def test_errors_are_store_errors_and_it_recovers_after_a_restart(tmp_path: Path) -> None:
+    server = _started(RedisServer(tmp_path / "redis", persistence=True))
+    store = RedisStore(server.url)
+    try:
+        await store.open()
+        inbound = await store.accept_inbound(S1, msg("m1"))
+        assert inbound is not None
+        await store.append(S1, 1, ROWS[:2], inbound=(inbound, "running", None))
+        await asyncio.gather(*(store.conversation(f"other-{i}") for i in range(20)))  # a pool of connections
+        server.kill()
+
+        assert not await store.ping()
+        for call in (store.accept_inbound(S1, msg("m2")), store.finish_inbound(S1, inbound, "done"),
+                     store.unfinished_inbound(S1), store.conversation(S1), store.append(S1, 1, ROWS[2:]),
+                     store.reset(S1), store.sessions(), store.is_paired("telegram", "u1"),
+                     store.pairing_code("telegram", "u1", "Ann", code="AAAA2222", ttl_s=60, max_pending=3),
+                     store.approve_pairing("AAAA2222", ttl_s=60), store.pairing_state()):
+            with pytest.raises(StoreError, match=r"^redis .* failed: ConnectionError"):
+                await call
+
+        server.start()
+        # Every pooled connection died with the server; the first use of each must not fail.
+        await asyncio.gather(*(store.conversation(f"other-{i}") for i in range(20)))
+        assert await store.ping()
+        assert await store.conversation(S1) == (1, ROWS[:2])
+        assert [(r.id, r.status) for r in await store.unfinished_inbound(S1)] == [(inbound, "running")]
+        assert await store.accept_inbound(S1, msg("m1")) is None  # dedup survived too
+        await store.append(S1, 1, ROWS[2:], inbound=(inbound, "done", None))
+        assert await store.conversation(S1) == (1, ROWS)
+        assert await store.unfinished_inbound(S1) == []
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_errors_never_show_the_password(redis_server: RedisServer) -> None:
+    redis_server.client().config_set("requirepass", "another-one")
+    store = RedisStore(f"redis://:s3cr%40t-pw@127.0.0.1:{redis_server.port}/0")
+    assert "s3cr" not in repr(store)
+    with pytest.raises(StoreError, match="AuthenticationError") as raised:
+        await store.open()
+    redis_server.kill()
+    with pytest.raises(StoreError) as refused:
+        await store.conversation(S1)
+    await store.close()
+    for exc in (raised.value, refused.value):
+        assert "s3cr" not in str(exc) and exc.__cause__ is None and exc.__suppress_context__
+    with pytest.raises(StoreError, match="invalid redis url"):
+        RedisStore("http://:s3cr3t@example.com/")
+
+
+async def test_dedup_expires(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, dedup_ttl_s=0.2)
+    await store.open()
+    try:
+        assert await store.accept_inbound(S1, msg("m1")) is not None
+        assert await store.accept_inbound(S1, msg("m1")) is None
+        await asyncio.sleep(0.3)
+        assert await store.accept_inbound(S1, msg("m1")) is not None
+    finally:
+        await store.close()
+
+
+def test_redis_server_helper_restarts_on_the_same_port(tmp_path: Path) -> None:
+    server = _started(RedisServer(tmp_path / "r", persistence=True))
+    port = server.port
+    try:
+        server.client().set("k", "v")
+        server.stop()
+        with pytest.raises(redis.ConnectionError):
+            server.client().ping()
+        server.start()
+        assert server.port == port and server.client().get("k") == "v"
+        server.pause()
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            with pytest.raises(TimeoutError):
+                sock.recv(16)
+        server.resume()
+        assert server.client().ping()
+    finally:
+        server.stop()
