@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 
-from gateway import __version__
+from gateway import __version__, units
 from gateway.config import Config, ConfigError, load_config, render
 from gateway.logs import setup_logging
 
@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     sessions.add_argument("action", choices=["list", "stop"])
     sessions.add_argument("key", nargs="?", help="session key, for stop")
     sessions.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
+    unit = sub.add_parser("install-unit", help="write the systemd unit files (switchboard.service, "
+                          "switchboard@.service, switchboard.target)")
+    units.add_arguments(unit)
     status = sub.add_parser("status", help="cluster mode: workers, their sessions and ingress leases")
     status.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
     run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
@@ -42,6 +45,8 @@ def _load(path: str | None) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "install-unit":  # needs no config
+        return units.command(args)
     try:
         config = _load(args.config)
     except ConfigError as exc:
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.daemon import Daemon
 
     try:
-        asyncio.run(Daemon(config).run())
+        asyncio.run(Daemon(config, config_path=args.config).run())
     except OSError as exc:  # e.g. the port is taken: one clear line, not a traceback
         print(f"switchboard: cannot start: {exc.strerror or exc}", file=sys.stderr)
         return 1

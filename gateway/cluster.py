@@ -131,7 +131,8 @@ class Cluster:
 
     def _lost(self, session: str) -> None:
         self.router.metrics.lease_events.labels("lost").inc()
-        self.router.lease_lost(session)
+        if self.ingress.pop(session, None) is None:  # an ingress lease has no session to stop
+            self.router.lease_lost(session)
 
     # --- forwarding -----------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class Cluster:
         """A lease is kept only while the session has a cached agent or work in its lane."""
         for session in list(self.leases.held):
             if session not in self.router.cache and not self.router.busy(session) \
-                    and session not in self._acquiring:
+                    and session not in self._acquiring and session not in self.ingress:
                 await self.leases.release(session)
 
     async def _claim_from_the_dead(self) -> None:

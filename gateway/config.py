@@ -263,18 +263,20 @@ def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[st
     for source, items in (("file", values), ("env", env_values)):
         for key, value in items.items():
             where = f"{section}.{key}"
+            from_text = source == "env"
             if key in file_keys:
                 key = file_keys[key]
-                value = _read_secret_file(where, str(value))
+                value = _read_secret_file(where, str(value)).replace("\n", ",")  # one secret a line
+                from_text = True
             elif key not in names:
                 raise ConfigError(f"{where}: unknown key")
-            setattr(target, key, _coerce(where, value, hints[key], from_env=source == "env"))
+            setattr(target, key, _coerce(where, value, hints[key], from_env=from_text))
     if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
         for name in names:
             cred = Path(creds) / f"{section}.{name}"
             if _is_secret(hints[name]) and getattr(target, name) in (None, []) and cred.is_file():
                 setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
-                    f"{section}.{name}", str(cred)), hints[name], from_env=True))
+                    f"{section}.{name}", str(cred)).replace("\n", ","), hints[name], from_env=True))
 
 
 def _read_secret_file(where: str, path: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from agent_cache import keys
 from gateway.access import AccessControl, AccessPolicy
 from gateway.admin import build_admin_app
 from gateway.agents import Agent
@@ -21,10 +23,11 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cancellation import GATEWAY_RESTART, ToolReason
 from gateway.cluster import Cluster
-from gateway.config import Config
+from gateway.config import Config, ConfigError, load_config
 from gateway.logs import redactor
 from gateway.processes import ProcessReaper
 from gateway.router import Router, RouterSettings
+from gateway.sdnotify import Notifier, Watchdog
 from gateway.server import build_app, serve
 from gateway.store import Store
 from gateway.store.sqlite import SqliteStore
@@ -67,6 +70,18 @@ def build_adapters(config: Config) -> dict[str, Adapter]:
     return adapters
 
 
+def _router_settings(config: Config) -> RouterSettings:
+    r, c = config.router, config.agent_cache
+    return RouterSettings(busy=r.busy, per_user_in_groups=r.per_user_in_groups, max_message_chars=r.max_message_chars,
+                          turn_timeout_s=r.turn_timeout_s, max_agents=c.max_agents, idle_ttl_s=c.idle_ttl_s,
+                          when_full=c.when_full, messages_per_minute=r.messages_per_minute)
+
+
+def _access_policies(config: Config) -> dict[str, AccessPolicy]:
+    return {"telegram": AccessPolicy(config.telegram.access, frozenset(a.lower() for a in config.telegram.allowlist)),
+            "discord": AccessPolicy(config.discord.access, frozenset(config.discord.allowlist))}
+
+
 def build_store(config: Config) -> Store:
     """SQLite in the data dir, or the shared Redis store in cluster mode."""
     if config.redis.url is not None:
@@ -85,25 +100,26 @@ def tune_gc() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
+# What SIGHUP can change in place; everything else is reported as needing a restart.
+RELOADABLE = frozenset({"agent", "tools", "router", "log", "daemon"})
+
+
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self.notifier = Notifier.from_env()
+        self.watchdog = Watchdog(self.notifier)
+        self._old_agents: list[Agent] = []
         for secret in config.secrets():
             redactor.add(secret)
         self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
         self.store: Store = build_store(config)
         self.cluster: Cluster | None = None
         self.agent = build_agent(config, self.reaper)
-        r, c = config.router, config.agent_cache
-        self.router = Router(RouterSettings(
-            busy=r.busy, per_user_in_groups=r.per_user_in_groups, max_message_chars=r.max_message_chars,
-            turn_timeout_s=r.turn_timeout_s, max_agents=c.max_agents, idle_ttl_s=c.idle_ttl_s,
-            when_full=c.when_full, messages_per_minute=r.messages_per_minute), self.store, self.agent)
+        self.router = Router(_router_settings(config), self.store, self.agent)
         self.adapters = build_adapters(config)
-        self.router.access = AccessControl(self.store, {
-            "telegram": AccessPolicy(config.telegram.access, frozenset(a.lower() for a in config.telegram.allowlist)),
-            "discord": AccessPolicy(config.discord.access, frozenset(config.discord.allowlist)),
-        })
+        self.router.access = AccessControl(self.store, _access_policies(config))
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._stopped = asyncio.Event()
@@ -117,13 +133,15 @@ class Daemon:
         return checks
 
     async def start(self) -> None:
+        self.notifier.status("opening the store")
         await self.store.open()
         if self.config.redis.url is not None:
             await self._start_cluster(self.config.redis.url.reveal())
         app = build_app(self.readiness)
         for adapter in self.adapters.values():
             adapter.routes(app)
-        for adapter in self.adapters.values():
+        for name, adapter in self.adapters.items():
+            self.notifier.status(f"starting {name}")
             await adapter.start(self.router)
         await self.router.start(self.adapters, resume_max_age_s=self.config.daemon.resume_max_age_s)
         self._runner = await serve(app, self.config.http.host, self.config.http.port)
@@ -151,6 +169,14 @@ class Daemon:
         self.router.cluster = self.cluster
         self.router.worker_id = worker_id
         await self.cluster.start()
+        telegram = self.adapters.get("telegram")
+        if telegram is not None and self.config.telegram.mode == "polling" and self.config.telegram.token:
+            from gateway.ingress import IngressLeader
+            from platforms.telegram_bot import TelegramAdapter
+
+            assert isinstance(telegram, TelegramAdapter)
+            name = f"telegram:{keys.token_id(self.config.telegram.token.reveal())}"
+            telegram.leader = IngressLeader(self.cluster, name)
 
     async def stop(self, reason: ToolReason = GATEWAY_RESTART) -> None:
         """Stop intake, hard_cancel running turns for `reason`, flush, close."""
@@ -166,9 +192,10 @@ class Daemon:
             await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
         except TimeoutError:
             self.reaper.kill_all_now()
-        close = getattr(self.agent, "close", None)
-        if close is not None:
-            await close()
+        for agent in (*self._old_agents, self.agent):
+            close = getattr(agent, "close", None)
+            if close is not None:
+                await close()
         for runner in (self._runner, self._admin_runner):
             if runner is not None:
                 await runner.cleanup()
@@ -176,14 +203,22 @@ class Daemon:
         self._stopped.set()
 
     async def run(self) -> None:
-        """Run until SIGINT/SIGTERM; a second signal skips the wait for running turns."""
+        """Run until SIGINT/SIGTERM; a second signal skips the wait for running turns.
+
+        Speaks sd_notify: READY=1 once every adapter is connected, WATCHDOG=1 while the loop is
+        healthy, RELOADING=1 on SIGHUP, STOPPING=1 on the way out."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload()))
         await self.start()
+        ready_wait = loop.create_task(self._announce_ready())
         await stop.wait()
+        ready_wait.cancel()
         stop.clear()
+        running = sum(1 for s in self.router.sessions() if s.running)
+        self.notifier.stopping(f"stopping: interrupting {running} running turn(s)")
         stopping = asyncio.create_task(self.stop())
         second = asyncio.create_task(stop.wait())
         await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
@@ -192,3 +227,46 @@ class Daemon:
             self.reaper.kill_all_now()
             stopping.cancel()
         second.cancel()
+        await self.watchdog.stop()
+        self.notifier.close()
+
+    async def _announce_ready(self) -> None:
+        while True:
+            waiting = [(name, detail) for name, (ok, detail) in (await self.readiness()).items() if not ok]
+            if not waiting:
+                break
+            self.notifier.status("waiting for " + ", ".join(f"{n}: {d}" for n, d in waiting))
+            await asyncio.sleep(0.5)
+        self.notifier.ready(f"ready: {', '.join(self.adapters) or 'no platforms'}")
+        self.watchdog.start()
+
+    async def reload(self) -> None:
+        """SIGHUP: apply what can change in place; report what needs a restart; keep the old
+        config if the new one is bad."""
+        self.notifier.reloading("reloading the config")
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload rejected, keeping the running config: %s", exc)
+            self.notifier.ready(f"ready (reload rejected: {exc})")
+            return
+        changed = [f.name for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(self.config, f.name)]
+        needs_restart = [name for name in changed if name not in RELOADABLE]
+        for secret in new.secrets():
+            redactor.add(secret)
+        if "agent" in changed or "tools" in changed:
+            self._old_agents.append(self.agent)  # running turns finish on the agent they started with
+            self.agent = self.router.agent = build_agent(new, self.reaper)
+        if "router" in changed:
+            self.router.settings = _router_settings(new)
+            self.router.rate_limit.per_minute = new.router.messages_per_minute
+        if "log" in changed:
+            logging.getLogger().setLevel(new.log.level.upper())
+        if self.router.access is not None:
+            self.router.access.policies = _access_policies(new)
+        applied = [n for n in changed if n in RELOADABLE]
+        self.config = dataclasses.replace(self.config, **{n: getattr(new, n) for n in applied})
+        log.info("config reloaded: applied %s; needs a restart: %s", ", ".join(applied) or "nothing",
+                 ", ".join(needs_restart) or "nothing")
+        self.notifier.ready("ready (reloaded" + (f"; restart needed for {', '.join(needs_restart)})"
+                                                if needs_restart else ")"))

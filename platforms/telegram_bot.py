@@ -35,6 +35,7 @@ from platforms.base import Adapter, OutboundError, RateLimited
 from platforms.telegram_format import to_html, visible_text
 
 if TYPE_CHECKING:
+    from gateway.ingress import IngressLeader
     from gateway.router import Router
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class TelegramAdapter(Adapter):
         self._gates: OrderedDict[str, _Gate] = OrderedDict()
         self._webhook_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
+        self.leader: IngressLeader | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -158,6 +161,11 @@ class TelegramAdapter(Adapter):
                     backoff.reset()
                     if self.config.mode == "webhook":
                         return
+                if self.leader is not None and not self.leader.held():
+                    self._health = (True, "standing by: another worker polls Telegram")
+                    await self._waiting(self.leader.wait())
+                    stored = await self.leader.load("offset")
+                    self._offset = int(stored) if stored else self._offset
                 await self._poll_once()
                 backoff.reset()
             except asyncio.CancelledError:
@@ -204,6 +212,8 @@ class TelegramAdapter(Adapter):
                 return  # the rest stays unconfirmed and is fetched again by the next process
             await self._handle(update)
             self._offset = update.update_id + 1
+            if self.leader is not None:
+                await self.leader.save("offset", str(self._offset))
 
     async def _confirm_offset(self) -> None:
         """On the way out, confirm what was submitted so the next start does not refetch it."""
