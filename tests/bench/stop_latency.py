@@ -120,7 +120,7 @@ async def tools(n: int, data: Path) -> list[str]:
             loop.add_reader(fd, ended, i)
         sent = await _stop_some(router, chat, runs, n)
         deadline = time.monotonic() + 10
-        while any(i not in gone_at for i in sent) and time.monotonic() < deadline:  # noqa: ASYNC110
+        while any(i not in gone_at for i in sent) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for fd in fds.values():
             loop.remove_reader(fd)
