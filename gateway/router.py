@@ -373,23 +373,24 @@ class Router:
             reason = "This conversation is busy on another worker right now; please try again in a moment."
             await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
             return Submitted(Outcome.REJECTED, reason)
+        # The owner answers push platforms itself; only a client connected here needs the result.
+        want_reply = cmd is not None and not adapter.pushes_anywhere
         try:
-            result = await self.cluster.forward(owner, msg, key, hops=hops, want_reply=cmd is not None)
+            result = await self.cluster.forward(owner, msg, key, hops=hops, want_reply=want_reply)
         except (RedisError, OSError) as exc:
             self._forget(msg)
             reason = "I could not pass that on (shared storage is unavailable). Please try again shortly."
             log.warning("forwarding to %s failed: %s", owner, type(exc).__name__, extra={"session": key})
             await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
             return Submitted(Outcome.REJECTED, reason)
-        if cmd is None:
+        if not want_reply:
             return Submitted(Outcome.FORWARDED, owner)
         if result is None:
             detail = "The worker running this conversation did not answer in time; please try again."
             outcome = Outcome.REJECTED
         else:
             detail, outcome = result["detail"], Outcome(result["outcome"])
-        if not adapter.pushes_anywhere or result is None:  # the owner could not show it to this client
-            await adapter.notify(msg.chat, detail, reply_to=msg.message_id)
+        await adapter.notify(msg.chat, detail, reply_to=msg.message_id)  # the owner cannot reach this client
         return Submitted(outcome, detail)
 
     def lease_lost(self, session: str) -> None:

@@ -59,8 +59,8 @@ class RedisServer:
     """One redis-server process. `start()` after `stop()`/`kill()` reuses the port and the dir.
 
     `persistence` turns on an fsync-always append-only file (restart tests); otherwise nothing
-    is written to disk. `cluster` runs a one-node Redis Cluster owning every slot, which makes
-    the server refuse scripts and commands that touch keys of more than one slot.
+    is written to disk. `cluster` runs a one-node Redis Cluster owning every slot: it refuses a
+    command or script whose declared keys span slots (CROSSSLOT), as a real cluster would.
     """
 
     def __init__(self, directory: Path, *, persistence: bool = False, cluster: bool = False,

@@ -1,6 +1,6 @@
-"""One behaviour, three backends: SQLite, Redis, and a one-node Redis Cluster (which refuses any
-script or command that touches more than one slot). Then what only the Redis store does:
-fencing, one hash slot per session, and errors and recovery when Redis dies."""
+"""One behaviour, three backends: SQLite, Redis, and a one-node Redis Cluster (which refuses a
+command or script whose declared keys span slots). Then what only the Redis store does: fencing,
+one hash slot per session, retries that apply a write once, errors and recovery when Redis dies."""
 
 from __future__ import annotations
 
@@ -215,6 +215,13 @@ async def test_pairing_issue_reuse_cap_approve(any_store: Store) -> None:
     pending, paired = await any_store.pairing_state()
     assert sorted(p[0] for p in pending) == ["CCCC4444", "EEEE6666", "FFFF7777"]
     assert paired == [("telegram", "u1", "Ann")]
+
+
+async def test_pairing_cap_holds_under_concurrency(any_store: Store) -> None:
+    issued = await asyncio.gather(*(any_store.pairing_code("telegram", f"u{i}", "X", code=f"CODE{i:04}", ttl_s=60,
+                                                           max_pending=3) for i in range(20)))
+    assert len([c for c in issued if c is not None]) == 3
+    assert len((await any_store.pairing_state())[0]) == 3
 
 
 async def test_pairing_expiry(any_store: Store) -> None:

@@ -36,6 +36,13 @@ class Connection:
     body: dict[str, Any]
     closed_at: float | None = None
     completed: bool = False  # the provider sent the whole answer
+    completed_at: float | None = None
+
+    @property
+    def ended_at(self) -> float | None:
+        """When this request stopped streaming: its answer was complete or its connection closed."""
+        ends = [t for t in (self.completed_at, self.closed_at) if t is not None]
+        return min(ends) if ends else None
 
     @property
     def last_user(self) -> str:
@@ -133,6 +140,7 @@ class FakeProvider:
                 await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
             await resp.write(b"data: [DONE]\n\n")
             conn.completed = True
+            conn.completed_at = time.perf_counter()
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the client went away: that is what the tests look for

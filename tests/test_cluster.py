@@ -1,0 +1,295 @@
+"""Several real worker processes sharing one real redis-server: one owner per session."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.store.redis import RedisStore
+from tests.fakes.openai_provider import FakeProvider
+from tests.redis_server import RedisServer
+from tests.workers import Worker, content
+
+TTL = 3.0
+
+
+@pytest.fixture
+async def workers(redis_server: RedisServer, provider: FakeProvider, tmp_path: Path) -> AsyncIterator[list[Worker]]:
+    started: list[Worker] = []
+
+    async def make(n: int, redis: RedisServer = redis_server) -> list[Worker]:
+        new = [Worker(f"w{len(started) + i + 1}", redis.url, provider.base_url, tmp_path, ttl_s=TTL)
+               for i in range(n)]
+        await asyncio.gather(*(w.start() for w in new))
+        started.extend(new)
+        return new
+
+    yield make  # type: ignore[misc]
+    for w in started:
+        w.kill()
+
+
+async def _transcript(redis_server: RedisServer, session: str) -> list[tuple[str, str, str | None]]:
+    store = RedisStore(redis_server.url)
+    await store.open()
+    try:
+        _, rows = await store.conversation(session)
+        return [(m.role, m.content, m.reason) for m in rows]
+    finally:
+        await store.close()
+
+
+async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.05, 200
+    a, b = await workers(2)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(a.ask(http, "s1", "long answer"))
+        for _ in range(200):
+            if provider.requests_for("long answer"):
+                break
+            await asyncio.sleep(0.02)
+        status, body = await b.ask(http, "s1", "/stop")
+        assert (status, content(body)) == (200, "Stopped.")
+        status, body = await asyncio.wait_for(first, 5)
+    assert body["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
+    conn = provider.requests_for("long answer")[0]
+    await provider.wait_closed(conn)
+    assert not conn.completed
+
+
+async def test_a_killed_owner_is_taken_over_within_the_ttl_and_nothing_is_lost(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer) -> None:
+    provider.delay_s, provider.words = 0.05, 400
+    a, b = await workers(2)
+    async with aiohttp.ClientSession() as http:
+        pending = asyncio.create_task(a.ask(http, "s2", "first question"))
+        for _ in range(200):
+            if provider.requests_for("first question"):
+                break
+            await asyncio.sleep(0.02)
+        a.kill()  # kill -9 mid-turn
+        killed = time.monotonic()
+        with pytest.raises(aiohttp.ClientError):
+            await pending
+        provider.delay_s, provider.words = 0.0, 3
+        while True:
+            status, body = await b.ask(http, "s2", "second question")
+            if status == 200:
+                break
+            assert "busy on another worker" in content(body)
+            assert time.monotonic() - killed < TTL + 2, "no takeover within TTL + 2 s"
+            await asyncio.sleep(0.2)
+    assert time.monotonic() - killed < TTL + 2
+    assert content(body).startswith("reply to: second question")
+    assert len(provider.requests_for("second question")) == 1
+    assert await _transcript(redis_server, "api:dm:s2") == [
+        ("user", "first question", None),
+        ("assistant", "", "worker stopped responding; session taken over"),
+        ("user", "second question", None),
+        ("assistant", content(body), None)]
+
+
+async def test_a_paused_owner_that_wakes_after_losing_its_lease_cannot_write_or_send(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer) -> None:
+    provider.delay_s, provider.words = 0.1, 200
+    a, b = await workers(2)
+    deltas: list[tuple[float, str]] = []
+    async with aiohttp.ClientSession() as http:
+        async def stream() -> dict[str, Any]:
+            body = {"messages": [{"role": "user", "content": "zombie turn"}], "stream": True}
+            async with http.post(a.url + "/v1/chat/completions", json=body,
+                                 headers={"X-Session-Id": "s3"}) as resp:
+                last: dict[str, Any] = {}
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        last = json.loads(line[6:])
+                        delta = last["choices"][0]["delta"].get("content")
+                        if delta:
+                            deltas.append((time.monotonic(), delta))
+                return last
+
+        streaming = asyncio.create_task(stream())
+        while len(deltas) < 3:
+            await asyncio.sleep(0.02)
+        a.signal(signal.SIGSTOP)
+        await asyncio.sleep(TTL + 0.5)
+        provider.delay_s, provider.words = 0.0, 2
+        status, body = await b.ask(http, "s3", "new owner")
+        assert status == 200 and content(body).startswith("reply to: new owner")
+        woke = time.monotonic()
+        a.signal(signal.SIGCONT)
+        last = await asyncio.wait_for(streaming, 10)
+    assert last["switchboard"] == {"interrupted_by": "system", "reason": "session lease lost"}
+    assert [d for t, d in deltas if t > woke] == [], "the zombie kept sending after it woke"
+    rows = await _transcript(redis_server, "api:dm:s3")
+    # The zombie's turn is closed by the new owner; nothing the zombie did after waking is there.
+    assert rows == [("user", "zombie turn", None),
+                    ("assistant", "", "worker stopped responding; session taken over"),
+                    ("user", "new owner", None), ("assistant", content(body), None)]
+
+
+async def test_redis_restarting_mid_run_runs_no_session_twice_and_service_resumes(
+        workers: Any, provider: FakeProvider, tmp_path: Path) -> None:
+    provider.delay_s, provider.words = 0.02, 20
+    redis_server = RedisServer(tmp_path / "redis", persistence=True).start()
+    a, b = await workers(2, redis_server)
+    async with aiohttp.ClientSession() as http:
+        first = [asyncio.create_task(w.ask(http, f"r{i}", f"before {i}")) for i, w in enumerate([a, b] * 5)]
+        await asyncio.sleep(0.1)
+        redis_server.stop()
+        await asyncio.sleep(1.0)
+        redis_server.start()
+        results = await asyncio.gather(*first)
+        for status, body in results:
+            assert status in (200, 400, 503), body
+        after = await asyncio.gather(*(w.ask(http, f"r{i}", f"after {i}") for i, w in enumerate([a, b] * 5)))
+    redis_server.stop()
+    assert [content(body)[:20] for status, body in after if status != 200] == []
+    for i in range(10):
+        conns = sorted(provider.requests_for(f"before {i}") + provider.requests_for(f"after {i}"),
+                       key=lambda c: c.opened_at)
+        for earlier, later in itertools.pairwise(conns):
+            assert earlier.ended_at is not None and earlier.ended_at <= later.opened_at + 0.05, \
+                f"session r{i} ran two turns at once"
+
+
+async def test_telegram_poller_fails_over_without_losing_or_repeating_an_update(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    provider.delay_s, provider.words = 0.0, 2
+    async with FakeTelegramAPI() as fake:
+        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
+               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
+               "SWITCHBOARD_TELEGRAM__POLL_TIMEOUT_S": "1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        pair = [Worker(f"t{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for i in (1, 2)]
+        await asyncio.gather(*(w.start() for w in pair))
+        try:
+            def answered(chat: int) -> bool:
+                return any(t.startswith(f"reply to: update {chat} ") and t.rstrip().endswith("w1")
+                           for t in fake.messages(chat).values())
+
+            async def settle(chats: range, timeout: float) -> None:
+                deadline = time.monotonic() + timeout
+                while not all(answered(c) for c in chats):
+                    assert time.monotonic() < deadline, [fake.messages(c) for c in chats if not answered(c)]
+                    await asyncio.sleep(0.05)
+
+            for chat in range(1, 11):
+                fake.push_text(chat, f"update {chat}", user_id=chat)
+            await settle(range(1, 11), 15)
+            leaders: list[Worker] = []
+            while not leaders:  # the heartbeat names the worker holding the poller lease
+                beats = {w: json.loads(v) for w, v in redis_server.client().hgetall("sb:workers").items()}
+                leaders = [w for w in pair if beats.get(w.worker_id, {}).get("ingress")]
+                await asyncio.sleep(0.1)
+            leader = leaders[0]
+            leader.kill()
+            for chat in range(11, 21):
+                fake.push_text(chat, f"update {chat}", user_id=chat)
+            await settle(range(11, 21), TTL + 10)
+        finally:
+            for w in pair:
+                w.kill()
+        sends = [r for r in fake.sent if r.method == "sendMessage"]
+        for chat in range(1, 21):  # each update answered, by exactly one message
+            assert len([r for r in sends if str(r.chat_id) == str(chat)]) == 1, (chat, fake.messages(chat))
+        assert len(provider.connections) == 20
+
+
+async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_exactly(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    rng = random.Random(3)
+    provider.delay_s, provider.words = 0.02, 100  # about two seconds per answer
+    async with FakeTelegramAPI() as fake:
+        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
+               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
+               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
+               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.1"}
+        trio = [Worker(f"x{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=10, **env) for i in (1, 2, 3)]
+        await asyncio.gather(*(w.start() for w in trio))
+        sent: dict[int, list[str]] = {}  # chat -> texts in the order they were sent
+        statuses: list[int] = []
+        try:
+            async def say(chat: int, text: str) -> None:
+                sent.setdefault(chat, []).append(text)
+                entities = [{"type": "bot_command", "offset": 0, "length": len(text)}] if text == "/stop" else None
+                update = {"message": fake.user_message(chat, user_id=chat, text=text, entities=entities)}
+                worker = rng.choice(trio)
+                statuses.append(await fake.post_webhook(worker.url + "/telegram/webhook", update, "hook-secret-1"))
+
+            async def session(chat: int) -> None:
+                await asyncio.sleep(rng.random() * 0.5)
+                await say(chat, f"q{chat}-1")
+                if rng.random() < 0.5:
+                    await asyncio.sleep(rng.random() * 0.4)
+                    await say(chat, f"q{chat}-2")
+                if rng.random() < 0.3:
+                    await asyncio.sleep(rng.random() * 0.4)
+                    await say(chat, "/stop")
+
+            await asyncio.gather(*(session(chat) for chat in range(1, 301)))
+            assert set(statuses) == {200}
+            store = RedisStore(redis_server.url)
+            await store.open()
+            deadline = time.monotonic() + 60
+            while True:  # settle: every session's transcript closes each message it got
+                transcripts = {chat: (await store.conversation(f"telegram:dm:{chat}"))[1] for chat in sent}
+                if all(_closed(rows) and len([r for r in rows if r.role == "user"]) ==
+                       len([t for t in sent[chat] if t != "/stop"]) for chat, rows in transcripts.items()):
+                    break
+                assert time.monotonic() < deadline, "sessions did not settle"
+                await asyncio.sleep(0.25)
+            await store.close()
+            forwarded = 0.0
+            async with aiohttp.ClientSession() as http:
+                for w in trio:
+                    async with http.get(f"http://127.0.0.1:{w.admin_port}/metrics") as resp:
+                        for family in text_string_to_metric_families(await resp.text()):
+                            forwarded += sum(x.value for x in family.samples
+                                             if x.name == "switchboard_messages_in_total"
+                                             and x.labels.get("outcome") == "forwarded")
+        finally:
+            for w in trio:
+                w.kill()
+    assert forwarded > 50  # many messages reached a worker that did not own their session
+    outcomes = {"answered": 0, "user sent a new message": 0, "stopped by user (/stop)": 0}
+    requests: dict[str, int] = {}
+    for conn in provider.connections:
+        requests[conn.last_user] = requests.get(conn.last_user, 0) + 1
+    for chat, rows in transcripts.items():
+        asked = [t for t in sent[chat] if t != "/stop"]
+        users = [r.content for r in rows if r.role == "user"]
+        assert users == asked, (chat, users, asked)  # each message recorded exactly once, in order
+        for user, answer in itertools.pairwise(rows):
+            if user.role != "user":
+                continue
+            assert answer.role == "assistant", (chat, rows)
+            assert requests.get(user.content, 0) <= 1, f"{user.content} reached the model twice"
+            if answer.interrupted_by is None:  # answered: the full text reached the chat exactly once
+                shown = [t for t in fake.messages(chat).values() if t.startswith(f"reply to: {user.content} ")]
+                assert len(shown) == 1 and shown[0].rstrip().endswith("w99"), (chat, fake.messages(chat))
+                outcomes["answered"] += 1
+            else:
+                assert answer.reason in ("user sent a new message", "stopped by user (/stop)"), answer
+                outcomes[answer.reason] += 1
+    assert min(outcomes.values()) >= 10, outcomes  # the mix really happened
+
+
+def _closed(rows: list[Any]) -> bool:
+    """Every user row is followed by an assistant row (an answer or an interruption marker)."""
+    return bool(rows) and all(b.role == "assistant" for a, b in itertools.pairwise(rows) if a.role == "user") \
+        and rows[-1].role == "assistant"
