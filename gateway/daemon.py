@@ -169,14 +169,19 @@ class Daemon:
         self.router.cluster = self.cluster
         self.router.worker_id = worker_id
         await self.cluster.start()
+        from gateway.ingress import IngressLeader
+        from platforms.discord_bot import DiscordAdapter
+        from platforms.telegram_bot import TelegramAdapter
+
         telegram = self.adapters.get("telegram")
         if telegram is not None and self.config.telegram.mode == "polling" and self.config.telegram.token:
-            from gateway.ingress import IngressLeader
-            from platforms.telegram_bot import TelegramAdapter
-
             assert isinstance(telegram, TelegramAdapter)
             name = f"telegram:{keys.token_id(self.config.telegram.token.reveal())}"
             telegram.leader = IngressLeader(self.cluster, name)
+        discord = self.adapters.get("discord")
+        if discord is not None and self.config.discord.token:
+            assert isinstance(discord, DiscordAdapter)
+            discord.leader = IngressLeader(self.cluster, f"discord:{keys.token_id(self.config.discord.token.reveal())}")
 
     async def stop(self, reason: ToolReason = GATEWAY_RESTART) -> None:
         """Stop intake, hard_cancel running turns for `reason`, flush, close."""

@@ -14,7 +14,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import aiohttp
 import discord
@@ -26,6 +26,9 @@ from gateway.config import DiscordConfig
 from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.router import Outcome, Router
 from platforms.base import Adapter, EditStreamReply, OutboundError, RateLimited, Reply
+
+if TYPE_CHECKING:
+    from gateway.ingress import IngressLeader
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,9 @@ class DiscordAdapter(Adapter):
         self._task: asyncio.Task[None] | None = None
         self._connected = False
         self._problem: str | None = None
+        # Cluster mode: only the worker holding this lease connects to the gateway; any may send.
+        self.leader: IngressLeader | None = None
+        self._standby = False
         self._closing = False
         self._closed = False
         self._close_timer: asyncio.Task[None] | None = None
@@ -175,6 +181,10 @@ class DiscordAdapter(Adapter):
                 logged_in = await self._login()
             if self._config.register_commands:
                 await self._sync_commands()
+            if self.leader is not None:  # cluster mode: one gateway connection per bot token
+                self._standby = True
+                await self.leader.wait()
+                self._standby = False
             await self.client.connect(reconnect=True)  # returns when closed; reconnects on its own
         except _Fatal as exc:
             self._fail(str(exc))
@@ -211,6 +221,8 @@ class DiscordAdapter(Adapter):
     def healthy(self) -> tuple[bool, str]:
         if self._problem is not None:
             return False, self._problem
+        if self._standby:
+            return True, "standing by: another worker holds the Discord gateway"
         if self.client.is_closed():
             return False, "stopped"
         if self._connected and self.client.is_ready():
