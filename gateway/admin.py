@@ -1,11 +1,17 @@
-"""The operator listener: Prometheus `/metrics`, the console's JSON API, operator stops.
+"""The operator listener: Prometheus `/metrics`, the console (`/admin`), its JSON API, operator stops.
 
-It binds loopback by default; bound anywhere else it requires `admin.token` as a bearer token.
+It binds loopback by default; bound anywhere else it requires `admin.token`, as a bearer token or
+as the `switchboard_admin` cookie the console's login sets (`/admin?token=...` once, or the form).
+The console page and its static files are public: they hold no data, the API behind them does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
+import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -14,23 +20,69 @@ from aiohttp import web
 
 from gateway.cancellation import STOPPED_BY_OPERATOR
 from gateway.router import Router
+from platforms.assets import static_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ReadinessCheck = Callable[[], Awaitable[dict[str, tuple[bool, str]]]]
 
+COOKIE = "switchboard_admin"
+_PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login")}
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Strict JSON: the console parses it with JSON.parse, which has no Infinity.
+_json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False))
+
 
 def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | None,
                     extra_stats: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    def valid(given: str) -> bool:
+        return token is not None and hmac.compare_digest(given.encode(), token.encode())
+
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is not None and not request.path.startswith("/admin/static"):
+        origin = request.headers.get("Origin")
+        if request.method not in _SAFE_METHODS and origin and origin.split("://", 1)[-1] != request.host:
+            # Another site's page must not drive a loopback console through the operator's browser.
+            return web.json_response({"error": "cross-origin request refused"}, status=403)
+        public = (request.method, request.path) in _PUBLIC or request.path.startswith("/admin/static/")
+        if token is not None and not public:
             header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else request.cookies.get("switchboard_admin", "")
-            if not hmac.compare_digest(given.encode(), token.encode()):
+            given = header[7:] if header.startswith("Bearer ") else request.cookies.get(COOKIE, "")
+            if not valid(given):
                 return web.json_response({"error": "admin token required"}, status=401)
         return await handler(request)
 
     app = web.Application(middlewares=[auth])
+
+    def signed_in(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        assert token is not None
+        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/", secure=request.secure)
+        return response
+
+    async def console(request: web.Request) -> web.StreamResponse:
+        given = request.query.get("token")
+        if given is not None:  # a link with the token: set the cookie, then drop the token from the URL
+            if valid(given):
+                return signed_in(request, web.Response(status=303, headers={"Location": request.path}))
+            await asyncio.sleep(0.5)  # slows guessing
+        return static_response(request, "admin.html", page=True)
+
+    async def login(request: web.Request) -> web.StreamResponse:
+        try:
+            given = (await request.json())["token"]
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body must be {"token": "..."}'}, status=400)
+        if token is None:
+            return web.json_response({"ok": True, "auth": "none"})
+        if not isinstance(given, str) or not valid(given):
+            await asyncio.sleep(0.5)
+            return web.json_response({"error": "wrong token"}, status=401)
+        return signed_in(request, web.json_response({"ok": True, "auth": "token"}))
+
+    async def asset(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if not name.startswith("admin"):
+            raise web.HTTPNotFound()
+        return static_response(request, name)
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8",
@@ -55,18 +107,23 @@ def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | N
         body: dict[str, Any] = {
             "agent_cache": {"size": len(cache), "max": cache.max_agents, "hits": cache.hits,
                             "misses": cache.misses, "evictions": cache.evictions},
-            "stop_latency_buckets": router.metrics.stop_histogram(),
+            # The last bucket's bound is +Inf, sent as null (JSON has no infinity).
+            "stop_latency_buckets": [(le if math.isfinite(le) else None, n)
+                                     for le, n in router.metrics.stop_histogram()],
             "health": {name: {"ok": ok, "detail": detail} for name, (ok, detail) in checks.items()},
             "agent": router.agent.description,
         }
         if extra_stats is not None:
             body.update(extra_stats())
-        return web.json_response(body)
+        return _json(body)
 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/api/sessions", sessions)
     app.router.add_post("/admin/api/sessions/stop", stop)
     app.router.add_get("/admin/api/stats", stats)
+    app.router.add_get("/admin", console)
+    app.router.add_post("/admin/login", login)
+    app.router.add_get("/admin/static/{name}", asset)
     return app
 
 

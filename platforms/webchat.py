@@ -1,9 +1,24 @@
 """The built-in web chat: one page and a websocket, one session per browser (cookie).
 
 Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ...}`,
-`{"type": "command", "name": "stop" | "new"}`. To the browser: `hello` (history and state),
-`message`/`edit` (a bot message by id), `notice`, `state` (running or idle), `typing`.
-Client ids make a resend after a reconnect a no-op (router de-duplication).
+`{"type": "command", "name": "stop" | "new"}`. To the browser:
+
+- `hello` {history, running, queued, agent}: the whole current conversation; the page replaces its
+  view with it on every (re)connect. History rows: {role, text, at, interrupted_by, reason,
+  interruption (kind, below), tools (names called), resume (true on the gateway's own "continue"
+  message after a restart)}.
+- `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
+  `body` (the text without the appended notice) and `interrupted` {by, reason, kind}.
+- `notice` {text, kind, reply_to}: kind is stopped | restart | interrupted | queued | error | info;
+  interruption notices also carry `interrupted`.
+- `state` {running}, `typing`.
+- `ack` {id, outcome}: the router took the client message (accepted, queued, duplicate, command or
+  rejected). Until then the page keeps it and resends it, same id, after a reconnect; client ids
+  make such a resend a no-op (router de-duplication). No ack while the gateway restarts.
+- `user` {id, text}: a message sent from another tab of the same session.
+
+Interruption kinds: `stopped` (by the user or the operator), `restart` (the gateway restarted or
+died mid-turn), `interrupted` (anything else).
 """
 
 from __future__ import annotations
@@ -14,20 +29,30 @@ import itertools
 import json
 import logging
 import secrets
-from importlib import resources
 from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from gateway.cancellation import Run, ToolReason
+from gateway.cancellation import (
+    GATEWAY_RESTART,
+    PROCESS_DIED,
+    STOPPED_BY_OPERATOR,
+    STOPPED_BY_USER,
+    Run,
+    ToolReason,
+)
 from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.recovery import RESUME_PROMPT
+from gateway.router import Outcome
 from gateway.transcript import ChatMessage
+from platforms.assets import static_response
 from platforms.base import Adapter, EditStreamReply, Reply
 
 log = logging.getLogger(__name__)
 
 COOKIE = "switchboard_session"
 PLATFORM = "webchat"
+RESTARTING = "The gateway is restarting; your message will be sent again when it is back."
 
 
 def _session_id(request: web.Request) -> str | None:
@@ -42,56 +67,87 @@ class WebchatAdapter(Adapter):
     def __init__(self) -> None:
         self._sockets: dict[str, set[web.WebSocketResponse]] = {}
         self._ids = itertools.count(1)
+        # Bot message ids stay unique across restarts, so a page never confuses two daemons' ids.
+        self._boot = secrets.token_hex(3)
         self._closing = False
+        self._marks: dict[str, tuple[ToolReason, str]] = {}  # message id -> why it is being marked stopped
+        # Frames for a socket whose hello is not out yet: sent right after it, never lost or reordered.
+        self._held: dict[web.WebSocketResponse, list[str]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/", self._page)
+        app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/ws", self._websocket)
 
     async def stop(self) -> None:
+        """Refuse new input; close idle pages' sockets now and busy ones once their turn ends, so a
+        page still sees its answer (or its "interrupted by a restart" mark) before it reconnects."""
         self._closing = True
-        for sockets in list(self._sockets.values()):
-            for ws in list(sockets):
-                with contextlib.suppress(Exception):
-                    await ws.close(code=1012, message=b"restarting")  # 1012: service restart
+        router = getattr(self, "router", None)
+        for sid in list(self._sockets):
+            if router is None or not router.status(_key(sid)).running:
+                await self._close_session(sid)
+
+    async def _close_session(self, sid: str) -> None:
+        async def close(ws: web.WebSocketResponse) -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(code=1012, message=b"restarting"), 2)  # 1012: service restart
+
+        await asyncio.gather(*(close(ws) for ws in list(self._sockets.get(sid, ()))))
 
     # --- outbound -------------------------------------------------------------------------
 
     async def _push(self, chat_id: str, frame: dict[str, Any]) -> None:
         data = json.dumps(frame)
         for ws in list(self._sockets.get(chat_id, ())):
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await ws.send_str(data)
+            held = self._held.get(ws)
+            if held is not None:
+                held.append(data)
+            else:
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await ws.send_str(data)
 
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
-        mid = f"b{next(self._ids)}"
+        mid = f"b{self._boot}-{next(self._ids)}"
         await self._push(chat.chat_id, {"type": "message", "id": mid, "text": text, "reply_to": reply_to})
         return mid
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
-        await self._push(chat.chat_id, {"type": "edit", "id": message_id, "text": text})
+        frame: dict[str, Any] = {"type": "edit", "id": message_id, "text": text}
+        mark = self._marks.pop(message_id, None)
+        if mark is not None:
+            reason, body = mark
+            frame["body"] = body
+            frame["interrupted"] = interruption(reason.kind, reason.text)
+        await self._push(chat.chat_id, frame)
 
     async def typing(self, chat: ChatRef) -> None:
         await self._push(chat.chat_id, {"type": "typing"})
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
-        await self._push(chat.chat_id, {"type": "notice", "text": text, "reply_to": reply_to})
+        frame: dict[str, Any] = {"type": "notice", "kind": notice_kind(text), "text": text, "reply_to": reply_to}
+        if text.startswith(_INTERRUPTED):
+            frame["interrupted"] = interruption("system", text.removeprefix(_INTERRUPTED))
+        await self._push(chat.chat_id, frame)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return _WebReply(self, msg, run)
 
     # --- HTTP -----------------------------------------------------------------------------
 
-    async def _page(self, request: web.Request) -> web.Response:
-        html = resources.files("platforms").joinpath("static/webchat.html").read_text("utf-8")
-        resp = web.Response(text=html, content_type="text/html",
-                            headers={"Content-Security-Policy": "default-src 'self'; style-src 'self' "
-                                     "'unsafe-inline'; script-src 'self' 'unsafe-inline'; connect-src 'self'",
-                                     "Cache-Control": "no-store"})
+    async def _page(self, request: web.Request) -> web.StreamResponse:
+        resp = static_response(request, "webchat.html", page=True)
         if _session_id(request) is None:
             resp.set_cookie(COOKIE, secrets.token_hex(16), httponly=True, samesite="Strict",
                             max_age=365 * 86400)
         return resp
+
+    async def _static(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if not name.startswith("webchat"):
+            raise web.HTTPNotFound()
+        return static_response(request, name)
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         sid = _session_id(request)
@@ -100,17 +156,25 @@ class WebchatAdapter(Adapter):
             return web.json_response({"error": "no session cookie; load / first"}, status=400)
         if origin and origin.split("://", 1)[-1] != request.host:
             return web.json_response({"error": "cross-origin websocket refused"}, status=403)
+        if self._closing:  # the page retries; its next try reaches the restarted daemon
+            return web.json_response({"error": "restarting"}, status=503)
         ws = web.WebSocketResponse(heartbeat=20)
         await ws.prepare(request)
+        held: list[str] = []
+        self._held[ws] = held
         self._sockets.setdefault(sid, set()).add(ws)
         try:
             await self._hello(ws, sid)
+            while held:
+                await ws.send_str(held.pop(0))
+            del self._held[ws]
             async for frame in ws:
                 if frame.type is WSMsgType.TEXT:
                     await self._on_frame(ws, sid, frame.data)
                 elif frame.type is WSMsgType.ERROR:
                     break
         finally:
+            self._held.pop(ws, None)
             sockets = self._sockets.get(sid)
             if sockets is not None:
                 sockets.discard(ws)
@@ -119,33 +183,51 @@ class WebchatAdapter(Adapter):
         return ws
 
     async def _hello(self, ws: web.WebSocketResponse, sid: str) -> None:
-        key = f"{PLATFORM}:{ChatType.DM.value}:{sid}"
+        key = _key(sid)
         _conv, history = await self.router.store.conversation(key)
         status = self.router.status(key)
         await ws.send_json({"type": "hello", "history": [_row(m) for m in history if m.role != "tool"],
-                            "running": status.running or status.queued > 0, "agent": status.agent})
+                            "running": status.running or status.queued > 0, "queued": status.queued,
+                            "agent": status.agent})
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
             frame = json.loads(data)
             kind = frame["type"]
             if kind == "command":
-                text = "/" + str(frame["name"])
+                body = "/" + str(frame["name"])
             elif kind == "message":
-                text = str(frame["text"])
+                body = str(frame["text"])
             else:
                 raise ValueError(kind)
             client_id = str(frame.get("id") or f"c{next(self._ids)}")[:64]
         except (ValueError, KeyError, TypeError):
-            await ws.send_json({"type": "notice", "text": "The page sent something I could not read."})
+            await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."})
             return
-        if self._closing:
-            await ws.send_json({"type": "notice", "text": "The gateway is restarting; please resend shortly."})
+        if self._closing:  # no ack: the page keeps a message and resends it after reconnecting
+            text = RESTARTING if kind == "message" else "The gateway is restarting; try again in a moment."
+            await ws.send_json({"type": "notice", "kind": "restart", "text": text})
             return
         msg = InboundMessage(platform=PLATFORM, chat_id=sid, chat_type=ChatType.DM, user_id=sid,
-                             user_name="web user", message_id=client_id, text=text)
+                             user_name="web user", message_id=client_id, text=body)
         # Don't hold the socket's read loop: /stop must be read while a turn streams.
-        asyncio.get_running_loop().create_task(self.router.submit(msg, self))
+        task = asyncio.get_running_loop().create_task(self._submit(ws, msg, is_command=kind == "command"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _submit(self, ws: web.WebSocketResponse, msg: InboundMessage, *, is_command: bool) -> None:
+        result = await self.router.submit(msg, self)
+        if result.outcome is Outcome.REJECTED and self._closing:
+            return  # rejected because we are going down: unacked, so the page sends it again
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value})
+        if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
+            # Other tabs of this session show it too (a tab still connecting sees it in its history later).
+            data = json.dumps({"type": "user", "id": msg.message_id, "text": msg.text})
+            for other in list(self._sockets.get(msg.chat_id, ())):
+                if other is not ws and other not in self._held:
+                    with contextlib.suppress(ConnectionError, RuntimeError):
+                        await other.send_str(data)
 
 
 class _WebReply(EditStreamReply):
@@ -159,20 +241,68 @@ class _WebReply(EditStreamReply):
 
     async def _idle(self) -> None:
         await self._web._push(self._chat_id, {"type": "state", "running": False})
+        if self._web._closing:
+            await self._web._close_session(self._chat_id)
 
     async def finish(self, text: str) -> None:
         await super().finish(text)
         await self._idle()
 
     async def interrupted(self, reason: ToolReason) -> None:
-        await super().interrupted(reason)
-        await self._idle()
+        await self._end()  # first, so no streaming edit of the same message can take the mark below
+        mid = self._shown[-1][0] if self._shown else None
+        if mid is not None:
+            self._web._marks[mid] = (reason, self._shown[-1][1])
+        try:
+            await super().interrupted(reason)
+        finally:
+            if mid is not None:
+                self._web._marks.pop(mid, None)
+            await self._idle()
 
     async def failed(self, text: str) -> None:
         await super().failed(text)
         await self._idle()
 
 
+_INTERRUPTED = "⏹ interrupted: "
+_ERRORS = ("⚠️", "Sorry", "That message", "I'm at capacity", "Could not", "Unknown command", "The page sent")
+
+
+def interruption(by: str, reason: str) -> dict[str, str]:
+    """An interruption as the page shows it: who, why, and which of the notice kinds it is."""
+    if reason in (STOPPED_BY_USER.text, STOPPED_BY_OPERATOR.text):
+        kind = "stopped"
+    elif reason in (GATEWAY_RESTART.text, PROCESS_DIED.text):
+        kind = "restart"
+    else:
+        kind = "interrupted"
+    return {"by": by, "reason": reason, "kind": kind}
+
+
+def notice_kind(text: str) -> str:
+    """Classify a router notice for the page's styling (the router sends plain text)."""
+    if text in ("Stopped.", "⏹ stopped"):
+        return "stopped"
+    if text.startswith(_INTERRUPTED):
+        return interruption("system", text.removeprefix(_INTERRUPTED))["kind"]
+    if text.startswith("Queued"):
+        return "queued"
+    if text.startswith("The gateway is restarting"):
+        return "restart"
+    if text.startswith(_ERRORS):
+        return "error"
+    return "info"
+
+
+def _key(sid: str) -> str:
+    return f"{PLATFORM}:{ChatType.DM.value}:{sid}"
+
+
 def _row(m: ChatMessage) -> dict[str, Any]:
-    return {"role": m.role, "text": m.content,
-            "interrupted_by": m.interrupted_by, "reason": m.reason, "at": m.created_at}
+    row = {"role": m.role, "text": m.content, "interrupted_by": m.interrupted_by, "reason": m.reason,
+           "interruption": interruption(m.interrupted_by, m.reason or "") if m.interrupted_by else None,
+           "tools": [c.name for c in m.tool_calls], "at": m.created_at}
+    if m.role == "user" and m.content == RESUME_PROMPT:
+        row["resume"] = True  # the gateway's own "continue" after a restart, not something the user said
+    return row

@@ -132,6 +132,12 @@ return {rec.user_id, rec.user_name}
 """
 
 
+def blocking_pool(url: str, **opts: Any) -> aioredis.BlockingConnectionPool:
+    """A pool that makes a burst wait for a free connection instead of failing with
+    "Too many connections" (redis-py's default pool raises at 100)."""
+    return aioredis.BlockingConnectionPool.from_url(url, max_connections=128, timeout=10, **opts)
+
+
 class RedisStore:
     """The Store protocol (and pairing) on a shared Redis; see the module docstring."""
 
@@ -143,8 +149,9 @@ class RedisStore:
             plain, cluster = _parse(url)
             # URL query options (e.g. ?socket_timeout=2) override these.
             opts: dict[str, Any] = {"decode_responses": True, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
-            r: aioredis.Redis | RedisCluster = (RedisCluster.from_url(plain, **opts) if cluster
-                                                else aioredis.from_url(plain, retry=_RETRY, **opts))
+            r: aioredis.Redis | RedisCluster = (
+                RedisCluster.from_url(plain, **opts) if cluster
+                else aioredis.Redis.from_pool(blocking_pool(plain, retry=_RETRY, **opts)))
         except (ValueError, TypeError, RedisError) as exc:  # connects lazily: only the URL can be wrong here
             raise StoreError(f"invalid redis url: {self._redact(str(exc))}") from None
         self._r = r

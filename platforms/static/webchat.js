@@ -1,0 +1,584 @@
+// Switchboard web chat: one websocket, the view rebuilt from the server's history on every
+// (re)connect, unacknowledged messages resent with their client id (the router drops repeats).
+// Model text is rendered as Markdown by building DOM nodes with textContent: never innerHTML.
+"use strict";
+
+/* ---------- safe Markdown ---------------------------------------------------------------- */
+
+const SB_MD = (() => {
+  const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
+  const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  const RULE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+  const QUOTE = /^ {0,3}> ?/;
+  const ITEM = /^( *)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+  // One alternative per inline construct; the earliest match wins, text between is plain text.
+  const INLINE = new RegExp([
+    /(?<code>`+)(?<codeText>[^`]|[^`][\s\S]*?[^`])\k<code>(?!`)/,
+    /\*\*(?<strong>\S(?:[\s\S]*?\S)?)\*\*/,
+    /(?<![\w])__(?<strong2>\S(?:[\s\S]*?\S)?)__(?![\w])/,
+    /\*(?<em>[^\s*](?:[\s\S]*?[^\s*])?)\*/,
+    /(?<![\w])_(?<em2>[^\s_](?:[\s\S]*?[^\s_])?)_(?![\w])/,
+    /~~(?<del>\S(?:[\s\S]*?\S)?)~~/,
+    /\[(?<label>[^\[\]\n]+)\]\(\s*<?(?<href>[^\s()<>]*(?:\([^\s()<>]*\)[^\s()<>]*)*)>?\s*\)/,
+    /(?<auto>https?:\/\/[^\s<>"'`]*[^\s<>"'`.,;:!?)\]])/,
+    /(?<br>\n)/,
+    /\\(?<esc>[\\`*_{}\[\]()#+\-.!~>|])/,
+  ].map((r) => r.source).join("|"), "g");
+
+  function el(tag, cls) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    return node;
+  }
+
+  /** An absolute http(s) URL, or null: no javascript:, data:, relative or other schemes. */
+  function safeUrl(raw) {
+    try {
+      const url = new URL(raw);
+      return url.protocol === "http:" || url.protocol === "https:" ? url.href : null;
+    } catch {
+      return null;
+    }
+  }
+
+  function link(href, parent) {
+    const a = el("a");
+    a.href = href;
+    a.target = "_blank";
+    a.rel = "noopener noreferrer nofollow";
+    parent.appendChild(a);
+    return a;
+  }
+
+  function inline(text, parent, inLink) {
+    const re = new RegExp(INLINE);  // its own lastIndex: this function recurses
+    let at = 0;
+    for (let m = re.exec(text); m; m = re.exec(text)) {
+      const g = m.groups;
+      let node = null;
+      if (g.code !== undefined) {
+        node = el("code");
+        const body = g.codeText;
+        node.textContent = /^ .* $/s.test(body) && body.trim() ? body.slice(1, -1) : body;
+      } else if (g.strong !== undefined || g.strong2 !== undefined) {
+        node = el("strong");
+        inline(g.strong ?? g.strong2, node, inLink);
+      } else if (g.em !== undefined || g.em2 !== undefined) {
+        node = el("em");
+        inline(g.em ?? g.em2, node, inLink);
+      } else if (g.del !== undefined) {
+        node = el("del");
+        inline(g.del, node, inLink);
+      } else if (g.label !== undefined) {
+        const href = inLink ? null : safeUrl(g.href);
+        if (href) {
+          parent.append(text.slice(at, m.index));
+          inline(g.label, link(href, parent), true);
+          at = re.lastIndex;
+          continue;
+        }
+      } else if (g.auto !== undefined) {
+        let url = g.auto;
+        const count = (c) => url.split(c).length - 1;
+        while (text[re.lastIndex] === ")" && count("(") > count(")")) {  // wiki-style a_(b), not "(see x)"
+          url += ")";
+          re.lastIndex++;
+        }
+        const href = inLink ? null : safeUrl(url);
+        if (href) {
+          parent.append(text.slice(at, m.index));
+          link(href, parent).textContent = url;
+          at = re.lastIndex;
+          continue;
+        }
+      } else if (g.br !== undefined) {
+        node = el("br");
+      } else if (g.esc !== undefined) {
+        parent.append(text.slice(at, m.index), g.esc);
+        at = re.lastIndex;
+        continue;
+      }
+      if (node === null) continue;  // not a construct after all (an unsafe link): stays plain text
+      parent.append(text.slice(at, m.index));
+      parent.appendChild(node);
+      at = re.lastIndex;
+    }
+    parent.append(text.slice(at));
+  }
+
+  function codeBlock(code, lang) {
+    const box = el("div", "code");
+    const head = el("div", "code-head");
+    const label = el("span");
+    label.textContent = lang || "code";
+    const copy = el("button");
+    copy.type = "button";
+    copy.textContent = "Copy";
+    copy.addEventListener("click", () => {
+      navigator.clipboard?.writeText(code).then(() => {
+        copy.textContent = "Copied";
+        setTimeout(() => { copy.textContent = "Copy"; }, 1200);
+      }, () => {});
+    });
+    head.append(label, copy);
+    const pre = el("pre");
+    const c = el("code");
+    c.textContent = code;
+    pre.appendChild(c);
+    box.append(head, pre);
+    return box;
+  }
+
+  function startsBlock(line) {
+    return FENCE.test(line) || HEADING.test(line) || RULE.test(line) || QUOTE.test(line) || ITEM.test(line);
+  }
+
+  function list(lines, i, parent) {
+    const first = ITEM.exec(lines[i]);
+    const ordered = /\d/.test(first[2]);
+    const indent = first[1].length;
+    const node = el(ordered ? "ol" : "ul");
+    if (ordered && parseInt(first[2], 10) !== 1) node.start = parseInt(first[2], 10);
+    let item = null;
+    const flush = () => { if (item) blocks(item.lines, item.li); };
+    while (i < lines.length) {
+      const line = lines[i];
+      const m = ITEM.exec(line);
+      if (m && m[1].length <= indent + 1 && /\d/.test(m[2]) === ordered) {
+        flush();
+        item = { li: el("li"), lines: [m[3]], pad: m[1].length + m[2].length + 1 };
+        node.appendChild(item.li);
+        i++;
+      } else if (!line.trim()) {
+        const next = lines[i + 1];
+        if (next === undefined || !(ITEM.test(next) || /^ {2,}\S/.test(next))) break;
+        item.lines.push("");
+        i++;
+      } else if (/^ {2,}\S/.test(line)) {
+        item.lines.push(line.replace(new RegExp(`^ {1,${item.pad}}`), ""));
+        i++;
+      } else if (!startsBlock(line)) {
+        item.lines.push(line);  // a lazy continuation of the item's text
+        i++;
+      } else {
+        break;
+      }
+    }
+    flush();
+    parent.appendChild(node);
+    return i;
+  }
+
+  function blocks(lines, parent) {
+    let i = 0;
+    while (i < lines.length) {
+      const line = lines[i];
+      let m;
+      if ((m = FENCE.exec(line))) {
+        const fence = m[1];
+        const close = new RegExp(`^ {0,3}${fence[0] === "`" ? "`" : "~"}{${fence.length},}\\s*$`);
+        const body = [];
+        for (i++; i < lines.length && !close.test(lines[i]); i++) body.push(lines[i]);
+        i++;  // the closing fence; while streaming there may be none yet
+        parent.appendChild(codeBlock(body.join("\n"), m[2]));
+      } else if (!line.trim()) {
+        i++;
+      } else if ((m = HEADING.exec(line))) {
+        const h = el("h" + Math.min(m[1].length + 2, 6));
+        inline(m[2], h, false);
+        parent.appendChild(h);
+        i++;
+      } else if (RULE.test(line)) {
+        parent.appendChild(el("hr"));
+        i++;
+      } else if (QUOTE.test(line)) {
+        const inner = [];
+        for (; i < lines.length && QUOTE.test(lines[i]); i++) inner.push(lines[i].replace(QUOTE, ""));
+        const q = el("blockquote");
+        blocks(inner, q);
+        parent.appendChild(q);
+      } else if (ITEM.test(line)) {
+        i = list(lines, i, parent);
+      } else {
+        const para = [line];
+        for (i++; i < lines.length && lines[i].trim() && !startsBlock(lines[i]); i++) para.push(lines[i]);
+        const p = el("p");
+        const text = para.join("\n");
+        if (text.startsWith("⚠️")) p.className = "warn";
+        inline(text, p, false);
+        parent.appendChild(p);
+      }
+    }
+  }
+
+  /** Render `src` as Markdown into `parent` (replacing what it held). */
+  function render(src, parent) {
+    parent.replaceChildren();
+    blocks(String(src).replace(/\r\n?/g, "\n").split("\n"), parent);
+  }
+
+  return { render, safeUrl };
+})();
+
+/* ---------- the chat --------------------------------------------------------------------- */
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const scroller = $("scroller"), log = $("log"), empty = $("empty"), input = $("text");
+  const stopBtn = $("stop"), newBtn = $("new"), conn = $("conn"), banner = $("banner"), agent = $("agent");
+
+  let ws = null;
+  let timer = null;
+  let connected = false;
+  let running = false;
+  let attempt = 0;
+  let everConnected = false;
+  let restarting = false;
+  let outbox = [];  // unacknowledged messages: {id, text, index, el}
+  let userCount = 0;  // user messages in the conversation as shown, for matching the outbox to history
+  const bots = new Map();  // bot message id -> {el, body}
+  const texts = new WeakMap();  // bot message element -> the text it shows
+  const dropped = new Set();  // bot ids of an abandoned conversation (New), whose late edits are ignored
+  let typing = null;
+
+  const LABELS = {
+    "stopped by user (/stop)": "Stopped",
+    "stopped by operator": "Stopped by the operator",
+    "gateway restart": "Interrupted by a gateway restart",
+    "gateway stopped before the turn finished": "Interrupted: the gateway stopped before the answer finished",
+    "user sent a new message": "Interrupted by your next message",
+    "session reset (/new)": "Interrupted: new conversation",
+  };
+
+  function interruptionLabel(i) {
+    return LABELS[i.reason] || "Interrupted: " + i.reason;
+  }
+
+  function newId() {
+    const bytes = crypto.getRandomValues(new Uint8Array(16));  // randomUUID needs a secure context
+    return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
+  function nearBottom() {
+    return scroller.scrollHeight - scroller.scrollTop - scroller.clientHeight < 80;
+  }
+
+  function place(node, stick = nearBottom()) {
+    if (typing && typing.parentNode === log && node !== typing) log.insertBefore(node, typing);
+    else log.appendChild(node);
+    empty.hidden = true;
+    if (stick) scroller.scrollTop = scroller.scrollHeight;
+    return node;
+  }
+
+  function clearView() {
+    log.replaceChildren();
+    bots.clear();
+    typing = null;
+    userCount = 0;
+    empty.hidden = false;
+  }
+
+  function addUser(text, id, pending, at) {
+    const node = document.createElement("div");
+    node.className = "msg user" + (pending ? " pending" : "");
+    node.textContent = text;
+    if (id) node.dataset.clientId = id;
+    if (at) node.title = new Date(at * 1000).toLocaleString();
+    return place(node, true);
+  }
+
+  function addNotice(kind, text, mark) {
+    const node = document.createElement("div");
+    node.className = mark ? "notice mark" : "notice";
+    node.dataset.kind = kind || "info";
+    node.textContent = text;
+    return place(node);
+  }
+
+  function botBubble(id) {
+    const node = document.createElement("div");
+    node.className = "msg bot";
+    const body = document.createElement("div");
+    body.className = "body";
+    node.appendChild(body);
+    if (id) node.dataset.id = id;
+    const bot = { el: node, body };
+    if (id) bots.set(id, bot);
+    place(node);
+    return bot;
+  }
+
+  function showBot(bot, text, interrupted) {
+    const stick = nearBottom();
+    texts.set(bot.el, text);
+    SB_MD.render(text, bot.body);
+    bot.el.querySelector(".interruption")?.remove();
+    if (interrupted) {
+      const foot = document.createElement("div");
+      foot.className = "interruption";
+      foot.dataset.kind = interrupted.kind;
+      foot.textContent = interruptionLabel(interrupted);
+      bot.el.appendChild(foot);
+    }
+    if (stick) scroller.scrollTop = scroller.scrollHeight;
+  }
+
+  function showTyping(on) {
+    if (on && !typing) {
+      typing = document.createElement("div");
+      typing.className = "typing";
+      typing.setAttribute("aria-label", "Writing");
+      typing.append(document.createElement("span"), document.createElement("span"), document.createElement("span"));
+      place(typing);
+    } else if (!on && typing) {
+      typing.remove();
+      typing = null;
+    }
+  }
+
+  function setRunning(on) {
+    running = on;
+    document.body.dataset.running = String(on);
+    if (!on) showTyping(false);
+    buttons();
+  }
+
+  function buttons() {
+    stopBtn.disabled = !(connected && running);
+    newBtn.disabled = !connected;
+  }
+
+  function setConn(state) {
+    conn.dataset.state = state;
+    conn.textContent = { connected: "connected", connecting: "connecting…", reconnecting: "reconnecting…",
+      restarting: "restarting…" }[state];
+    const text = state === "restarting" ? "The gateway is restarting — reconnecting…"
+      : state === "reconnecting" ? "Connection lost — reconnecting…" : "";
+    const stick = nearBottom();  // the banner takes room from the conversation: keep its end in view
+    banner.hidden = !text;
+    banner.textContent = text;
+    banner.dataset.kind = state === "restarting" ? "restart" : "";
+    if (stick) scroller.scrollTop = scroller.scrollHeight;
+  }
+
+  function sendFrame(frame) {
+    if (!connected || !ws) return false;
+    ws.send(JSON.stringify(frame));
+    return true;
+  }
+
+  /* --- frames from the daemon --- */
+
+  function onHello(f) {
+    connected = true;
+    everConnected = true;
+    restarting = false;
+    attempt = 0;
+    setConn("connected");
+    agent.textContent = f.agent || "";
+    clearView();
+    const users = [];
+    for (const m of f.history) {
+      if (m.role === "user" && m.resume) {
+        addNotice("resume", "Continuing the answer after the restart");
+      } else if (m.role === "user") {
+        addUser(m.text, null, false, m.at);
+        users.push(m.text);
+      } else if (m.role === "assistant") {
+        historyReply(m);
+      }
+    }
+    userCount = users.length;
+    // Messages never acknowledged: drop those the history shows arrived, show and resend the rest.
+    const claimed = new Set();
+    const keep = [];
+    for (const e of outbox) {
+      let found = -1;
+      for (let i = Math.min(e.index, users.length); i < users.length; i++) {
+        if (!claimed.has(i) && users[i] === e.text) { found = i; break; }
+      }
+      if (found >= 0) {
+        claimed.add(found);
+        continue;
+      }
+      e.index = userCount++;
+      e.el = addUser(e.text, e.id, true);
+      keep.push(e);
+    }
+    outbox = keep;
+    for (const e of outbox) sendFrame({ type: "message", id: e.id, text: e.text });
+    setRunning(Boolean(f.running));
+    if (f.running) showTyping(true);
+    empty.hidden = log.childElementCount > 0;
+    scroller.scrollTop = scroller.scrollHeight;
+  }
+
+  function historyReply(m) {
+    const failed = !m.interrupted_by && /^\[error: /.test(m.text);
+    if (m.text) {
+      const bot = botBubble(null);
+      if (failed) bot.el.classList.add("error");
+      showBot(bot, failed ? "⚠️ The agent failed: " + m.text.slice(8, -1) : m.text, m.interruption);
+    } else if (m.interruption) {
+      addNotice(m.interruption.kind, interruptionLabel(m.interruption), true);
+    } else if (m.tools && m.tools.length) {
+      const t = addNotice("info", "Used " + m.tools.join(", "));
+      t.classList.add("tools");
+    }
+  }
+
+  /** The history's last answer, if it is the very message `text` belongs to (a frame that raced the
+   * hello: its turn ended just as the history was read), so it is updated rather than shown twice. */
+  function adopt(id, text) {
+    const last = log.lastElementChild === typing ? typing?.previousElementSibling : log.lastElementChild;
+    if (!last || !last.classList.contains("bot") || last.dataset.id || texts.get(last) !== text) return null;
+    last.dataset.id = id;
+    const bot = { el: last, body: last.querySelector(".body") };
+    bots.set(id, bot);
+    return bot;
+  }
+
+  function onBot(f) {
+    if (dropped.has(f.id)) return;
+    showTyping(false);
+    const suffix = "\n\n⏹";
+    const body = !f.interrupted ? f.text
+      : f.body ?? (f.text.includes(suffix) ? f.text.slice(0, f.text.lastIndexOf(suffix)) : f.text);
+    const bot = bots.get(f.id) || adopt(f.id, body) || botBubble(f.id);
+    if (f.interrupted) {
+      showBot(bot, body, f.interrupted);
+      // The mark on the answer says it all: drop the "Stopped." acknowledgement just before it.
+      const last = log.lastElementChild;
+      if (last && last.matches(".notice[data-kind=stopped]:not(.mark)") && last.textContent === "Stopped.") {
+        last.remove();
+      }
+    } else {
+      showBot(bot, f.text, null);
+    }
+    if (f.text.includes("\n\n⚠️ ") || f.text.startsWith("⚠️ ")) bot.el.classList.add("error");
+  }
+
+  function onAck(f) {
+    const i = outbox.findIndex((e) => e.id === f.id);
+    if (i < 0) return;
+    const [e] = outbox.splice(i, 1);
+    e.el.classList.remove("pending");
+    if (f.outcome === "rejected" || f.outcome === "command") {  // not part of the conversation
+      e.el.classList.add(f.outcome);
+      userCount--;
+      for (const later of outbox) if (later.index > e.index) later.index--;
+    }
+  }
+
+  function onFrame(f) {
+    switch (f.type) {
+      case "hello": onHello(f); break;
+      case "message": case "edit": onBot(f); break;
+      case "ack": onAck(f); break;
+      case "state": setRunning(Boolean(f.running)); if (f.running) showTyping(true); break;
+      case "typing": if (running) showTyping(true); break;
+      case "user":
+        if (!outbox.some((e) => e.id === f.id)) { addUser(f.text, f.id, false); userCount++; }
+        break;
+      case "notice":
+        if (f.interrupted) addNotice(f.interrupted.kind, interruptionLabel(f.interrupted), true);
+        else addNotice(f.kind, f.text);
+        break;
+      default: break;  // a newer daemon's frame: ignore
+    }
+  }
+
+  /* --- connection, with backoff --- */
+
+  function schedule() {
+    const cap = Math.min(250 * 2 ** attempt, 5000);
+    attempt++;
+    timer = setTimeout(reconnect, cap / 2 + Math.random() * cap / 2);
+  }
+
+  async function reconnect() {
+    clearTimeout(timer);
+    timer = null;
+    if (ws) return;
+    // Probe with a plain request first: it renews a lost session cookie and avoids noisy socket errors.
+    try {
+      const r = await fetch(location.pathname, { cache: "no-store", credentials: "same-origin" });
+      if (!r.ok) throw new Error(String(r.status));
+    } catch {
+      if (!ws && !timer) schedule();
+      return;
+    }
+    if (!ws) connect();
+  }
+
+  function connect() {
+    const url = new URL("ws", location.href);
+    url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+    const sock = new WebSocket(url.href);
+    ws = sock;
+    setConn(everConnected ? (restarting ? "restarting" : "reconnecting") : "connecting");
+    sock.onmessage = (ev) => {
+      if (ws !== sock) return;
+      let f;
+      try { f = JSON.parse(ev.data); } catch { return; }
+      onFrame(f);
+    };
+    sock.onclose = (ev) => {
+      if (ws !== sock) return;
+      ws = null;
+      connected = false;
+      if (ev.code === 1012) restarting = true;
+      setRunning(false);
+      if (everConnected) setConn(restarting ? "restarting" : "reconnecting");
+      schedule();
+    };
+  }
+
+  /* --- user actions --- */
+
+  function submit() {
+    const text = input.value;
+    if (!text.trim()) return;
+    if (/^\s*[/!](new|reset)\s*$/i.test(text)) {  // typed rather than clicked: same thing
+      if (newConversation()) { input.value = ""; grow(); }
+      return;
+    }
+    input.value = "";
+    grow();
+    const e = { id: newId(), text, index: userCount++, el: null };
+    e.el = addUser(text, e.id, true);
+    outbox.push(e);
+    sendFrame({ type: "message", id: e.id, text });
+  }
+
+  function grow() {
+    input.style.height = "auto";
+    input.style.height = Math.min(input.scrollHeight + 2, 192) + "px";
+  }
+
+  $("composer").addEventListener("submit", (ev) => { ev.preventDefault(); submit(); input.focus(); });
+  input.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); submit(); }
+  });
+  input.addEventListener("input", grow);
+  stopBtn.addEventListener("click", () => {
+    if (sendFrame({ type: "command", name: "stop" })) stopBtn.disabled = true;
+  });
+  function newConversation() {
+    if (!sendFrame({ type: "command", name: "new" })) return false;
+    for (const id of bots.keys()) dropped.add(id);  // the old turn's late edits are not this conversation's
+    const pending = outbox;
+    clearView();
+    setRunning(false);
+    for (const e of pending) { e.index = userCount++; e.el = addUser(e.text, e.id, true); }
+    return true;
+  }
+
+  newBtn.addEventListener("click", () => { newConversation(); input.focus(); });
+  window.addEventListener("online", () => { if (!ws) { attempt = 0; reconnect(); } });
+
+  setConn("connecting");
+  connect();
+  input.focus();
+})();

@@ -1,0 +1,135 @@
+"""Cluster benchmarks with real worker processes and a real redis-server.
+
+(1) cross-worker /stop: a session streams on worker A, /stop arrives at worker B; from the /stop
+request leaving the client to the provider (a separate process) seeing A's connection close.
+(2) takeover: kill -9 the owner of a session; time until another worker answers in it.
+(3) throughput: echo agent at zero delay over the HTTP API, sessions pinned to workers as a load
+balancer would, with 1 and with 3 workers.
+
+    python -m tests.bench.cluster
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from tests.bench.stop_latency import row
+from tests.conftest import free_port
+from tests.redis_server import RedisServer
+from tests.workers import Worker
+
+TTL = 3.0
+
+
+async def cross_worker_stop(n: int, tmp: Path, redis: RedisServer) -> list[str]:
+    port = free_port()
+    provider = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_provider", "--port", str(port),
+                                 "--delay", "0.05", "--words", "2000"], stdout=subprocess.PIPE)
+    assert provider.stdout is not None
+    provider.stdout.readline()
+    a = Worker("a", redis.url, f"http://127.0.0.1:{port}/v1", tmp, ttl_s=TTL)
+    b = Worker("b", redis.url, f"http://127.0.0.1:{port}/v1", tmp, ttl_s=TTL)
+    await asyncio.gather(a.start(), b.start())
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            async def stream(i: int) -> None:
+                body = {"messages": [{"role": "user", "content": f"story {i}"}], "stream": True}
+                async with http.post(a.url + "/v1/chat/completions", json=body,
+                                     headers={"X-Session-Id": f"x{i}"}) as resp:
+                    async for _ in resp.content:
+                        pass
+
+            streams = [asyncio.create_task(stream(i)) for i in range(n)]
+            await asyncio.sleep(2.0)
+            sent: dict[int, float] = {}
+            for i in random.Random(5).sample(range(n), n // 2):
+                sent[i] = time.perf_counter()
+                status, _ = await b.ask(http, f"x{i}", "/stop")
+                assert status == 200
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)
+            async with http.get(f"http://127.0.0.1:{port}/_connections") as resp:
+                closed = {c["last_user"]: c["closed_at"] for c in await resp.json()}
+            for task in streams:
+                task.cancel()
+        return [row("cross-worker /stop→close", n, [(closed[f"story {i}"] - t) * 1000 for i, t in sent.items()])]
+    finally:
+        a.kill()
+        b.kill()
+        provider.terminate()
+        provider.wait()
+
+
+async def takeover(trials: int, tmp: Path, redis: RedisServer, provider_url: str) -> str:
+    times = []
+    for trial in range(trials):
+        a = Worker(f"ta{trial}", redis.url, provider_url, tmp, ttl_s=TTL, SWITCHBOARD_AGENT__KIND="echo",
+                   SWITCHBOARD_AGENT__ECHO_DELAY_S="0")
+        b = Worker(f"tb{trial}", redis.url, provider_url, tmp, ttl_s=TTL, SWITCHBOARD_AGENT__KIND="echo",
+                   SWITCHBOARD_AGENT__ECHO_DELAY_S="0")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert (await a.ask(http, f"t{trial}", "hello"))[0] == 200
+                await asyncio.sleep(random.random() * TTL / 3)  # anywhere in the renewal cycle
+                a.kill()
+                killed = time.perf_counter()
+                while (await b.ask(http, f"t{trial}", "still there?"))[0] != 200:
+                    await asyncio.sleep(0.02)
+                times.append(time.perf_counter() - killed)
+        finally:
+            a.kill()
+            b.kill()
+    return (f"| takeover after kill -9 (TTL {TTL:g} s) | {trials} trials | median {statistics.median(times):.2f} s "
+            f"| max {max(times):.2f} s |")
+
+
+async def throughput(workers: int, sessions: int, per_session: int, tmp: Path, redis: RedisServer,
+                     provider_url: str) -> float:
+    pool = [Worker(f"p{workers}-{i}", redis.url, provider_url, tmp, ttl_s=30, SWITCHBOARD_AGENT__KIND="echo",
+                   SWITCHBOARD_AGENT__ECHO_DELAY_S="0") for i in range(workers)]
+    await asyncio.gather(*(w.start() for w in pool))
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
+            async def session(s: int) -> None:
+                worker = pool[s % workers]  # sticky, as a load balancer would pin it
+                for m in range(per_session):
+                    status, body = await worker.ask(http, f"tp{workers}-{s}", f"message {m} of session {s}")
+                    assert status == 200, body
+
+            started = time.perf_counter()
+            await asyncio.gather(*(session(s) for s in range(sessions)))
+            return sessions * per_session / (time.perf_counter() - started)
+    finally:
+        for w in pool:
+            w.kill()
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp) / "redis").start()
+        try:
+            lines = ["| measure                  |     N | stops |  p50 ms |  p99 ms |  max ms |",
+                     "|--------------------------|------:|------:|--------:|--------:|--------:|"]
+            lines += await cross_worker_stop(50, Path(tmp), redis)
+            print("\n".join(lines))
+            dummy = f"http://127.0.0.1:{free_port()}/v1"  # echo agent: no provider needed
+            print(await takeover(3, Path(tmp), redis, dummy))
+            one = await throughput(1, 300, 10, Path(tmp), redis, dummy)
+            three = await throughput(3, 300, 10, Path(tmp), redis, dummy)
+            print(f"| throughput, HTTP API, echo | 1 worker {one:,.0f} msg/s | 3 workers {three:,.0f} msg/s |")
+        finally:
+            redis.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
