@@ -148,12 +148,21 @@ class Daemon:
         admin = self.config.admin
         if admin.enabled:
             admin_app = build_admin_app(self.router, self.readiness,
-                                        token=admin.token.reveal() if admin.token else None)
+                                        token=admin.token.reveal() if admin.token else None,
+                                        extra_stats=self._cluster_stats)
             self._admin_runner = await serve(admin_app, admin.host, admin.port)
         tune_gc()
         log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s)",
                  self.config.http.host, self.config.http.port, self.agent.description,
                  ", ".join(self.adapters) or "none")
+
+    def _cluster_stats(self) -> dict[str, object]:
+        if self.cluster is None:
+            return {}
+        leases = self.cluster.leases
+        return {"cluster": {"worker": self.cluster.worker_id, "leases_held": len(leases.held),
+                            "lease_acquisitions": leases.acquisitions, "lease_losses": leases.losses,
+                            "ingress": dict(self.cluster.ingress), "healthy": self.cluster.healthy()[0]}}
 
     async def _start_cluster(self, url: str) -> None:
         from redis.asyncio import Redis

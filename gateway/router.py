@@ -197,7 +197,8 @@ class Router:
                       key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
         problem = self._validate(msg.text)
-        if problem is None and self._closing:
+        if problem is None and self._closing and parse_command(msg.text) is None:
+            # Commands still work while running turns drain: /stop must always be able to stop.
             problem = "The gateway is restarting; please send that again in a moment."
         if problem is not None:
             log.info("rejected message: %s", problem, extra={"session": key})

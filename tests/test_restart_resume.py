@@ -81,3 +81,22 @@ async def test_stale_interruptions_are_not_resumed(store: SqliteStore, chat: Mem
     await agent.close()
     assert len(provider.connections) == 1
     assert await store.unfinished_inbound() == []
+
+
+async def test_stop_still_works_while_running_turns_drain(store: SqliteStore, chat: MemoryChat,
+                                                          provider: FakeProvider, tools: ToolRegistry) -> None:
+    import asyncio
+
+    provider.delay_s, provider.words = 0.05, 200
+    agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
+    router = await _router(store, agent, chat)
+    run = (await router.submit(chat.message("c1", "long"), chat)).run
+    await chat.wait_for(lambda: len(provider.connections) == 1)
+    draining = asyncio.create_task(router.shutdown(GATEWAY_RESTART, drain_s=30))
+    await asyncio.sleep(0.1)
+    refused = await router.submit(chat.message("c2", "new work"), chat)
+    assert "restarting" in refused.detail
+    assert (await router.submit(chat.message("c1", "/stop"), chat)).detail == "Stopped."
+    await asyncio.wait_for(draining, 5)
+    assert run is not None and run.reason is not None and run.reason.text == "stopped by user (/stop)"
+    await agent.close()
