@@ -9,7 +9,8 @@ import sys
 
 from gateway import __version__, units
 from gateway.config import Config, ConfigError, load_config, render
-from gateway.logs import setup_logging
+from gateway.logs import redactor, setup_logging
+from gateway.store import StoreError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(Daemon(config, config_path=args.config).run())
     except OSError as exc:  # e.g. the port is taken: one clear line, not a traceback
-        print(f"switchboard: cannot start: {exc.strerror or exc}", file=sys.stderr)
+        print(f"switchboard: cannot start: {redactor(str(exc.strerror or exc))}", file=sys.stderr)
+        return 1
+    except StoreError as exc:  # e.g. Redis unreachable at start-up
+        print(f"switchboard: cannot start: {redactor(str(exc))}", file=sys.stderr)
         return 1
     return 0
 

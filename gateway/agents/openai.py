@@ -19,6 +19,7 @@ import aiohttp
 from gateway.agents.base import AgentError
 from gateway.agents.tools import ToolRegistry
 from gateway.cancellation import get_run
+from gateway.logs import redactor
 from gateway.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
 
 log = logging.getLogger(__name__)
@@ -185,13 +186,14 @@ def _json(text: str) -> dict[str, Any]:
 
 
 def _error_text(detail: str) -> str:
+    """The provider's own words, short — with any secret it echoed (e.g. our key) masked."""
     try:
         err = json.loads(detail).get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:200]
+            return redactor(str(err["message"]))[:200]
     except (ValueError, AttributeError):
         pass
-    return detail[:200]
+    return redactor(detail)[:200]
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:

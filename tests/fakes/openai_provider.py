@@ -28,6 +28,7 @@ class Script:
     status: int = 200
     garbage: bool = False
     json_only: bool = False  # answer with a plain JSON completion despite stream=true
+    echo_key: bool = False  # answer 401 quoting the API key it was sent, as some providers do
 
 
 @dataclass
@@ -110,6 +111,11 @@ class FakeProvider:
         self.connections.append(conn)
         self._hook_close(request, conn)
         script = self.scripts.popleft() if self.scripts else self.for_text(conn.last_user)
+        if script.echo_key:
+            conn.completed = True
+            key = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            return web.json_response({"error": {"message": f"Incorrect API key provided: {key}",
+                                                "type": "invalid_request_error"}}, status=401)
         if script.status != 200:
             conn.completed = True
             return web.json_response({"error": {"message": f"fake failure {script.status}",
