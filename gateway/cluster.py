@@ -199,6 +199,8 @@ class Cluster:
                 await self._claim_from_the_dead()
             except (RedisError, OSError) as exc:
                 log.warning("cluster housekeeping failed: %s", type(exc).__name__)
+            except Exception:  # never let housekeeping die quietly
+                log.exception("cluster housekeeping crashed; retrying")
 
     async def _heartbeat(self) -> None:
         beat = {"seen_at": time.time(), "sessions": sorted(self.leases.held), "ingress": self.ingress,
@@ -216,20 +218,26 @@ class Cluster:
                 await self.leases.release(session)
 
     async def _claim_from_the_dead(self) -> None:
+        """Take over what dead workers left in their inboxes: entries they read but never
+        acknowledged (XAUTOCLAIM, once idle for a TTL) and entries they never got to read."""
         workers = cast("list[str]", await self.redis.hkeys(keys.workers()))  # decode_responses=True
         for worker in workers:
             if worker == self.worker_id or await self.redis.exists(keys.worker_alive(worker)):
                 continue
             inbox = keys.worker_inbox(worker)
-            with contextlib.suppress(ResponseError):  # its group may not exist yet
+            try:
                 _next, claimed, *_ = await self.redis.xautoclaim(
                     inbox, keys.GROUP, self.worker_id, min_idle_time=int(self.ttl_s * 1000), count=100)
-                for entry_id, fields in claimed:
-                    if fields:
-                        log.info("re-routing a message forwarded to dead worker %s", worker)
-                        await self._handle(inbox, entry_id, fields)
-                if claimed:
-                    continue
-            pending = await self.redis.xpending(inbox, keys.GROUP) if await self.redis.exists(inbox) else None
-            if not pending or not pending.get("pending"):
-                await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind
+                unread = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {inbox: ">"}, count=100)
+            except ResponseError:  # no such stream or group: it never got anything
+                await self.redis.hdel(keys.workers(), worker)
+                continue
+            entries = list(claimed) + [e for _s, batch in cast("list[Any]", unread or []) for e in batch]
+            for entry_id, fields in entries:
+                if fields:
+                    log.info("re-routing a message forwarded to dead worker %s", worker)
+                    await self._handle(inbox, entry_id, fields)
+            if not entries:
+                pending = await self.redis.xpending(inbox, keys.GROUP)
+                if not pending.get("pending"):
+                    await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind

@@ -225,14 +225,14 @@ class Router:
                 await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
                 return Submitted(Outcome.REJECTED, reason)
             if owner != self.worker_id:
-                if self._remember(msg):
+                if self._seen(msg, hops):
                     return Submitted(Outcome.DUPLICATE)
                 return await self._forward(owner, cmd, msg, key, adapter, hops)
         if cmd is not None:
-            if self._remember(msg):
+            if self._seen(msg, hops):
                 return Submitted(Outcome.DUPLICATE)
             return await self._command(cmd, key, msg, adapter)
-        if ephemeral is None and self._remember(msg):
+        if ephemeral is None and self._seen(msg, hops):
             return Submitted(Outcome.DUPLICATE)
 
         turn = Turn(msg, key, adapter, ephemeral)
@@ -285,6 +285,14 @@ class Router:
             turn.inbound_id = None
         turn.accepted.set_result(turn.inbound_id is not None)
         return turn.run if turn.inbound_id is not None else None
+
+    def _seen(self, msg: InboundMessage, hops: int) -> bool:
+        """In-memory de-duplication, for messages straight from a platform. A forwarded message
+        may well have passed through here before (we forwarded it); the store decides for it."""
+        if hops:
+            self._remember(msg)
+            return False
+        return self._remember(msg)
 
     def remember(self, msg: InboundMessage) -> bool:
         """Record a message id as seen (True if it already was)."""

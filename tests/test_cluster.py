@@ -293,3 +293,38 @@ def _closed(rows: list[Any]) -> bool:
     """Every user row is followed by an assistant row (an answer or an interruption marker)."""
     return bool(rows) and all(b.role == "assistant" for a, b in itertools.pairwise(rows) if a.role == "user") \
         and rows[-1].role == "assistant"
+
+
+async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answered_once(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    provider.delay_s, provider.words = 0.0, 2
+    async with FakeTelegramAPI() as fake:
+        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
+               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
+               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
+               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            async def say(worker: Worker, text: str) -> None:
+                update = {"message": fake.user_message(42, user_id=42, text=text)}
+                assert await fake.post_webhook(worker.url + "/telegram/webhook", update, "hook-secret-1") == 200
+
+            await say(a, "first")  # a owns the session now
+            while not any(t.startswith("reply to: first") for t in fake.messages(42).values()):
+                await asyncio.sleep(0.05)
+            a.signal(signal.SIGSTOP)  # a cannot read its inbox any more...
+            await say(b, "second")  # ...but b forwards this to it, since a still holds the lease
+            a.kill()  # and a dies without ever acknowledging it
+            died = time.monotonic()
+            while not any(t.startswith("reply to: second") for t in fake.messages(42).values()):
+                assert time.monotonic() - died < 4 * TTL + 5, fake.messages(42)
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)
+        finally:
+            a.kill()
+            b.kill()
+    answers = [t for t in fake.messages(42).values() if t.startswith("reply to: second")]
+    assert len(answers) == 1 and len(provider.requests_for("second")) == 1
