@@ -91,6 +91,11 @@ def worker_alive(worker_id: str) -> str:
     return f"{PREFIX}:alive:{{{worker_id}}}"
 
 
+def worker_sessions(worker_id: str) -> str:
+    """Set of sessions a worker took (SADD on acquisition): survivors adopt them if it dies."""
+    return f"{PREFIX}:owned:{{{worker_id}}}"
+
+
 def worker_inbox(worker_id: str) -> str:
     """Stream of messages and commands forwarded to a worker (consumer group `GROUP`)."""
     return f"{PREFIX}:inbox:{{{worker_id}}}"

@@ -76,8 +76,9 @@ class Cluster:
                 await task
         await self.leases.stop(release=True)
         with contextlib.suppress(RedisError, OSError):
+            # Gone, but still listed: the others adopt our sessions at once (turns cut off by
+            # this restart are resumed there) and then forget us.
             await self.redis.delete(keys.worker_alive(self.worker_id))
-            await self.redis.hdel(keys.workers(), self.worker_id)
         await self.redis.aclose()
 
     def healthy(self) -> tuple[bool, str]:
@@ -105,6 +106,7 @@ class Cluster:
                 route = Route(owner=got.owner)
             else:
                 self.router.metrics.lease_events.labels("acquired").inc()
+                await self.redis.sadd(keys.worker_sessions(self.worker_id), session)
                 await self._recover(session)
                 route = Route(fence=got.lease.fence)
             fut.set_result(route)
@@ -216,6 +218,7 @@ class Cluster:
             if session not in self.router.cache and not self.router.busy(session) \
                     and session not in self._acquiring and session not in self.ingress:
                 await self.leases.release(session)
+                await self.redis.srem(keys.worker_sessions(self.worker_id), session)
 
     async def _claim_from_the_dead(self) -> None:
         """Take over what dead workers left in their inboxes: entries they read but never
@@ -237,7 +240,20 @@ class Cluster:
                 if fields:
                     log.info("re-routing a message forwarded to dead worker %s", worker)
                     await self._handle(inbox, entry_id, fields)
-            if not entries:
-                pending = await self.redis.xpending(inbox, keys.GROUP)
-                if not pending.get("pending"):
-                    await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind
+            if entries or (await self.redis.xpending(inbox, keys.GROUP)).get("pending"):
+                continue  # the rest once they have been idle for a TTL
+            await self._adopt_sessions(worker)
+            await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind
+
+    async def _adopt_sessions(self, worker: str) -> None:
+        """A dead worker's sessions may hold turns it was running: take each one whose lease has
+        lapsed, which finishes what it left open (a resume, a replay), instead of waiting for the
+        user's next message."""
+        owned = keys.worker_sessions(worker)
+        for session in cast("set[str]", await self.redis.smembers(owned)):
+            if await self.redis.exists(keys.lease(session)):
+                continue  # someone holds it (or the dead worker's lease has not lapsed yet)
+            route = await self.route(session)
+            if route.fence is not None:
+                log.info("adopted %s from dead worker %s", session, worker, extra={"session": session})
+        await self.redis.delete(owned)

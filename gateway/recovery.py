@@ -23,6 +23,18 @@ RESUME_PROMPT = (f"{GATEWAY_RESTART.marker} The gateway restarted while you were
                  "Continue from where you stopped, without repeating what you already said.")
 
 
+def resume_prompt(reason: ToolReason) -> str:
+    """The automatic message that asks the model to continue, naming what cut it off."""
+    if reason == GATEWAY_RESTART:
+        return RESUME_PROMPT
+    return (f"{reason.marker} Your answer was cut off. "
+            "Continue from where you stopped, without repeating what you already said.")
+
+
+def is_resume_prompt(text: str) -> bool:
+    return text.startswith("[interrupted by system: ") and "Continue from where you stopped" in text
+
+
 async def recover(router: Router, adapters: dict[str, Adapter], *, resume_max_age_s: float) -> None:
     """At start-up: everything the store can enumerate (a shared store leaves this to takeovers)."""
     await recover_records(router, adapters, await router.store.unfinished_inbound(),
@@ -56,7 +68,8 @@ async def recover_records(router: Router, adapters: dict[str, Adapter], records:
                                           "resumed after restart" if resumable else "not resumed")
         if resumable and adapter is not None:
             log.info("resuming a turn that was cut off", extra={"session": rec.session_key})
-            await router.resume(_resume_message(rec), adapter, rec.session_key)
+            reason = GATEWAY_RESTART if rec.status == "restart" else cut_off
+            await router.resume(_resume_message(rec, reason), adapter, rec.session_key)
 
 
 async def _close_transcript(router: Router, rec: InboundRecord, reason: ToolReason) -> None:
@@ -66,8 +79,9 @@ async def _close_transcript(router: Router, rec: InboundRecord, reason: ToolReas
         await router.store.append(rec.session_key, conversation, TurnRecorder().interrupted(reason), fence=fence)
 
 
-def _resume_message(rec: InboundRecord) -> InboundMessage:
+def _resume_message(rec: InboundRecord, reason: ToolReason) -> InboundMessage:
     m = rec.message
     return InboundMessage(platform=m.platform, chat_id=m.chat_id, chat_type=m.chat_type, user_id=m.user_id,
-                          user_name=m.user_name, message_id=f"{RESUME_PREFIX}{rec.id}", text=RESUME_PROMPT,
+                          user_name=m.user_name, message_id=f"{RESUME_PREFIX}{rec.id}",
+                          text=resume_prompt(reason),
                           thread_id=m.thread_id, reply_to=m.message_id, user_handle=m.user_handle)

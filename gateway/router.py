@@ -382,6 +382,7 @@ class Router:
             reason = "This conversation is busy on another worker right now; please try again in a moment."
             await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
             return Submitted(Outcome.REJECTED, reason)
+        log.debug("forwarding to %s (hop %d)", owner, hops + 1, extra={"session": key})
         # The owner answers push platforms itself; only a client connected here needs the result.
         want_reply = cmd is not None and not adapter.pushes_anywhere
         try:

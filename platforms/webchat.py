@@ -42,7 +42,7 @@ from gateway.cancellation import (
     ToolReason,
 )
 from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.recovery import RESUME_PROMPT
+from gateway.recovery import is_resume_prompt
 from gateway.router import Outcome
 from gateway.transcript import ChatMessage
 from platforms.assets import static_response
@@ -303,6 +303,6 @@ def _row(m: ChatMessage) -> dict[str, Any]:
     row = {"role": m.role, "text": m.content, "interrupted_by": m.interrupted_by, "reason": m.reason,
            "interruption": interruption(m.interrupted_by, m.reason or "") if m.interrupted_by else None,
            "tools": [c.name for c in m.tool_calls], "at": m.created_at}
-    if m.role == "user" and m.content == RESUME_PROMPT:
+    if m.role == "user" and is_resume_prompt(m.content):
         row["resume"] = True  # the gateway's own "continue" after a restart, not something the user said
     return row

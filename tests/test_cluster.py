@@ -305,6 +305,7 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
                "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
                "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
                "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        env["SWITCHBOARD_LOG__LEVEL"] = "debug"
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
         await asyncio.gather(a.start(), b.start())
         try:
@@ -320,7 +321,8 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
             a.kill()  # and a dies without ever acknowledging it
             died = time.monotonic()
             while not any(t.startswith("reply to: second") for t in fake.messages(42).values()):
-                assert time.monotonic() - died < 4 * TTL + 5, fake.messages(42)
+                assert time.monotonic() - died < 4 * TTL + 5, (fake.messages(42), provider.requests_for("second"),
+                                                               redis_server.client().hgetall("sb:workers"))
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)
         finally:
@@ -328,3 +330,57 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
             b.kill()
     answers = [t for t in fake.messages(42).values() if t.startswith("reply to: second")]
     assert len(answers) == 1 and len(provider.requests_for("second")) == 1
+
+
+async def test_a_turn_running_on_a_worker_that_dies_is_resumed_without_waiting_for_the_user(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    provider.delay_s, provider.words = 0.05, 400
+    async with FakeTelegramAPI() as fake:
+        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
+               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
+               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
+               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            update = {"message": fake.user_message(43, user_id=43, text="tell me a long story")}
+            assert await fake.post_webhook(a.url + "/telegram/webhook", update, "hook-secret-1") == 200
+            while not fake.messages(43):
+                await asyncio.sleep(0.05)
+            provider.delay_s, provider.words = 0.0, 2
+            a.kill()  # mid-turn, and the user says nothing more
+            died = time.monotonic()
+            while not any("Your answer was cut off" in t for t in fake.messages(43).values()):
+                assert time.monotonic() - died < 3 * TTL + 5, fake.messages(43)
+                await asyncio.sleep(0.1)
+        finally:
+            a.kill()
+            b.kill()
+    texts = list(fake.messages(43).values())
+    assert "⏹ interrupted: worker stopped responding; session taken over" in texts
+    resumed = provider.connections[-1].body["messages"]
+    assert resumed[0]["content"] == "tell me a long story"
+    assert resumed[1]["content"] == "[interrupted by system: worker stopped responding; session taken over]"
+    assert resumed[2]["content"].startswith("[interrupted by system: worker stopped responding")
+
+
+async def test_a_worker_stopped_for_a_rolling_restart_hands_its_cut_off_turns_to_the_others(
+        workers: Any, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.05, 400
+    a, b = await workers(2)
+    async with aiohttp.ClientSession() as http:
+        body = {"messages": [{"role": "user", "content": "essay please"}], "stream": False}
+        pending = asyncio.create_task(http.post(a.url + "/v1/chat/completions", json=body,
+                                                headers={"X-Session-Id": "roll"}))
+        while not provider.requests_for("essay please"):
+            await asyncio.sleep(0.02)
+        assert await a.stop() == 0  # SIGTERM: the turn is cut off with "gateway restart"
+        answer = await (await pending).json()
+        assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
+        provider.delay_s, provider.words = 0.0, 2
+        status, body2 = await b.ask(http, "roll", "are you back?")
+    assert status == 200 and content(body2).startswith("reply to: are you back?")
+    sent = provider.connections[-1].body["messages"]
+    assert sent[1]["content"].endswith("[interrupted by system: gateway restart]")

@@ -65,8 +65,7 @@ class Worker:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
+            self.proc.kill()  # SIGKILL ends a stopped process too, without letting it run first
             self.proc.wait()
 
     async def ask(self, http: aiohttp.ClientSession, session: str, text: str,
