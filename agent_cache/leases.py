@@ -19,11 +19,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 log = logging.getLogger(__name__)
+
+AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
 
 _ACQUIRE = """
 local cur = redis.call('HGET', KEYS[1], 'token')
@@ -83,7 +87,7 @@ class Acquired:
 class LeaseManager:
     """Holds this worker's leases: acquires on demand, renews all in one batch every TTL/3."""
 
-    def __init__(self, redis: Redis, worker_id: str, *, ttl_s: float = 30.0,
+    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float = 30.0,
                  on_lost: Callable[[str], None] | None = None) -> None:
         self.redis = redis
         self.worker_id = worker_id
@@ -93,7 +97,7 @@ class LeaseManager:
         self.on_lost = on_lost
         self.held: dict[str, Lease] = {}
         self._acquire = redis.register_script(_ACQUIRE)
-        self._renew = redis.register_script(_RENEW)
+        self._renew_sha: str | None = None
         self._release = redis.register_script(_RELEASE)
         self._task: asyncio.Task[None] | None = None
         self.last_ok: float = time.monotonic()  # last time Redis answered a renewal batch
@@ -139,10 +143,10 @@ class LeaseManager:
         leases = list(self.held.values())
         sent = time.monotonic()
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for lease in leases:
-                    await self._renew(keys=[lease.key], args=[self.token, lease.fence, self.ttl_ms], client=pipe)
-                results = await pipe.execute()
+            try:
+                results = await self._renew_batch(leases)
+            except NoScriptError:  # Redis restarted without our script: load it and go again
+                results = await self._renew_batch(leases, load=True)
         except (RedisError, OSError) as exc:
             log.warning("lease renewal failed (%s); %d lease(s) at risk", type(exc).__name__, len(leases))
             for lease in leases:
@@ -154,6 +158,15 @@ class LeaseManager:
                 lease.renewed_at = sent
             elif self.held.get(lease.name) is lease:
                 self._lose(lease.name)
+
+    async def _renew_batch(self, leases: list[Lease], *, load: bool = False) -> list[Any]:
+        """One pipeline of EVALSHAs (split per node by a cluster client)."""
+        if load or self._renew_sha is None:
+            self._renew_sha = str(await self.redis.script_load(_RENEW))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lease in leases:
+                pipe.evalsha(self._renew_sha, 1, lease.key, self.token, lease.fence, self.ttl_ms)
+            return list(await pipe.execute())
 
     def _lose(self, name: str) -> None:
         if self.held.pop(name, None) is None:

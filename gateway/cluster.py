@@ -17,11 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
-from agent_cache.leases import LeaseManager
+from agent_cache.leases import AnyRedis, LeaseManager
 from gateway.cancellation import TAKEN_OVER
 from gateway.events import InboundMessage
 
@@ -42,7 +41,7 @@ class Route:
 
 
 class Cluster:
-    def __init__(self, redis: Redis, worker_id: str, *, ttl_s: float, router: Router,
+    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, router: Router,
                  adapters: dict[str, Adapter], info: dict[str, Any] | None = None,
                  resume_max_age_s: float = 600.0) -> None:
         self.resume_max_age_s = resume_max_age_s

@@ -158,7 +158,8 @@ class StoreConfig:
 
 @dataclass
 class RedisConfig:
-    url: Secret | None = None  # set: cluster mode (redis://[:password@]host:6379/0)
+    # Set: cluster mode. redis://[:password@]host:6379/0, or redis+cluster://host:7000 for Redis Cluster
+    url: Secret | None = None
 
 
 @dataclass
@@ -356,8 +357,9 @@ def _validate(c: Config) -> None:
             raise ConfigError(f"{key}: must not be negative")
     if c.cluster.lease_ttl_s < 3:
         raise ConfigError(f"cluster.lease_ttl_s: must be at least 3 seconds (got {c.cluster.lease_ttl_s:g})")
-    if c.redis.url is not None and not c.redis.url.reveal().startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("redis.url: must start with redis://, rediss:// or unix://")
+    if c.redis.url is not None and not c.redis.url.reveal().startswith(
+            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+        raise ConfigError("redis.url: must start with redis://, rediss://, unix:// or redis+cluster://")
     if c.router.messages_per_minute < 0:
         raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
     if c.tools.tool_kill_grace_s < 0:

@@ -165,14 +165,12 @@ class Daemon:
                             "ingress": dict(self.cluster.ingress), "healthy": self.cluster.healthy()[0]}}
 
     async def _start_cluster(self, url: str) -> None:
-        from redis.asyncio import Redis
-
-        from gateway.store.redis import blocking_pool
+        from gateway.store.redis import connect
 
         c = self.config.cluster
         worker_id = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.cluster = Cluster(
-            Redis.from_pool(blocking_pool(url, decode_responses=True, health_check_interval=10)), worker_id,
+            connect(url, decode_responses=True, health_check_interval=10), worker_id,
             ttl_s=c.lease_ttl_s, router=self.router, adapters=self.adapters,
             info={"http": f"{self.config.http.host}:{self.config.http.port}",
                   "admin": f"{self.config.admin.host}:{self.config.admin.port}"},

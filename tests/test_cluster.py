@@ -50,9 +50,15 @@ async def _transcript(redis_server: RedisServer, session: str) -> list[tuple[str
         await store.close()
 
 
-async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any, provider: FakeProvider) -> None:
+@pytest.mark.parametrize("redis_kind", ["single", "cluster"])
+async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any, provider: FakeProvider,
+                                                                  tmp_path: Path, redis_kind: str) -> None:
     provider.delay_s, provider.words = 0.05, 200
-    a, b = await workers(2)
+    if redis_kind == "cluster":  # the same code on Redis Cluster (a one-node cluster owning every slot)
+        server = RedisServer(tmp_path / "redis-cluster", cluster=True).start()
+        a, b = await workers(2, server)
+    else:
+        a, b = await workers(2)
     async with aiohttp.ClientSession() as http:
         first = asyncio.create_task(a.ask(http, "s1", "long answer"))
         for _ in range(200):
@@ -66,6 +72,10 @@ async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any,
     conn = provider.requests_for("long answer")[0]
     await provider.wait_closed(conn)
     assert not conn.completed
+    if redis_kind == "cluster":
+        a.kill()
+        b.kill()
+        server.stop()
 
 
 async def test_a_killed_owner_is_taken_over_within_the_ttl_and_nothing_is_lost(

@@ -132,6 +132,15 @@ return {rec.user_id, rec.user_name}
 """
 
 
+def connect(url: str, **opts: Any) -> aioredis.Redis | RedisCluster:
+    """A client for `url`: a single Redis (blocking pool), or Redis Cluster for `redis+cluster://`
+    and `?cluster=true` URLs. Every script Switchboard runs touches one slot, so both work."""
+    plain, cluster = _parse(url)
+    if cluster:
+        return RedisCluster.from_url(plain, **opts)
+    return aioredis.Redis.from_pool(blocking_pool(plain, **opts))
+
+
 def blocking_pool(url: str, **opts: Any) -> aioredis.BlockingConnectionPool:
     """A pool that makes a burst wait for a free connection instead of failing with
     "Too many connections" (redis-py's default pool raises at 100)."""
