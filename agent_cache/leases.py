@@ -187,8 +187,7 @@ class LeaseManager:
     async def stop(self, *, release: bool = True) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})
         if release:
             for name in list(self.held):
                 await self.release(name)

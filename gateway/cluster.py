@@ -70,9 +70,8 @@ class Cluster:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks)
         await self.leases.stop(release=True)
         with contextlib.suppress(RedisError, OSError):
             # Gone, but still listed: the others adopt our sessions at once (turns cut off by

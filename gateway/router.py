@@ -567,7 +567,9 @@ class Router:
 
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
                        reply: Reply) -> tuple[list[ChatMessage], str, str | None]:
-        if task.cancelled() or (run.reason is not None and task.exception() is not None):
+        # Cancelled — or stopped so late that the task still returned: its output was held back
+        # from the chat by then (Run.may_send), so the record says interrupted either way.
+        if task.cancelled() or run.reason is not None:
             if run.reason is None:  # only Run.cancel holds the task, so this is a bug: say so
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), "failed", "no reason"

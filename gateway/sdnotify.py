@@ -8,7 +8,6 @@ a blocked or starved loop stops the pings and systemd's `WatchdogSec=` kills the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -171,8 +170,7 @@ class Watchdog:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})
             self._task = None
 
     async def _run(self) -> None:

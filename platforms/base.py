@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+MEDIA_ONLY = "I can only read text for now."
+
+
 class RateLimited(Exception):
     """The platform asked us to wait `retry_after` seconds before the next call."""
 
@@ -117,6 +120,18 @@ class Adapter(ABC):
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return EditStreamReply(self, msg.chat, run, reply_to=msg.message_id)
+
+    async def media_only(self, msg: InboundMessage) -> None:
+        """A message with nothing we can read (a photo, a sticker): say so rather than stay silent
+        — but only to users the access policy lets in; a stranger gets the pairing code instead."""
+        access = self.router.access
+        if access is not None:
+            allowed, notice = await access.check(msg)
+            if not allowed:
+                if notice:
+                    await self.notify(msg.chat, notice, reply_to=msg.message_id)
+                return
+        await self.notify(msg.chat, MEDIA_ONLY, reply_to=msg.message_id)
 
 
 class EditStreamReply(Reply):
@@ -213,8 +228,9 @@ class EditStreamReply(Reply):
         for task in (self._pump, self._typing):
             if task is not None and not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # asyncio.wait, not `await task` under suppress(CancelledError): that would also
+                # swallow a cancel aimed at *this* task (a /stop landing right now).
+                await asyncio.wait({task})
 
     async def _keep_typing(self) -> None:
         while not self._shown:

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "discord"
 MAX_LEN = 2000
-MEDIA_ONLY = "I can only read text for now."
 APP_COMMANDS = {
     "stop": "Stop the current answer (and drop queued messages)",
     "new": "Start a fresh conversation",
@@ -325,22 +324,11 @@ class DiscordAdapter(Adapter):
                 message_id=str(message.id), text=text, timestamp=message.created_at.timestamp(),
                 reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None)
             if not text.strip() and (message.attachments or message.stickers):
-                await self._media_only(msg)
+                await self.media_only(msg)
                 return
             await self.router.submit(msg, self)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
-
-    async def _media_only(self, msg: InboundMessage) -> None:
-        """Say we read only text, but to approved users only: strangers get a pairing code."""
-        access = self.router.access
-        if access is not None:
-            allowed, notice = await access.check(msg)
-            if not allowed:
-                if notice:
-                    await self.notify(msg.chat, notice, reply_to=msg.message_id)
-                return
-        await self.notify(msg.chat, MEDIA_ONLY, reply_to=msg.message_id)
 
     async def _on_app_command(self, interaction: Interaction, name: str) -> None:
         """Run `/name` as the router's text command; the interaction is always answered."""

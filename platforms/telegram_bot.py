@@ -43,7 +43,6 @@ T = TypeVar("T")
 
 PLATFORM = "telegram"
 ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
-MEDIA_NOTICE = "I can only read text for now."
 COMMANDS = (("stop", "Stop the current answer"), ("new", "Start a new conversation"),
             ("reset", "Same as /new"), ("status", "What is running in this chat"), ("help", "Show the commands"))
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
@@ -292,7 +291,7 @@ class TelegramAdapter(Adapter):
             if msg.text:
                 await self.router.submit(msg, self)
             else:
-                await self._media(msg)
+                await self.media_only(msg)
         except Exception:
             log.exception("telegram: could not process update %d", update.update_id)
 
@@ -350,17 +349,6 @@ class TelegramAdapter(Adapter):
         # In forum topics every message "replies" to the topic's creation message: not to us.
         return (reply is not None and reply.forum_topic_created is None and reply.from_user is not None
                 and reply.from_user.id == self._bot_id)
-
-    async def _media(self, msg: InboundMessage) -> None:
-        """Media we cannot read: say so — but only to users the access policy lets in."""
-        access = self.router.access
-        if access is not None:
-            allowed, notice = await access.check(msg)
-            if not allowed:
-                if notice:
-                    await self.notify(msg.chat, notice, reply_to=msg.message_id)
-                return
-        await self.notify(msg.chat, MEDIA_NOTICE, reply_to=msg.message_id)
 
     # --- outbound -------------------------------------------------------------------------
 

@@ -22,6 +22,14 @@ from tests.redis_server import RedisServer
 from tests.workers import Worker, content
 
 TTL = 3.0
+WEBHOOK = {"MODE": "webhook", "WEBHOOK_URL": "https://example.test/tg", "SECRET_TOKEN": "hook-secret-1"}
+
+
+def _telegram_env(fake: Any, **telegram: str) -> dict[str, str]:
+    """Worker environment for a Telegram bot on the fake Bot API (anyone may talk to it)."""
+    settings = {"TOKEN": fake.token, "BASE_URL": fake.base_url, "BASE_FILE_URL": fake.base_file_url,
+                "ACCESS": "open", "EDIT_INTERVAL_S": "0.05", **telegram}
+    return {f"SWITCHBOARD_TELEGRAM__{key}": value for key, value in settings.items()}
 
 
 @pytest.fixture
@@ -180,9 +188,7 @@ async def test_telegram_poller_fails_over_without_losing_or_repeating_an_update(
 
     provider.delay_s, provider.words = 0.0, 2
     async with FakeTelegramAPI() as fake:
-        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
-               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
-               "SWITCHBOARD_TELEGRAM__POLL_TIMEOUT_S": "1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        env = _telegram_env(fake, POLL_TIMEOUT_S="1")
         pair = [Worker(f"t{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for i in (1, 2)]
         await asyncio.gather(*(w.start() for w in pair))
         try:
@@ -225,10 +231,7 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
     rng = random.Random(3)
     provider.delay_s, provider.words = 0.02, 100  # about two seconds per answer
     async with FakeTelegramAPI() as fake:
-        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
-               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
-               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
-               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.1"}
+        env = _telegram_env(fake, **{**WEBHOOK, "EDIT_INTERVAL_S": "0.1"})
         trio = [Worker(f"x{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=10, **env) for i in (1, 2, 3)]
         await asyncio.gather(*(w.start() for w in trio))
         sent: dict[int, list[str]] = {}  # chat -> texts in the order they were sent
@@ -311,11 +314,7 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
 
     provider.delay_s, provider.words = 0.0, 2
     async with FakeTelegramAPI() as fake:
-        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
-               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
-               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
-               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
-        env["SWITCHBOARD_LOG__LEVEL"] = "debug"
+        env = _telegram_env(fake, **WEBHOOK)
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
         await asyncio.gather(a.start(), b.start())
         try:
@@ -348,10 +347,7 @@ async def test_a_turn_running_on_a_worker_that_dies_is_resumed_without_waiting_f
 
     provider.delay_s, provider.words = 0.05, 400
     async with FakeTelegramAPI() as fake:
-        env = {"SWITCHBOARD_TELEGRAM__TOKEN": fake.token, "SWITCHBOARD_TELEGRAM__BASE_URL": fake.base_url,
-               "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": fake.base_file_url, "SWITCHBOARD_TELEGRAM__ACCESS": "open",
-               "SWITCHBOARD_TELEGRAM__MODE": "webhook", "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://example.test/tg",
-               "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "hook-secret-1", "SWITCHBOARD_TELEGRAM__EDIT_INTERVAL_S": "0.05"}
+        env = _telegram_env(fake, **WEBHOOK)
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
         await asyncio.gather(a.start(), b.start())
         try:

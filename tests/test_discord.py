@@ -18,7 +18,8 @@ from gateway.cancellation import GATEWAY_RESTART
 from gateway.commands import HELP
 from gateway.daemon import Daemon
 from gateway.logs import JsonFormatter
-from platforms.discord_bot import MEDIA_ONLY, DiscordAdapter
+from platforms.base import MEDIA_ONLY
+from platforms.discord_bot import DiscordAdapter
 from tests.conftest import DaemonFactory
 from tests.fakes.discord_api import (
     ALICE_ID,

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from gateway.cancellation import EVICTED, NEW_MESSAGE, STOPPED_BY_USER, ToolReason
+from gateway.events import ChatRef
 from gateway.router import Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
@@ -176,3 +177,37 @@ async def test_hard_cancel_demands_a_reason(make_router: RouterFactory) -> None:
         router.hard_cancel("memory:dm:c1")  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         router.hard_cancel("memory:dm:c1", None)  # type: ignore[arg-type]
+
+
+async def test_a_stop_landing_while_the_reply_winds_down_is_not_swallowed(
+        make_router: RouterFactory, provider: FakeProvider, store: SqliteStore) -> None:
+    class SlowTyping(MemoryChat):
+        """A platform whose typing call takes a while to finish even when cancelled."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.typing_started = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def typing(self, chat: ChatRef) -> None:
+            self.typing_started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await self.release.wait()  # e.g. an HTTP request that completes regardless
+                raise
+
+    chat = SlowTyping()
+    provider.then(Script(text="short answer", delay_s=0.3))  # slow first token: typing starts
+    router = await make_router()
+    run = (await router.submit(chat.message("c1", "hi"), chat)).run
+    await asyncio.wait_for(chat.typing_started.wait(), 2)
+    await chat.wait_for(lambda: len(provider.connections) == 1 and provider.connections[0].completed)
+    await asyncio.sleep(0.05)  # the turn is now winding down its reply, waiting on the typing call
+    assert (await router.submit(chat.message("c1", "/stop"), chat)).detail == "Stopped."
+    chat.release.set()
+    assert run is not None
+    await run.wait()
+    assert run.reason == STOPPED_BY_USER
+    _, history = await store.conversation("memory:dm:c1")
+    assert (history[-1].interrupted_by, history[-1].reason) == ("user", "stopped by user (/stop)")

@@ -19,8 +19,9 @@ import pytest
 
 from gateway.daemon import Daemon
 from gateway.logs import JsonFormatter
+from platforms.base import MEDIA_ONLY as MEDIA_NOTICE
 from platforms.splitting import utf16_len
-from platforms.telegram_bot import MEDIA_NOTICE, TelegramAdapter
+from platforms.telegram_bot import TelegramAdapter
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI, SentRecord
