@@ -66,6 +66,9 @@ class Reply(ABC):
     async def failed(self, text: str) -> None:
         """The agent failed; tell the user in words."""
 
+    async def settled(self) -> None:
+        """The turn is over and its outcome recorded; nothing more will be said for it."""
+
 
 class Adapter(ABC):
     """A platform. Subclasses set `name` and `capabilities` and implement the outbound trio."""

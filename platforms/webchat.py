@@ -231,7 +231,8 @@ class WebchatAdapter(Adapter):
 
 
 class _WebReply(EditStreamReply):
-    """Adds running/idle state frames so the page can enable Stop only while a turn runs."""
+    """Adds running/idle state frames so the page can enable Stop only while a turn runs (idle is
+    sent once the turn is recorded)."""
 
     def __init__(self, adapter: WebchatAdapter, msg: InboundMessage, run: Run) -> None:
         super().__init__(adapter, msg.chat, run, reply_to=msg.message_id)
@@ -244,10 +245,6 @@ class _WebReply(EditStreamReply):
         if self._web._closing:
             await self._web._close_session(self._chat_id)
 
-    async def finish(self, text: str) -> None:
-        await super().finish(text)
-        await self._idle()
-
     async def interrupted(self, reason: ToolReason) -> None:
         await self._end()  # first, so no streaming edit of the same message can take the mark below
         mid = self._shown[-1][0] if self._shown else None
@@ -258,11 +255,9 @@ class _WebReply(EditStreamReply):
         finally:
             if mid is not None:
                 self._web._marks.pop(mid, None)
-            await self._idle()
 
-    async def failed(self, text: str) -> None:
-        await super().failed(text)
-        await self._idle()
+    async def settled(self) -> None:
+        await self._idle()  # idle only once recorded: a reload right now shows the whole turn
 
 
 _INTERRUPTED = "⏹ interrupted: "

@@ -48,12 +48,18 @@ async def workers(redis_server: RedisServer, provider: FakeProvider, tmp_path: P
         w.kill()
 
 
-async def _transcript(redis_server: RedisServer, session: str) -> list[tuple[str, str, str | None]]:
+async def _transcript(redis_server: RedisServer, session: str, rows: int) -> list[tuple[str, str, str | None]]:
+    """The session's transcript once it has `rows` rows (an HTTP answer goes out just before the
+    turn's rows are written), or as it is after 5 s."""
     store = RedisStore(redis_server.url)
     await store.open()
     try:
-        _, rows = await store.conversation(session)
-        return [(m.role, m.content, m.reason) for m in rows]
+        deadline = time.monotonic() + 5
+        while True:
+            _, found = await store.conversation(session)
+            if len(found) >= rows or time.monotonic() > deadline:
+                return [(m.role, m.content, m.reason) for m in found]
+            await asyncio.sleep(0.05)
     finally:
         await store.close()
 
@@ -111,7 +117,7 @@ async def test_a_killed_owner_is_taken_over_within_the_ttl_and_nothing_is_lost(
     assert time.monotonic() - killed < TTL + 2
     assert content(body).startswith("reply to: second question")
     assert len(provider.requests_for("second question")) == 1
-    assert await _transcript(redis_server, "api:dm:s2") == [
+    assert await _transcript(redis_server, "api:dm:s2", 4) == [
         ("user", "first question", None),
         ("assistant", "", "worker stopped responding; session taken over"),
         ("user", "second question", None),
@@ -150,7 +156,7 @@ async def test_a_paused_owner_that_wakes_after_losing_its_lease_cannot_write_or_
         last = await asyncio.wait_for(streaming, 10)
     assert last["switchboard"] == {"interrupted_by": "system", "reason": "session lease lost"}
     assert [d for t, d in deltas if t > woke] == [], "the zombie kept sending after it woke"
-    rows = await _transcript(redis_server, "api:dm:s3")
+    rows = await _transcript(redis_server, "api:dm:s3", 4)
     # The zombie's turn is closed by the new owner; nothing the zombie did after waking is there.
     assert rows == [("user", "zombie turn", None),
                     ("assistant", "", "worker stopped responding; session taken over"),

@@ -22,8 +22,9 @@ from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cancellation import GATEWAY_RESTART
 from gateway.daemon import tune_gc
 from gateway.processes import ProcessReaper
-from gateway.router import Router, RouterSettings, SessionAgent
+from gateway.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
+from gateway.turns import SessionAgent
 from tests.fakes.memory_chat import MemoryChat
 
 
