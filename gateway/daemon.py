@@ -238,7 +238,9 @@ class Daemon:
         await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
             log.warning("second signal: exiting now")
-            self.reaper.kill_all_now()
+            self.router.cancel_all(GATEWAY_RESTART)
+            self.reaper.kill_all_now()  # no tool outlives us, drained or not
+            await asyncio.wait({stopping}, timeout=1.0)
             stopping.cancel()
         second.cancel()
         await self.watchdog.stop()

@@ -63,12 +63,16 @@ def group_alive(pgid: int) -> bool:
 
 
 class ProcessReaper:
-    """Terminates process groups: TERM now, KILL after `grace_s`; tracks the follow-ups."""
+    """Knows every tool process group alive; terminates them: TERM now, KILL after `grace_s`."""
 
     def __init__(self, grace_s: float = 2.0) -> None:
         self.grace_s = grace_s
         self._pending: dict[int, asyncio.Task[None]] = {}
+        self._live: set[int] = set()  # process groups started and not yet known to be gone
         become_subreaper()
+
+    def track(self, proc: asyncio.subprocess.Process) -> None:
+        self._live.add(proc.pid)
 
     def terminate(self, proc: asyncio.subprocess.Process) -> None:
         """Synchronous first step (SIGTERM to the group); the rest runs in the background."""
@@ -78,10 +82,16 @@ class ProcessReaper:
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
+            self._live.discard(pgid)
             return
         task = asyncio.get_running_loop().create_task(self._finish(proc, pgid))
         self._pending[pgid] = task
-        task.add_done_callback(lambda _t: self._pending.pop(pgid, None))
+
+        def done(_task: object) -> None:
+            self._pending.pop(pgid, None)
+            self._live.discard(pgid)
+
+        task.add_done_callback(done)
 
     async def _finish(self, proc: asyncio.subprocess.Process, pgid: int) -> None:
         deadline = time.monotonic() + self.grace_s
@@ -115,8 +125,8 @@ class ProcessReaper:
             await asyncio.gather(*list(self._pending.values()), return_exceptions=True)
 
     def kill_all_now(self) -> None:
-        """Last resort at a forced exit: SIGKILL every group still being reaped."""
-        for pgid in list(self._pending):
+        """Last resort at a forced exit: SIGKILL every tool process group still alive."""
+        for pgid in self._live | set(self._pending):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
 
@@ -129,6 +139,7 @@ async def run_in_process_group(
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, start_new_session=True, cwd=cwd)
+    reaper.track(proc)
     run = get_run()
     chunks: list[bytes] = []
     size = 0

@@ -315,6 +315,12 @@ class Router:
         log.info("hard_cancel: %s", tool_reason.marker, extra={"session": session, "run": turn.run.run_id})
         return turn.run
 
+    def cancel_all(self, reason: ToolReason) -> None:
+        """Stop every running turn now (a forced exit); queued ones stay for the next start."""
+        for lane in list(self._lanes.values()):
+            if lane.current is not None:
+                lane.current.run.cancel(reason)
+
     def _cancel_lane(self, session: str, reason: ToolReason) -> list[Run]:
         """Cancel the running turn and every queued one of `session`."""
         lane = self._lanes.get(session)

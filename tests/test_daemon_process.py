@@ -13,8 +13,8 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.processes import group_alive
 from tests.conftest import free_port
+from tests.fakes.openai_provider import FakeProvider, Script
 
 
 async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
@@ -30,6 +30,20 @@ async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float
                 pass
             await asyncio.sleep(0.1)
     raise AssertionError("daemon never became ready")
+
+
+def _running_in_group(pgid: int) -> list[int]:
+    """Processes of a group that are alive (not zombies waiting for whoever adopted them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
 
 
 def _start(tmp_path: Path, *extra_env: tuple[str, str], module: bool = False) -> tuple[subprocess.Popen[bytes], str]:
@@ -74,7 +88,7 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 10) == 0
             assert time.monotonic() - started < 5
-            assert not group_alive(pgid), "the tool's process group outlived the daemon"
+            assert not _running_in_group(pgid), "the tool's process group outlived the daemon"
             resp = await request
             answer = await resp.json()
             assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
@@ -88,3 +102,41 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
         ("restart", "[interrupted by system: gateway restart]")]  # to be resumed on the next start
     logs = proc.stderr.read().decode() if proc.stderr else ""
     assert '"msg": "shutting down: [interrupted by system: gateway restart]"' in logs
+
+
+async def test_a_second_sigterm_during_the_drain_exits_at_once_without_orphans(
+        tmp_path: Path, provider: FakeProvider) -> None:
+    # A tool that ignores SIGTERM (and so does its child), mid-drain: the second signal must still
+    # leave nothing behind.
+    provider.then(Script(tool_calls=[("shell", {"command": "trap '' TERM; sleep 59; sleep 58"})]))
+    proc, base = _start(tmp_path, ("SWITCHBOARD_DAEMON__DRAIN_TIMEOUT_S", "60"), ("SWITCHBOARD_TOOLS__SHELL", "true"),
+                        ("SWITCHBOARD_AGENT__KIND", "openai"), ("SWITCHBOARD_AGENT__BASE_URL", provider.base_url))
+    try:
+        await _wait_healthy(base, proc)
+        async with aiohttp.ClientSession() as http:
+            body = {"messages": [{"role": "user", "content": "run the tool"}], "user": "drainer"}
+            request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
+            pgid = None
+            for _ in range(300):
+                out = subprocess.run(["pgrep", "-f", "-x", "sleep 59"], capture_output=True, text=True).stdout
+                if out.split():
+                    pgid = os.getpgid(int(out.split()[0]))
+                    break
+                await asyncio.sleep(0.02)
+            assert pgid is not None, "the tool never started"
+            proc.send_signal(signal.SIGTERM)  # drain: the turn may finish (it will not, for a minute)
+            await asyncio.sleep(1.0)
+            assert proc.poll() is None and _running_in_group(pgid)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)  # enough: now
+            await asyncio.to_thread(proc.wait, 10)
+            assert time.monotonic() - started < 3
+            for _ in range(100):
+                if not _running_in_group(pgid):
+                    break
+                await asyncio.sleep(0.02)
+            assert not _running_in_group(pgid), "the tool outlived the daemon"
+            request.cancel()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
