@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -108,7 +109,8 @@ async def test_a_second_sigterm_during_the_drain_exits_at_once_without_orphans(
         tmp_path: Path, provider: FakeProvider) -> None:
     # A tool that ignores SIGTERM (and so does its child), mid-drain: the second signal must still
     # leave nothing behind.
-    provider.then(Script(tool_calls=[("shell", {"command": "trap '' TERM; sleep 59; sleep 58"})]))
+    secs = f"{random.uniform(50, 59):.3f}"  # this test's own tool, whatever else runs on the machine
+    provider.then(Script(tool_calls=[("shell", {"command": f"trap '' TERM; sleep {secs}; sleep {secs}"})]))
     proc, base = _start(tmp_path, ("SWITCHBOARD_DAEMON__DRAIN_TIMEOUT_S", "60"), ("SWITCHBOARD_TOOLS__SHELL", "true"),
                         ("SWITCHBOARD_AGENT__KIND", "openai"), ("SWITCHBOARD_AGENT__BASE_URL", provider.base_url))
     try:
@@ -118,7 +120,7 @@ async def test_a_second_sigterm_during_the_drain_exits_at_once_without_orphans(
             request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
             pgid = None
             for _ in range(300):
-                out = subprocess.run(["pgrep", "-f", "-x", "sleep 59"], capture_output=True, text=True).stdout
+                out = subprocess.run(["pgrep", "-f", "-x", f"sleep {secs}"], capture_output=True, text=True).stdout
                 if out.split():
                     pgid = os.getpgid(int(out.split()[0]))
                     break
