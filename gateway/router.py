@@ -109,6 +109,7 @@ class Router:
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
         self._sweeper: asyncio.Task[None] | None = None
+        self._timeouts: asyncio.Task[None] | None = None
         self._turns = TurnRunner(self)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
         # The last interruption per session (kind, reason, when), for /status and the console.
@@ -125,7 +126,9 @@ class Router:
         """Recover what a previous process left unfinished, then start the idle sweeper."""
         from gateway.recovery import recover
 
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        loop = asyncio.get_running_loop()
+        self._sweeper = loop.create_task(self._sweep())
+        self._timeouts = loop.create_task(self._turns.watch_timeouts())
         await recover(self, adapters, resume_max_age_s=resume_max_age_s)
 
     async def shutdown(self, reason: ToolReason, *, drain_s: float = 0.0, grace_s: float = 10.0) -> None:
@@ -135,8 +138,9 @@ class Router:
         Queued turns stay accepted in the store and are replayed on the next start.
         """
         self._closing = True
-        if self._sweeper:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._timeouts):
+            if task is not None:
+                task.cancel()
         running = [lane.worker for lane in self._lanes.values() if lane.worker and lane.current]
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)

@@ -57,6 +57,17 @@ class Turn:
 class TurnRunner:
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.running: dict[Run, float] = {}  # run -> monotonic start
+
+    async def watch_timeouts(self) -> None:
+        """Stop turns that outlive `turn_timeout_s` (one sweep for all, instead of a timer each)."""
+        while True:
+            timeout = self.router.settings.turn_timeout_s
+            await asyncio.sleep(min(1.0, timeout / 5))
+            cutoff = time.monotonic() - timeout
+            for run, started in list(self.running.items()):
+                if started <= cutoff:
+                    run.cancel(timed_out(timeout))
 
     async def execute(self, turn: Turn) -> None:
         """Run one turn to its end. The agent streams in a task of its own (the run's task);
@@ -99,8 +110,7 @@ class TurnRunner:
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._stream(run, history, user, reply, recorder), context=ctx)
         run.attach(task)  # a cancel that landed during the awaits above cancels it right here
-        timeout = self.router.settings.turn_timeout_s
-        timer = loop.call_later(timeout, run.cancel, timed_out(timeout))
+        self.running[run] = time.monotonic()  # watched by `watch_timeouts`
         self.router.cache.mark_running(turn.key, True)
         self.router.metrics.turns_running.inc()
         try:
@@ -109,7 +119,7 @@ class TurnRunner:
             if not task.done():  # this lane worker itself is being cancelled (forced shutdown)
                 raise
         finally:
-            timer.cancel()
+            self.running.pop(run, None)
             self.router.cache.mark_running(turn.key, False)
             self.router.metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
