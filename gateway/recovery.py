@@ -11,6 +11,7 @@ from gateway.cancellation import GATEWAY_RESTART, PROCESS_DIED, ToolReason
 from gateway.events import InboundMessage
 from gateway.store import InboundRecord
 from gateway.transcript import TurnRecorder
+from platforms.base import stop_notice
 
 if TYPE_CHECKING:
     from gateway.router import Router
@@ -58,8 +59,8 @@ async def recover_records(router: Router, adapters: dict[str, Adapter], records:
         if rec.status == "running":  # the process died mid-turn: nobody told the user
             await _close_transcript(router, rec, cut_off)
             if adapter is not None:
-                await adapter.notify(rec.message.chat, f"⏹ interrupted: {cut_off.text}",
-                                     reply_to=rec.message.message_id)
+                await adapter.notify(rec.message.chat, stop_notice(cut_off), reply_to=rec.message.message_id,
+                                     kind="interrupted")
         fresh = time.time() - rec.received_at <= resume_max_age_s
         # At most one automatic resume per user message: a resume that is itself cut off stays so.
         resumable = (adapter is not None and rec.message.platform != "api" and fresh

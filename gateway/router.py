@@ -42,11 +42,12 @@ from gateway.turns import SessionAgent, Turn, TurnRunner
 
 if TYPE_CHECKING:
     from gateway.cluster import Cluster
-    from platforms.base import Adapter
+    from platforms.base import Adapter, NoticeKind
 
 log = logging.getLogger(__name__)
 
 BusyPolicy = Literal["interrupt", "queue"]
+STOPPED = "Stopped."
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
@@ -171,34 +172,26 @@ class Router:
     async def _submit(self, msg: InboundMessage, adapter: Adapter, ephemeral: Sequence[ChatMessage] | None,
                       key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
-        problem = self._validate(msg.text)
-        if problem is None and self._closing and parse_command(msg.text) is None:
-            # Commands still work while running turns drain: /stop must always be able to stop.
-            problem = "The gateway is restarting; please send that again in a moment."
-        if problem is not None:
-            log.info("rejected message: %s", problem, extra={"session": key})
-            await adapter.notify(msg.chat, problem, reply_to=msg.message_id)
-            return Submitted(Outcome.REJECTED, problem)
+        if (problem := self._validate(msg.text)) is not None:
+            return await self._reject(adapter, msg, key, problem)
+        cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
+        if self._closing and cmd is None:  # commands still work while turns drain: /stop must stop
+            return await self._reject(adapter, msg, key, "The gateway is restarting; please send that again in a "
+                                      "moment.", kind="restart")
         if self.access is not None:
             allowed, notice = await self.access.check(msg)
             if not allowed:
-                if notice:
-                    await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
-                return Submitted(Outcome.REJECTED, notice or "not allowed (notice throttled)")
-        cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
+                return await self._reject(adapter, msg, key, notice, kind="info",
+                                          detail="not allowed (notice throttled)")
         if cmd is None and ephemeral is None:  # commands always get through: /stop must work
             allowed, notice = self.rate_limit.check(msg.platform, msg.user_id)
             if not allowed:
-                if notice:
-                    await adapter.notify(msg.chat, notice, reply_to=msg.message_id)
-                log.info("rate limited", extra={"session": key})
-                return Submitted(Outcome.REJECTED, notice or "rate limited (notice already sent)")
+                return await self._reject(adapter, msg, key, notice, detail="rate limited (notice already sent)")
         if self.cluster is not None and ephemeral is None:
             owner = await self._owner(key)
             if owner is None:
-                reason = "I can't take messages right now (shared storage is unavailable). Please try again shortly."
-                await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
-                return Submitted(Outcome.REJECTED, reason)
+                return await self._reject(adapter, msg, key, "I can't take messages right now (shared storage "
+                                          "is unavailable). Please try again shortly.")
             if owner != self.worker_id:
                 if self._seen(msg, hops):
                     return Submitted(Outcome.DUPLICATE)
@@ -225,18 +218,25 @@ class Router:
             turn.accepted.set_result(False)
             self._forget(msg)
             log.error("could not store an inbound message: %s", exc, extra={"session": key})
-            reason = "Sorry, I could not save your message (storage error). Please send it again."
-            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
-            return Submitted(Outcome.REJECTED, reason)
+            return await self._reject(adapter, msg, key, "Sorry, I could not save your message (storage error). "
+                                      "Please send it again.")
         if turn.inbound_id is None:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
         if busy and self.settings.busy == "queue" and ahead:
             await adapter.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
-                                 reply_to=msg.message_id)
+                                 reply_to=msg.message_id, kind="queued")
             return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
         return Submitted(Outcome.ACCEPTED, run=turn.run)
+
+    async def _reject(self, adapter: Adapter, msg: InboundMessage, key: str, text: str | None, *,
+                      kind: NoticeKind = "error", detail: str = "") -> Submitted:
+        """Tell the user why (unless `text` is None: already told recently) and say so in the log."""
+        log.info("rejected a message: %s", text or detail, extra={"session": key})
+        if text:
+            await adapter.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
+        return Submitted(Outcome.REJECTED, text or detail)
 
     def _validate(self, text: str) -> str | None:
         if not text.strip():
@@ -360,9 +360,8 @@ class Router:
         if hops >= MAX_HOPS or (cmd is None and not adapter.pushes_anywhere):
             # A web chat or API client waits on this worker's connection, and only the owner may
             # answer: say so rather than answer twice or not at all.
-            reason = "This conversation is busy on another worker right now; please try again in a moment."
-            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
-            return Submitted(Outcome.REJECTED, reason)
+            return await self._reject(adapter, msg, key, "This conversation is busy on another worker right "
+                                      "now; please try again in a moment.")
         log.debug("forwarding to %s (hop %d)", owner, hops + 1, extra={"session": key})
         # The owner answers push platforms itself; only a client connected here needs the result.
         want_reply = cmd is not None and not adapter.pushes_anywhere
@@ -370,18 +369,17 @@ class Router:
             result = await self.cluster.forward(owner, msg, key, hops=hops, want_reply=want_reply)
         except (RedisError, OSError) as exc:
             self._forget(msg)
-            reason = "I could not pass that on (shared storage is unavailable). Please try again shortly."
             log.warning("forwarding to %s failed: %s", owner, type(exc).__name__, extra={"session": key})
-            await adapter.notify(msg.chat, reason, reply_to=msg.message_id)
-            return Submitted(Outcome.REJECTED, reason)
+            return await self._reject(adapter, msg, key, "I could not pass that on (shared storage is "
+                                      "unavailable). Please try again shortly.")
         if not want_reply:
             return Submitted(Outcome.FORWARDED, owner)
         if result is None:
-            detail = "The worker running this conversation did not answer in time; please try again."
-            outcome = Outcome.REJECTED
-        else:
-            detail, outcome = result["detail"], Outcome(result["outcome"])
-        await adapter.notify(msg.chat, detail, reply_to=msg.message_id)  # the owner cannot reach this client
+            return await self._reject(adapter, msg, key, "The worker running this conversation did not answer "
+                                      "in time; please try again.")
+        detail, outcome = result["detail"], Outcome(result["outcome"])
+        kind: NoticeKind = "stopped" if detail == STOPPED else "error" if outcome is Outcome.REJECTED else "info"
+        await adapter.notify(msg.chat, detail, reply_to=msg.message_id, kind=kind)  # the owner can't reach it
         return Submitted(outcome, detail)
 
     def lease_lost(self, session: str) -> None:
@@ -401,9 +399,10 @@ class Router:
     # --- commands (never behind the lane) -------------------------------------------------
 
     async def _command(self, cmd: Command, key: str, msg: InboundMessage, adapter: Adapter) -> Submitted:
+        kind: NoticeKind = "info"
         if cmd.name == "stop":
             runs = self._cancel_lane(key, STOPPED_BY_USER)
-            text = "Stopped." if runs else "Nothing is running."
+            text, kind = (STOPPED, "stopped") if runs else ("Nothing is running.", "info")
         elif cmd.name in ("new", "reset"):
             self._cancel_lane(key, SESSION_RESET)
             self.cache.discard(key)
@@ -412,16 +411,14 @@ class Router:
                 text = "Started a new conversation. The old one is archived."
             except StoreError as exc:
                 log.error("reset failed: %s", exc, extra={"session": key})
-                text = "Could not start a new conversation (storage error); please try again."
+                text, kind = "Could not start a new conversation (storage error); please try again.", "error"
         elif cmd.name == "status":
             text = self._status_text(self.status(key))
         elif cmd.name in ("help", "start"):
             text = HELP
         else:
-            text = f"Unknown command /{cmd.name} — try /help."
-            await adapter.notify(msg.chat, text, reply_to=msg.message_id)
-            return Submitted(Outcome.REJECTED, text)
-        await adapter.notify(msg.chat, text, reply_to=msg.message_id)
+            return await self._reject(adapter, msg, key, f"Unknown command /{cmd.name} — try /help.")
+        await adapter.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
         return Submitted(Outcome.COMMAND, text)
 
     def status(self, key: str) -> SessionStatus:

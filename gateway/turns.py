@@ -84,7 +84,7 @@ class TurnRunner:
             await turn.adapter.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
                                       "Please try again shortly." if isinstance(exc, CacheFull) else
                                       "Sorry, I could not load this conversation (storage error).",
-                                      reply_to=msg.message_id)
+                                      reply_to=msg.message_id, kind="error")
             return
         user = ChatMessage("user", msg.text, created_at=msg.timestamp)
         recorder = TurnRecorder()

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from gateway.cancellation import Run, ToolReason
 from gateway.events import Capabilities, ChatRef, InboundMessage
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 
 MEDIA_ONLY = "I can only read text for now."
+
+# What a notice is about, for platforms that show kinds differently (the web chat styles them).
+NoticeKind = Literal["info", "error", "queued", "stopped", "restart", "interrupted"]
 
 
 class RateLimited(Exception):
@@ -113,7 +116,8 @@ class Adapter(ABC):
         else:
             router.metrics.messages_out.labels(self.name, kind).inc()
 
-    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = "info") -> None:
         """Send a short notice (command replies, acks, rejections); never raises."""
         try:
             await self.send(chat, text, reply_to=reply_to)
@@ -134,7 +138,7 @@ class Adapter(ABC):
                 if notice:
                     await self.notify(msg.chat, notice, reply_to=msg.message_id)
                 return
-        await self.notify(msg.chat, MEDIA_ONLY, reply_to=msg.message_id)
+        await self.notify(msg.chat, MEDIA_ONLY, reply_to=msg.message_id, kind="error")
 
 
 class EditStreamReply(Reply):
@@ -200,7 +204,7 @@ class EditStreamReply(Reply):
                 log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
         elif reason.kind == "system":
             # Nothing visible yet, and the user did not ask for this: say so.
-            await self._adapter.notify(self._chat, notice, reply_to=self._reply_to)
+            await self._adapter.notify(self._chat, notice, reply_to=self._reply_to, kind="interrupted")
 
 
     async def failed(self, text: str) -> None:

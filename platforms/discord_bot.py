@@ -25,7 +25,7 @@ from gateway.commands import parse_command
 from gateway.config import DiscordConfig
 from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.router import Outcome, Router
-from platforms.base import Adapter, EditStreamReply, OutboundError, RateLimited, Reply
+from platforms.base import Adapter, EditStreamReply, NoticeKind, OutboundError, RateLimited, Reply
 
 if TYPE_CHECKING:
     from gateway.ingress import IngressLeader
@@ -426,7 +426,8 @@ class DiscordAdapter(Adapter):
         channel = self._target(chat)
         await self._call(lambda: channel.typing(), idempotent=True)
 
-    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = "info") -> None:
         """Notices about an application command answer its interaction; others are messages."""
         pending = self._interactions.pop(reply_to, None) if reply_to else None
         if pending is not None:

@@ -31,7 +31,7 @@ from telegram.request import HTTPXRequest
 from gateway.commands import parse_command
 from gateway.config import TelegramConfig
 from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
-from platforms.base import Adapter, OutboundError, RateLimited
+from platforms.base import Adapter, NoticeKind, OutboundError, RateLimited
 from platforms.telegram_format import to_html, visible_text
 
 if TYPE_CHECKING:
@@ -384,7 +384,8 @@ class TelegramAdapter(Adapter):
                 await self.bot.send_chat_action(int(chat.chat_id), ChatAction.TYPING,
                                                 message_thread_id=_thread(chat))
 
-    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = "info") -> None:
         try:
             await self.send(chat, text, reply_to=reply_to)
             self.count("notice")

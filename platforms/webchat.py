@@ -46,7 +46,7 @@ from gateway.recovery import is_resume_prompt
 from gateway.router import Outcome
 from gateway.transcript import ChatMessage
 from platforms.assets import static_response
-from platforms.base import Adapter, EditStreamReply, Reply
+from platforms.base import Adapter, EditStreamReply, NoticeKind, Reply
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,12 @@ class WebchatAdapter(Adapter):
     async def typing(self, chat: ChatRef) -> None:
         await self._push(chat.chat_id, {"type": "typing"})
 
-    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> None:
-        frame: dict[str, Any] = {"type": "notice", "kind": notice_kind(text), "text": text, "reply_to": reply_to}
-        if text.startswith(_INTERRUPTED):
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = "info") -> None:
+        frame: dict[str, Any] = {"type": "notice", "kind": kind, "text": text, "reply_to": reply_to}
+        if kind == "interrupted" and text.startswith(_INTERRUPTED):  # the format of base.stop_notice
             frame["interrupted"] = interruption("system", text.removeprefix(_INTERRUPTED))
+            frame["kind"] = frame["interrupted"]["kind"]
         await self._push(chat.chat_id, frame)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
@@ -261,7 +263,6 @@ class _WebReply(EditStreamReply):
 
 
 _INTERRUPTED = "⏹ interrupted: "
-_ERRORS = ("⚠️", "Sorry", "That message", "I'm at capacity", "Could not", "Unknown command", "The page sent")
 
 
 def interruption(by: str, reason: str) -> dict[str, str]:
@@ -273,21 +274,6 @@ def interruption(by: str, reason: str) -> dict[str, str]:
     else:
         kind = "interrupted"
     return {"by": by, "reason": reason, "kind": kind}
-
-
-def notice_kind(text: str) -> str:
-    """Classify a router notice for the page's styling (the router sends plain text)."""
-    if text in ("Stopped.", "⏹ stopped"):
-        return "stopped"
-    if text.startswith(_INTERRUPTED):
-        return interruption("system", text.removeprefix(_INTERRUPTED))["kind"]
-    if text.startswith("Queued"):
-        return "queued"
-    if text.startswith("The gateway is restarting"):
-        return "restart"
-    if text.startswith(_ERRORS):
-        return "error"
-    return "info"
 
 
 def _key(sid: str) -> str:
