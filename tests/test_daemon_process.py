@@ -33,6 +33,16 @@ async def _wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float
     raise AssertionError("daemon never became ready")
 
 
+async def _tool_group(cmdline: str) -> int:
+    """The process group of the tool process running exactly `cmdline`, once it has started."""
+    for _ in range(300):
+        out = subprocess.run(["pgrep", "-f", "-x", cmdline], capture_output=True, text=True).stdout
+        if out.split():
+            return os.getpgid(int(out.split()[0]))
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the tool ({cmdline}) never started")
+
+
 def _running_in_group(pgid: int) -> list[int]:
     """Processes of a group that are alive (not zombies waiting for whoever adopted them)."""
     found = []
@@ -76,15 +86,7 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
         async with aiohttp.ClientSession() as http:
             body = {"messages": [{"role": "user", "content": "!sleep 60"}], "user": "erin"}
             request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
-            pgid = None
-            for _ in range(300):
-                out = subprocess.run(["pgrep", "-f", "-x", "sleep 60"], capture_output=True, text=True).stdout
-                pids = [int(p) for p in out.split()]
-                if pids:
-                    pgid = os.getpgid(pids[0])
-                    break
-                await asyncio.sleep(0.02)
-            assert pgid is not None, "the tool never started"
+            pgid = await _tool_group("sleep 60")
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 10) == 0
@@ -118,14 +120,7 @@ async def test_a_second_sigterm_during_the_drain_exits_at_once_without_orphans(
         async with aiohttp.ClientSession() as http:
             body = {"messages": [{"role": "user", "content": "run the tool"}], "user": "drainer"}
             request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
-            pgid = None
-            for _ in range(300):
-                out = subprocess.run(["pgrep", "-f", "-x", f"sleep {secs}"], capture_output=True, text=True).stdout
-                if out.split():
-                    pgid = os.getpgid(int(out.split()[0]))
-                    break
-                await asyncio.sleep(0.02)
-            assert pgid is not None, "the tool never started"
+            pgid = await _tool_group(f"sleep {secs}")
             proc.send_signal(signal.SIGTERM)  # drain: the turn may finish (it will not, for a minute)
             await asyncio.sleep(1.0)
             assert proc.poll() is None and _running_in_group(pgid)
