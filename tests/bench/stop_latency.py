@@ -27,6 +27,7 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cancellation import GATEWAY_RESTART, Run
+from gateway.daemon import tune_gc
 from gateway.processes import ProcessReaper
 from gateway.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
@@ -71,6 +72,7 @@ async def streaming(n: int, data: Path) -> list[str]:
     chat = MemoryChat(edit_interval_s=0.25)
     router = Router(RouterSettings(max_agents=n), store, agent)
     await router.start({chat.name: chat})
+    tune_gc()  # as the daemon does after start-up
     try:
         runs: dict[int, Run] = {}
         for i in range(n):
@@ -101,6 +103,7 @@ async def tools(n: int, data: Path) -> list[str]:
     router = Router(RouterSettings(max_agents=n), store,
                     EchoAgent(builtin_registry(ProcessToolSettings(reaper=reaper), shell=False), delay_s=0))
     await router.start({chat.name: chat})
+    tune_gc()  # as the daemon does after start-up
     loop = asyncio.get_running_loop()
     gone_at: dict[int, float] = {}
     try:
