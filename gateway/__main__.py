@@ -1,3 +1,3 @@
-from gateway.cli import main
+from gateway.ops.cli import main
 
 raise SystemExit(main())

@@ -20,10 +20,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
-from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.router import Outcome
-from gateway.transcript import ChatMessage
+from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
+from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.router import Outcome
+from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter, Reply
 
 log = logging.getLogger(__name__)

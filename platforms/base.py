@@ -14,14 +14,14 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Literal
 
-from gateway.cancellation import Run, ToolReason
-from gateway.events import Capabilities, ChatRef, InboundMessage
+from gateway.core.cancellation import Run, ToolReason
+from gateway.core.messages import Capabilities, ChatRef, InboundMessage
 from platforms.splitting import split_text, utf16_len
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from gateway.router import Router
+    from gateway.core.router import Router
 
 log = logging.getLogger(__name__)
 

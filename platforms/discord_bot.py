@@ -20,15 +20,15 @@ import aiohttp
 import discord
 from discord import app_commands
 
-from gateway.cancellation import Run, ToolReason
-from gateway.commands import parse_command
-from gateway.config import DiscordConfig
-from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.router import Outcome, Router
+from gateway.core.cancellation import Run, ToolReason
+from gateway.core.commands import parse_command
+from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.router import Outcome, Router
+from gateway.ops.config import DiscordConfig
 from platforms.base import Adapter, EditStreamReply, NoticeKind, OutboundError, RateLimited, Reply
 
 if TYPE_CHECKING:
-    from gateway.ingress import IngressLeader
+    from gateway.cluster.ingress import IngressLeader
 
 log = logging.getLogger(__name__)
 

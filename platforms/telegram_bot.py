@@ -28,15 +28,15 @@ from telegram.constants import ChatType as TgChatType
 from telegram.error import BadRequest, Conflict, InvalidToken, NetworkError, RetryAfter, TelegramError
 from telegram.request import HTTPXRequest
 
-from gateway.commands import parse_command
-from gateway.config import TelegramConfig
-from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.commands import parse_command
+from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.ops.config import TelegramConfig
 from platforms.base import Adapter, NoticeKind, OutboundError, RateLimited
 from platforms.telegram_format import to_html, visible_text
 
 if TYPE_CHECKING:
-    from gateway.ingress import IngressLeader
-    from gateway.router import Router
+    from gateway.cluster.ingress import IngressLeader
+    from gateway.core.router import Router
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from gateway.cancellation import (
+from gateway.core.cancellation import (
     GATEWAY_RESTART,
     PROCESS_DIED,
     STOPPED_BY_OPERATOR,
@@ -41,10 +41,10 @@ from gateway.cancellation import (
     Run,
     ToolReason,
 )
-from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.recovery import is_resume_prompt
-from gateway.router import Outcome
-from gateway.transcript import ChatMessage
+from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.recovery import is_resume_prompt
+from gateway.core.router import Outcome
+from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter, EditStreamReply, NoticeKind, Reply
 

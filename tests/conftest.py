@@ -11,17 +11,17 @@ import pytest
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
-from gateway.cancellation import GATEWAY_RESTART
-from gateway.processes import ProcessReaper
-from gateway.router import Router, RouterSettings
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
 from tests.redis_server import RedisServer, RedisServerMissing
 
 if TYPE_CHECKING:
-    from gateway.daemon import Daemon
+    from gateway.ops.daemon import Daemon
 
 
 @pytest.fixture
@@ -97,8 +97,8 @@ DaemonFactory = Callable[..., Awaitable["Daemon"]]
 @pytest.fixture
 async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[DaemonFactory]:
     """Start an in-process daemon from a config dict (sections -> keys); stopped at teardown."""
-    from gateway.config import load_config
-    from gateway.daemon import Daemon
+    from gateway.ops.config import load_config
+    from gateway.ops.daemon import Daemon
 
     started: list[Daemon] = []
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.cancellation import CLIENT_DISCONNECTED
+from gateway.core.cancellation import CLIENT_DISCONNECTED
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, Secret, load_config
+from gateway.ops.config import ConfigError, Secret, load_config
 
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

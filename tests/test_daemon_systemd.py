@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.config import load_config
+from gateway.ops.config import load_config
 from tests.conftest import free_port
 from tests.fakes.notify_socket import FakeSystemd
 from tests.fakes.openai_provider import FakeProvider

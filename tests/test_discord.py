@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import pytest
 import pytest_asyncio
 
-from gateway.cancellation import GATEWAY_RESTART
-from gateway.commands import HELP
-from gateway.daemon import Daemon
-from gateway.logs import JsonFormatter
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.commands import HELP
+from gateway.core.logs import JsonFormatter
+from gateway.ops.daemon import Daemon
 from platforms.base import MEDIA_ONLY
 from platforms.discord_bot import DiscordAdapter
 from tests.conftest import DaemonFactory

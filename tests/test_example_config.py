@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from gateway.config import Config, load_config
+from gateway.ops.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "deploy" / "switchboard.example.toml"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
-from gateway.cancellation import GATEWAY_RESTART
-from gateway.router import Router, RouterSettings
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.router import Router, RouterSettings
+from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
-from gateway.transcript import ChatMessage
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
 

@@ -8,9 +8,9 @@ import pytest
 
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
-from gateway.cancellation import GATEWAY_RESTART
-from gateway.events import ChatType
-from gateway.router import Outcome, Router, RouterSettings
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.messages import ChatType
+from gateway.core.router import Outcome, Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory, free_port
 from tests.fakes.memory_chat import MemoryChat

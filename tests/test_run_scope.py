@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gateway.cancellation import (
+from gateway.core.cancellation import (
     STOPPED_BY_USER,
     Run,
     RunCancelled,
@@ -18,7 +18,7 @@ from gateway.cancellation import (
     is_cancelled,
     run_in_executor,
 )
-from gateway.transcript import ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult, TurnRecorder
+from gateway.core.transcript import ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult, TurnRecorder
 
 
 def test_a_reason_has_a_kind_and_text_and_no_default() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.sdnotify import Notifier, Watchdog, monotonic_usec, socket_address, watchdog_interval
+from gateway.ops.sdnotify import Notifier, Watchdog, monotonic_usec, socket_address, watchdog_interval
 from tests.fakes.notify_socket import FakeSystemd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +214,7 @@ async def test_a_starved_loop_gets_no_watchdog_pings(path_systemd: FakeSystemd) 
 def test_a_real_process_notifies_through_the_environment(path_systemd: FakeSystemd) -> None:
     script = (
         "import asyncio\n"
-        "from gateway.sdnotify import Notifier, Watchdog\n"
+        "from gateway.ops.sdnotify import Notifier, Watchdog\n"
         "async def main():\n"
         "    n = Notifier.from_env()\n"
         "    import os; assert 'NOTIFY_SOCKET' not in os.environ\n"

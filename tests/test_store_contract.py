@@ -19,11 +19,11 @@ from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
 from agent_cache import keys
-from gateway.events import ChatType, InboundMessage
+from gateway.core.messages import ChatType, InboundMessage
+from gateway.core.transcript import ChatMessage, ToolCall
 from gateway.store import Store, StoreError
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
-from gateway.transcript import ChatMessage, ToolCall
 from tests.redis_server import RedisServer, RedisServerMissing
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import units
-from gateway.config import Config, Secret
+from gateway.ops import units
+from gateway.ops.config import Config, Secret
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT_DIR = ROOT / "systemd"
@@ -176,10 +176,12 @@ def test_every_secret_can_come_from_a_credential(name: str) -> None:
         assert source == f"switchboard.{cid}"
 
 
-def test_package_copy_matches_the_repository_units() -> None:
+def test_the_package_ships_the_repository_units() -> None:
+    """One source: the package's unit directory is a link to `systemd/`, not a copy to keep in step."""
+    packaged = ROOT / "gateway" / "ops" / "systemd"
+    assert packaged.is_symlink() and packaged.resolve() == UNIT_DIR.resolve()
     for name in units.UNIT_NAMES:
-        assert units.unit_text(name) == (UNIT_DIR / name).read_text(), (
-            f"gateway/systemd/{name} differs from systemd/{name}: copy systemd/* to gateway/systemd/")
+        assert units.unit_text(name) == (UNIT_DIR / name).read_text()
     assert sorted(p.name for p in UNIT_DIR.iterdir()) == sorted(units.UNIT_NAMES)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.daemon import Daemon
-from gateway.logs import JsonFormatter
+from gateway.core.logs import JsonFormatter
+from gateway.ops.daemon import Daemon
 from platforms.base import MEDIA_ONLY as MEDIA_NOTICE
 from platforms.splitting import utf16_len
 from platforms.telegram_bot import TelegramAdapter

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.agents.processes import group_alive
 from gateway.agents.tools import Tool, ToolRegistry
-from gateway.cancellation import STOPPED_BY_USER, ToolReason, get_run, is_cancelled, run_in_executor
-from gateway.processes import group_alive
+from gateway.core.cancellation import STOPPED_BY_USER, ToolReason, get_run, is_cancelled, run_in_executor
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
@@ -157,8 +157,8 @@ async def test_echo_sleep_runs_the_sleep_program_and_stop_ends_it(
 
 
 async def test_the_shell_allowlist_and_working_directory_are_enforced(reaper: object, tmp_path: Path) -> None:
+    from gateway.agents.processes import ProcessReaper
     from gateway.agents.tools import ProcessToolSettings, shell_tool
-    from gateway.processes import ProcessReaper
 
     assert isinstance(reaper, ProcessReaper)
     tool = shell_tool(ProcessToolSettings(reaper=reaper, allow_prefixes=("pwd", "echo "), cwd=str(tmp_path)))

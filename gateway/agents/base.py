@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from gateway.transcript import AgentEvent, ChatMessage
+from gateway.core.transcript import AgentEvent, ChatMessage
 
 
 class AgentError(Exception):

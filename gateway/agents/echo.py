@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncIterator, Sequence
 
 from gateway.agents.tools import ToolRegistry
-from gateway.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
+from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
 
 _SLEEP = re.compile(r"^!sleep\s+(\d+(?:\.\d+)?)\s*$")
 _call_ids = itertools.count(1)

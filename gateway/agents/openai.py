@@ -18,9 +18,9 @@ import aiohttp
 
 from gateway.agents.base import AgentError
 from gateway.agents.tools import ToolRegistry
-from gateway.cancellation import get_run
-from gateway.logs import redactor
-from gateway.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
+from gateway.core.cancellation import get_run
+from gateway.core.logs import redactor
+from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
 
 log = logging.getLogger(__name__)
 

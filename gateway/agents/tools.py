@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.processes import ProcessReaper, ProcessResult, run_in_process_group
+from gateway.agents.processes import ProcessReaper, ProcessResult, run_in_process_group
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.events import InboundMessage
-from gateway.transcript import ChatMessage
+from gateway.core.messages import InboundMessage
+from gateway.core.transcript import ChatMessage
 
 
 class StoreError(Exception):

@@ -31,9 +31,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from agent_cache import keys
-from gateway.events import InboundMessage
+from gateway.core.messages import InboundMessage
+from gateway.core.transcript import ChatMessage
 from gateway.store.base import InboundRecord, SessionInfo, StoreError
-from gateway.transcript import ChatMessage
 
 log = logging.getLogger(__name__)
 

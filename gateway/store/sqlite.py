@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.events import InboundMessage
+from gateway.core.messages import InboundMessage
+from gateway.core.transcript import ChatMessage
 from gateway.store.base import InboundRecord, SessionInfo, StoreError
-from gateway.transcript import ChatMessage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

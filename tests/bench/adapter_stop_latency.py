@@ -21,8 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.config import load_config
-from gateway.daemon import Daemon
+from gateway.ops.config import load_config
+from gateway.ops.daemon import Daemon
 from tests.bench.stop_latency import row
 from tests.conftest import free_port
 from tests.fakes.discord_api import FakeDiscord, patch_discord

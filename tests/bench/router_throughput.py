@@ -18,13 +18,13 @@ from pathlib import Path
 
 from agent_cache import AgentCache
 from gateway.agents.echo import EchoAgent
+from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
-from gateway.cancellation import GATEWAY_RESTART
-from gateway.daemon import tune_gc
-from gateway.processes import ProcessReaper
-from gateway.router import Router, RouterSettings
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.router import Router, RouterSettings
+from gateway.core.turns import SessionAgent
+from gateway.ops.daemon import tune_gc
 from gateway.store.sqlite import SqliteStore
-from gateway.turns import SessionAgent
 from tests.fakes.memory_chat import MemoryChat
 
 

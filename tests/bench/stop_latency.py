@@ -25,11 +25,11 @@ import aiohttp
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
-from gateway.cancellation import GATEWAY_RESTART, Run
-from gateway.daemon import tune_gc
-from gateway.processes import ProcessReaper
-from gateway.router import Router, RouterSettings
+from gateway.core.cancellation import GATEWAY_RESTART, Run
+from gateway.core.router import Router, RouterSettings
+from gateway.ops.daemon import tune_gc
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import free_port
 from tests.fakes.memory_chat import MemoryChat

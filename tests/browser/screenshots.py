@@ -14,8 +14,8 @@ from pathlib import Path
 
 from playwright.async_api import Page, async_playwright, expect
 
-from gateway.config import load_config
-from gateway.daemon import Daemon
+from gateway.ops.config import load_config
+from gateway.ops.daemon import Daemon
 from tests.browser.harness import CHROMIUM_ARGS, ensure_chromium, open_chat, say
 from tests.conftest import free_port
 from tests.fakes.openai_provider import FakeProvider, Script

@@ -9,7 +9,7 @@ import time
 
 from playwright.async_api import Browser, Page, expect
 
-from gateway.daemon import Daemon
+from gateway.ops.daemon import Daemon
 from platforms.webchat import WebchatAdapter
 from tests.browser.harness import open_chat, say
 from tests.conftest import DaemonFactory

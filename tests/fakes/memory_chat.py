@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.events import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from platforms.base import Adapter
 
 

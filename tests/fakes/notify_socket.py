@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from gateway.sdnotify import socket_address
+from gateway.ops.sdnotify import socket_address
 
 
 class FakeSystemd:

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Literal
 from redis.exceptions import RedisError
 
 from agent_cache import AgentCache
-from gateway.access import AccessControl
 from gateway.agents import Agent
-from gateway.cancellation import (
+from gateway.core.access import AccessControl
+from gateway.core.cancellation import (
     EVICTED,
     LEASE_LOST,
     NEW_MESSAGE,
@@ -32,16 +32,16 @@ from gateway.cancellation import (
     Run,
     ToolReason,
 )
-from gateway.commands import HELP, Command, parse_command
-from gateway.events import InboundMessage, session_key
-from gateway.metrics import Metrics
-from gateway.ratelimit import UserRateLimit
+from gateway.core.commands import HELP, Command, parse_command
+from gateway.core.messages import InboundMessage, session_key
+from gateway.core.metrics import Metrics
+from gateway.core.ratelimit import UserRateLimit
+from gateway.core.transcript import ChatMessage
+from gateway.core.turns import SessionAgent, Turn, TurnRunner
 from gateway.store import Store, StoreError
-from gateway.transcript import ChatMessage
-from gateway.turns import SessionAgent, Turn, TurnRunner
 
 if TYPE_CHECKING:
-    from gateway.cluster import Cluster
+    from gateway.cluster.coordinator import Cluster
     from platforms.base import Adapter, NoticeKind
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Router:
 
     async def start(self, adapters: dict[str, Adapter], *, resume_max_age_s: float = 600.0) -> None:
         """Recover what a previous process left unfinished, then start the idle sweeper."""
-        from gateway.recovery import recover
+        from gateway.core.recovery import recover
 
         loop = asyncio.get_running_loop()
         self._sweeper = loop.create_task(self._sweep())

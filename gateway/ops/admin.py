@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.cancellation import STOPPED_BY_OPERATOR
-from gateway.router import Router
+from gateway.core.cancellation import STOPPED_BY_OPERATOR
+from gateway.core.router import Router
 from platforms.assets import static_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

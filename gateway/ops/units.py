@@ -1,7 +1,7 @@
 """`switchboard install-unit`: put the systemd unit files in place with ExecStart= pointing at us.
 
-The canonical units live in `systemd/` at the repository root; the package ships an identical copy
-under `gateway/systemd/` (a test keeps the two equal) so an installed wheel can write them too.
+The units live in `systemd/` at the repository root; `gateway/ops/systemd` is a link to it, so an
+installed wheel ships the same files and can write them too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def unit_text(name: str) -> str:
     """A unit file as shipped in the package."""
     if name not in UNIT_NAMES:
         raise ValueError(f"unknown unit {name!r}")
-    return resources.files("gateway").joinpath("systemd", name).read_text(encoding="utf-8")
+    return resources.files("gateway.ops").joinpath("systemd", name).read_text(encoding="utf-8")
 
 
 def _check_path(what: str, path: str) -> str:

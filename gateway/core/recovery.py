@@ -7,14 +7,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gateway.cancellation import GATEWAY_RESTART, PROCESS_DIED, ToolReason
-from gateway.events import InboundMessage
+from gateway.core.cancellation import GATEWAY_RESTART, PROCESS_DIED, ToolReason
+from gateway.core.messages import InboundMessage
+from gateway.core.transcript import TurnRecorder
 from gateway.store import InboundRecord
-from gateway.transcript import TurnRecorder
 from platforms.base import stop_notice
 
 if TYPE_CHECKING:
-    from gateway.router import Router
+    from gateway.core.router import Router
     from platforms.base import Adapter
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import logging
 from redis.exceptions import RedisError
 
 from agent_cache import keys
-from gateway.cluster import Cluster
+from gateway.cluster.coordinator import Cluster
 
 log = logging.getLogger(__name__)
 

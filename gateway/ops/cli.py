@@ -7,9 +7,10 @@ import asyncio
 import os
 import sys
 
-from gateway import __version__, units
-from gateway.config import Config, ConfigError, load_config, render
-from gateway.logs import redactor, setup_logging
+from gateway import __version__
+from gateway.core.logs import redactor, setup_logging
+from gateway.ops import units
+from gateway.ops.config import Config, ConfigError, load_config, render
 from gateway.store import StoreError
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level:
         config.log.level = args.log_level
     setup_logging(config.log.level, config.log.format)
-    from gateway.daemon import Daemon
+    from gateway.ops.daemon import Daemon
 
     try:
         asyncio.run(Daemon(config, config_path=args.config).run())
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _pairing(config: Config, action: str, code: str | None) -> int:
-    from gateway.access import CODE_TTL_S
-    from gateway.daemon import build_store
+    from gateway.core.access import CODE_TTL_S
+    from gateway.ops.daemon import build_store
 
     store = build_store(config)
     await store.open()

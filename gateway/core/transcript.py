@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.cancellation import ReasonKind, ToolReason
+from gateway.core.cancellation import ReasonKind, ToolReason
 
 Role = Literal["system", "user", "assistant", "tool"]
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.cancellation import get_run
+from gateway.core.cancellation import get_run
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis, LeaseManager
-from gateway.cancellation import TAKEN_OVER
-from gateway.events import InboundMessage
+from gateway.core.cancellation import TAKEN_OVER
+from gateway.core.messages import InboundMessage
 
 if TYPE_CHECKING:
-    from gateway.router import Router, Submitted
+    from gateway.core.router import Router, Submitted
     from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Cluster:
 
     async def _recover(self, session: str) -> None:
         """We just took the session: finish what its previous owner left open."""
-        from gateway.recovery import recover_records
+        from gateway.core.recovery import recover_records
 
         records = await self.router.store.unfinished_inbound(session)
         if records:

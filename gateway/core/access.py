@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.events import InboundMessage
+from gateway.core.messages import InboundMessage
 from gateway.store import Store
 
 log = logging.getLogger(__name__)

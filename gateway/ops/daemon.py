@@ -15,20 +15,20 @@ from pathlib import Path
 from aiohttp import web
 
 from agent_cache import keys
-from gateway.access import AccessControl, AccessPolicy
-from gateway.admin import build_admin_app
 from gateway.agents import Agent
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
-from gateway.cancellation import GATEWAY_RESTART, ToolReason
-from gateway.cluster import Cluster
-from gateway.config import Config, ConfigError, load_config
-from gateway.logs import redactor
-from gateway.processes import ProcessReaper
-from gateway.router import Router, RouterSettings
-from gateway.sdnotify import Notifier, Watchdog
-from gateway.server import build_app, serve
+from gateway.cluster.coordinator import Cluster
+from gateway.core.access import AccessControl, AccessPolicy
+from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
+from gateway.core.logs import redactor
+from gateway.core.router import Router, RouterSettings
+from gateway.ops.admin import build_admin_app
+from gateway.ops.config import Config, ConfigError, load_config
+from gateway.ops.http import build_app, serve
+from gateway.ops.sdnotify import Notifier, Watchdog
 from gateway.store import Store
 from gateway.store.sqlite import SqliteStore
 from platforms.base import Adapter
@@ -178,7 +178,7 @@ class Daemon:
         self.router.cluster = self.cluster
         self.router.worker_id = worker_id
         await self.cluster.start()
-        from gateway.ingress import IngressLeader
+        from gateway.cluster.ingress import IngressLeader
         from platforms.discord_bot import DiscordAdapter
         from platforms.telegram_bot import TelegramAdapter
 

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 from agent_cache import CacheFull
 from gateway.agents import AgentError
-from gateway.cancellation import GATEWAY_RESTART, LEASE_LOST, SESSION_RESET, Run, current_run, timed_out
-from gateway.events import InboundMessage
-from gateway.logs import log_context
+from gateway.core.cancellation import GATEWAY_RESTART, LEASE_LOST, SESSION_RESET, Run, current_run, timed_out
+from gateway.core.logs import log_context
+from gateway.core.messages import InboundMessage
+from gateway.core.transcript import ChatMessage, TextDelta, TurnRecorder
 from gateway.store import StoreError
-from gateway.transcript import ChatMessage, TextDelta, TurnRecorder
 
 if TYPE_CHECKING:
-    from gateway.router import Router
+    from gateway.core.router import Router
     from platforms.base import Adapter, Reply
 
 log = logging.getLogger(__name__)

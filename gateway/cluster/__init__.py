@@ -1,0 +1,1 @@
+"""Cluster coordination: session ownership, forwarding between workers, ingress leaders."""

@@ -1,0 +1,1 @@
+"""The session core: messages, commands, cancellation, the router and turns. Imports nothing above it."""

@@ -1,0 +1,1 @@
+"""Operations: the daemon, configuration, the command line, HTTP listeners, systemd."""
