@@ -107,14 +107,19 @@ class LeaseManager:
     def ttl_ms(self) -> int:
         return int(self.ttl_s * 1000)
 
-    def valid(self, name: str, fence: int | None = None) -> bool:
-        """Do we still provably hold `name` (with this fencing number)? No I/O."""
+    def holds(self, name: str, fence: int | None = None) -> bool:
+        """Do we still provably hold `name` (with this fencing number)? No I/O, no state change."""
         lease = self.held.get(name)
         if lease is None or (fence is not None and lease.fence != fence):
             return False
-        if time.monotonic() - lease.renewed_at < self.ttl_s - self.margin_s:
+        return time.monotonic() - lease.renewed_at < self.ttl_s - self.margin_s
+
+    def check_lease(self, name: str) -> bool:
+        """State change: drop `name` (reporting it lost) if it can no longer be proven; True if held."""
+        if self.holds(name):
             return True
-        self._lose(name)  # e.g. we were paused past the TTL: stop acting on it now
+        if name in self.held:
+            self._lose(name)  # e.g. we were paused past the TTL: stop acting on it now
         return False
 
     async def acquire(self, name: str, key: str, fence_key: str) -> Acquired:
@@ -150,7 +155,7 @@ class LeaseManager:
         except (RedisError, OSError) as exc:
             log.warning("lease renewal failed (%s); %d lease(s) at risk", type(exc).__name__, len(leases))
             for lease in leases:
-                self.valid(lease.name)  # drops those past their TTL by our clock
+                self.check_lease(lease.name)  # drops those past their TTL by our clock
             return
         self.last_ok = time.monotonic()
         for lease, ok in zip(leases, results, strict=True):

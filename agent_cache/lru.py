@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 A = TypeVar("A")
 WhenFull = Literal["evict_oldest", "reject"]
+
+
+@dataclass
+class CacheSettings:
+    """The `[agent_cache]` section of the config."""
+
+    max_agents: int = 256
+    idle_ttl_s: float = 3600.0
+    when_full: WhenFull = "evict_oldest"
 
 
 class CacheFull(Exception):
@@ -86,22 +96,10 @@ class AgentCache(Generic[A]):
             entry.last_used = self._clock()
             dst[key] = entry
 
-    def is_running(self, key: str) -> bool:
-        return key in self._running
-
     def discard(self, key: str) -> A | None:
         """Remove without eviction callbacks (the owner is dropping it on purpose)."""
         entry = self._idle.pop(key, None) or self._running.pop(key, None)
         return entry.agent if entry else None
-
-    def evict(self, key: str) -> bool:
-        """Evict one session now, with callbacks (e.g. a lost lease)."""
-        running = key in self._running
-        entry = self._running.pop(key, None) if running else self._idle.pop(key, None)
-        if entry is None:
-            return False
-        self._evicted(key, entry, running)
-        return True
 
     def expire_idle(self) -> int:
         """Evict idle agents unused for `idle_ttl_s`; returns how many went."""

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.router import Outcome
+from gateway.core.ports import Outcome, Reply
 from gateway.core.transcript import ChatMessage
-from platforms.base import Adapter, Reply
+from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,8 @@ class ApiAdapter(Adapter):
         self.model_name = model_name
         self._replies: dict[str, _ApiReply] = {}
 
-    def routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/chat/completions", self._completions), web.get("/v1/models", self._models)]
 
     # Outbound: there is no push channel; a reply exists only while its request is open.
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
@@ -116,7 +115,7 @@ class ApiAdapter(Adapter):
                              user_name=chat_id, message_id=mid, text=text)
         reply = self._replies[mid] = _ApiReply()
         try:
-            submitted = await self.router.submit(msg, self, ephemeral=None if session else history)
+            submitted = await self.gateway.submit(msg, self, ephemeral=None if session else history)
             if submitted.outcome is Outcome.COMMAND:
                 return await self._respond_text(request, stream, submitted.detail)
             if submitted.outcome is Outcome.REJECTED:

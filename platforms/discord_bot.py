@@ -14,34 +14,25 @@ import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import aiohttp
 import discord
 from discord import app_commands
 
+from gateway.core import commands
 from gateway.core.cancellation import Run, ToolReason
-from gateway.core.commands import parse_command
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.router import Outcome, Router
-from gateway.ops.config import DiscordConfig
-from platforms.base import Adapter, EditStreamReply, NoticeKind, OutboundError, RateLimited, Reply
-
-if TYPE_CHECKING:
-    from gateway.cluster.ingress import IngressLeader
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from platforms.base import Adapter, OutboundError, RateLimited
+from platforms.config import DiscordConfig
+from platforms.ingress import IngressLeader
+from platforms.streaming import EditStreamReply
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "discord"
 MAX_LEN = 2000
-APP_COMMANDS = {
-    "stop": "Stop the current answer (and drop queued messages)",
-    "new": "Start a fresh conversation",
-    "reset": "Start a fresh conversation (same as /new)",
-    "status": "What is running in this chat",
-    "help": "List the commands",
-}
-PRIVATE_COMMANDS = frozenset({"status", "help"})  # answered only to whoever asked
 _TRANSIENT = (aiohttp.ClientError, OSError, TimeoutError)
 _USER_MESSAGES = (discord.MessageType.default, discord.MessageType.reply)
 T = TypeVar("T")
@@ -112,7 +103,7 @@ class DiscordAdapter(Adapter):
     LOGIN_RETRY_MAX_S: ClassVar[float] = 60.0
     CLOSE_GRACE_S: ClassVar[float] = 15.0
 
-    def __init__(self, config: DiscordConfig, **client_options: Any) -> None:
+    def __init__(self, config: DiscordConfig, *, leader: IngressLeader | None = None, **client_options: Any) -> None:
         if config.token is None:
             raise ValueError("discord.token is required")
         self._config = config
@@ -125,7 +116,7 @@ class DiscordAdapter(Adapter):
         self._connected = False
         self._problem: str | None = None
         # Cluster mode: only the worker holding this lease connects to the gateway; any may send.
-        self.leader: IngressLeader | None = None
+        self.leader = leader
         self._standby = False
         self._closing = False
         self._closed = False
@@ -136,7 +127,7 @@ class DiscordAdapter(Adapter):
 
     def _new_client(self) -> _Client:
         client = _Client(self, **self._client_kwargs)
-        for name, description in APP_COMMANDS.items():
+        for name, description in commands.menu():
             client.tree.add_command(app_commands.Command(name=name, description=description,
                                                          callback=self._command_callback(name)))
         return client
@@ -148,9 +139,14 @@ class DiscordAdapter(Adapter):
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    async def start(self, router: Router) -> None:
+    @property
+    def bot_username(self) -> str | None:
+        user = self.client.user
+        return user.name if user is not None else None
+
+    async def start(self, gateway: Gateway) -> None:
         """Log in (a rejected token leaves the adapter unhealthy, not the daemon down), then connect."""
-        await super().start(router)
+        await super().start(gateway)
         try:
             logged_in = await self._login()
         except _Fatal as exc:
@@ -211,22 +207,21 @@ class DiscordAdapter(Adapter):
         was, self._connected = self._connected, connected
         user = self.client.user
         if connected and user is not None:
-            self.router.bot_usernames[PLATFORM] = user.name
             if not was:
                 log.info("discord: connected as %s (%s)", user.name, user.id)
         elif was and not connected and not self.client.is_closed():
             log.info("discord: gateway disconnected; discord.py is reconnecting")
 
-    def healthy(self) -> tuple[bool, str]:
+    def health(self) -> Health:
         if self._problem is not None:
-            return False, self._problem
+            return Health(False, self._problem)
         if self._standby:
-            return True, "standing by: another worker holds the Discord gateway"
+            return Health(True, "standing by: another worker holds the Discord gateway")
         if self.client.is_closed():
-            return False, "stopped"
+            return Health(False, "stopped")
         if self._connected and self.client.is_ready():
-            return True, f"connected as {self.client.user}"
-        return False, "connecting to the Discord gateway"
+            return Health(True, f"connected as {self.client.user}")
+        return Health(False, "connecting to the Discord gateway")
 
     async def stop(self) -> None:
         """Stop intake now; close the client once in-flight replies have shown how they ended."""
@@ -290,7 +285,7 @@ class DiscordAdapter(Adapter):
             if ref.message_id in self._sent_ids or (
                     isinstance(resolved, discord.Message) and resolved.author.id == me.id):
                 return True
-        command = parse_command(text, self.router.bot_usernames.get(PLATFORM))
+        command = commands.parse_command(text, self.bot_username)
         if command is not None and command.known:
             return True
         allowed = self._config.allowed_channels
@@ -322,17 +317,16 @@ class DiscordAdapter(Adapter):
                 platform=PLATFORM, chat_id=chat.chat_id, chat_type=chat.chat_type, thread_id=chat.thread_id,
                 user_id=str(message.author.id), user_name=message.author.display_name,
                 message_id=str(message.id), text=text, timestamp=message.created_at.timestamp(),
-                reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None)
-            if not text.strip() and (message.attachments or message.stickers):
-                await self.media_only(msg)
-                return
-            await self.router.submit(msg, self)
+                reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None,
+                media=bool(message.attachments or message.stickers))
+            await self.gateway.submit(msg, self)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
 
     async def _on_app_command(self, interaction: Interaction, name: str) -> None:
         """Run `/name` as the router's text command; the interaction is always answered."""
-        pending = _PendingInteraction(interaction, ephemeral=name in PRIVATE_COMMANDS)
+        spec = commands.lookup(name)
+        pending = _PendingInteraction(interaction, ephemeral=spec is not None and spec.private)
         chat = self._chat_for(interaction.channel)
         if self._closing or chat is None:
             await self._answer(pending, "The gateway is restarting; please try again in a moment." if self._closing
@@ -343,7 +337,7 @@ class DiscordAdapter(Adapter):
                              user_name=interaction.user.display_name, message_id=f"i{interaction.id}",
                              text=f"/{name}")
         self._interactions[msg.message_id] = pending  # the router's notice for it goes to `notify`
-        submit = asyncio.ensure_future(self.router.submit(msg, self))
+        submit = asyncio.ensure_future(self.gateway.submit(msg, self))
         text = "Done."
         try:
             done, _ = await asyncio.wait({submit}, timeout=self.DEFER_AFTER_S)
@@ -427,7 +421,7 @@ class DiscordAdapter(Adapter):
         await self._call(lambda: channel.typing(), idempotent=True)
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
-                     kind: NoticeKind = "info") -> None:
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
         """Notices about an application command answer its interaction; others are messages."""
         pending = self._interactions.pop(reply_to, None) if reply_to else None
         if pending is not None:

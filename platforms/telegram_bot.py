@@ -19,7 +19,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
@@ -28,23 +28,20 @@ from telegram.constants import ChatType as TgChatType
 from telegram.error import BadRequest, Conflict, InvalidToken, NetworkError, RetryAfter, TelegramError
 from telegram.request import HTTPXRequest
 
-from gateway.core.commands import parse_command
+from gateway.core import commands
+from gateway.core.cancellation import ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.ops.config import TelegramConfig
-from platforms.base import Adapter, NoticeKind, OutboundError, RateLimited
+from gateway.core.ports import Gateway, Health, NoticeKind
+from platforms.base import Adapter, OutboundError, RateLimited
+from platforms.config import TelegramConfig
+from platforms.ingress import IngressLeader
 from platforms.telegram_format import to_html, visible_text
-
-if TYPE_CHECKING:
-    from gateway.cluster.ingress import IngressLeader
-    from gateway.core.router import Router
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLATFORM = "telegram"
 ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
-COMMANDS = (("stop", "Stop the current answer"), ("new", "Start a new conversation"),
-            ("reset", "Same as /new"), ("status", "What is running in this chat"), ("help", "Show the commands"))
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 MAX_GATES = 10_000
 
@@ -75,7 +72,7 @@ class TelegramAdapter(Adapter):
     name = PLATFORM
     pushes_anywhere = True  # the Bot API reaches any chat from any process
 
-    def __init__(self, config: TelegramConfig) -> None:
+    def __init__(self, config: TelegramConfig, *, leader: IngressLeader | None = None) -> None:
         if config.token is None:
             raise ValueError("telegram.token is required")
         self.config = config
@@ -89,7 +86,7 @@ class TelegramAdapter(Adapter):
         self.bot = Bot(self._token, base_url=config.base_url, base_file_url=config.base_file_url,
                        request=self._requests[0], get_updates_request=self._requests[1])
         self.ready = asyncio.Event()  # set once connected (polling, or the webhook registered)
-        self._health: tuple[bool, str] = (False, "connecting to Telegram")
+        self._health = Health(False, "connecting to Telegram")
         self._problem: str | None = None  # the failure last logged, so each episode logs once
         self._bot_id = 0
         self._username = ""
@@ -103,20 +100,20 @@ class TelegramAdapter(Adapter):
         self._webhook_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
-        self.leader: IngressLeader | None = None
+        self.leader = leader
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    async def start(self, router: Router) -> None:
-        await super().start(router)
+    @property
+    def bot_username(self) -> str | None:
+        return self._username or None
+
+    async def start(self, gateway: Gateway) -> None:
+        await super().start(gateway)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="telegram")
 
-    def routes(self, app: web.Application) -> None:
-        if self.config.mode == "webhook":
-            app.router.add_post(self.config.webhook_path, self._webhook)
-        # The daemon cleans its HTTP app up after the router has shut down, so replies being
-        # marked interrupted still have a client; only then is it closed.
-        app.on_cleanup.append(self._on_cleanup)
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(self.config.webhook_path, self._webhook)] if self.config.mode == "webhook" else []
 
     async def stop(self) -> None:
         """Stop intake. An update being submitted is finished first; the client stays open
@@ -132,11 +129,9 @@ class TelegramAdapter(Adapter):
                 await asyncio.wait({t})
         await self._confirm_offset()
 
-    async def _on_cleanup(self, _app: web.Application) -> None:
-        await self.close()
-
     async def close(self) -> None:
-        """Release the HTTP clients (idempotent)."""
+        """Release the HTTP clients (idempotent). The daemon calls this after the core has shut
+        down, so replies being marked interrupted still have a client."""
         if self._closed:
             return
         self._closed = True
@@ -144,7 +139,7 @@ class TelegramAdapter(Adapter):
             task.cancel()
         await asyncio.gather(*(r.shutdown() for r in self._requests), return_exceptions=True)
 
-    def healthy(self) -> tuple[bool, str]:
+    def health(self) -> Health:
         return self._health
 
     # --- intake: polling ------------------------------------------------------------------
@@ -161,7 +156,7 @@ class TelegramAdapter(Adapter):
                     if self.config.mode == "webhook":
                         return
                 if self.leader is not None and not self.leader.held():
-                    self._health = (True, "standing by: another worker polls Telegram")
+                    self._health = Health(True, "standing by: another worker polls Telegram")
                     await self._waiting(self.leader.wait())
                     stored = await self.leader.load("offset")
                     self._offset = int(stored) if stored else self._offset
@@ -185,7 +180,6 @@ class TelegramAdapter(Adapter):
     async def _connect(self) -> None:
         await self.bot.initialize()  # getMe: checks the token, learns our id and username
         self._bot_id, self._username = self.bot.id, self.bot.username
-        self.router.bot_usernames[PLATFORM] = self._username
         if self.config.mode == "webhook":
             assert self.config.webhook_url and self.config.secret_token  # enforced by the config
             await self.bot.set_webhook(self.config.webhook_url, allowed_updates=list(ALLOWED_UPDATES),
@@ -193,7 +187,7 @@ class TelegramAdapter(Adapter):
         else:
             await self.bot.delete_webhook(drop_pending_updates=False)  # keep what arrived while we were down
         try:
-            await self.bot.set_my_commands([BotCommand(c, d) for c, d in COMMANDS])
+            await self.bot.set_my_commands([BotCommand(c, d) for c, d in commands.menu()])
         except TelegramError as exc:  # cosmetic: commands still work when typed
             log.warning("telegram: could not register commands: %s", self._scrub(str(exc)))
         self._recovered("webhook registered" if self.config.mode == "webhook" else "polling")
@@ -246,7 +240,7 @@ class TelegramAdapter(Adapter):
             kind, level, text = "api", logging.WARNING, f"Telegram error: {self._scrub(str(exc))}"
         else:
             kind, level, text = "bug", logging.ERROR, f"unexpected {type(exc).__name__} in the Telegram loop"
-        self._health = (False, text)
+        self._health = Health(False, text)
         if kind != self._problem:
             self._problem = kind
             log.log(level, "telegram: %s; retrying in %.1f s (backing off up to 60 s)", text, delay,
@@ -258,7 +252,7 @@ class TelegramAdapter(Adapter):
         if self._problem is not None:
             log.info("telegram: connection restored (%s)", state)
             self._problem = None
-        self._health = (True, state)
+        self._health = Health(True, state)
 
     # --- intake: webhook ------------------------------------------------------------------
 
@@ -286,12 +280,8 @@ class TelegramAdapter(Adapter):
             if m is None:
                 return
             msg = self._inbound(m)
-            if msg is None:
-                return
-            if msg.text:
-                await self.router.submit(msg, self)
-            else:
-                await self.media_only(msg)
+            if msg is not None:
+                await self.gateway.submit(msg, self)
         except Exception:
             log.exception("telegram: could not process update %d", update.update_id)
 
@@ -313,8 +303,8 @@ class TelegramAdapter(Adapter):
             return None  # service messages: members joining, pins, topic changes...
         addressed = False
         if text and text.lstrip().startswith("/"):
-            ours = parse_command(text, self._username)
-            if ours is None and parse_command(text) is not None:
+            ours = commands.parse_command(text, self._username)
+            if ours is None and commands.parse_command(text) is not None:
                 return None  # /stop@OtherBot
             explicit = "@" in text.split(maxsplit=1)[0]
             if ours is not None and not ours.known and not explicit and chat_type is ChatType.GROUP:
@@ -333,7 +323,7 @@ class TelegramAdapter(Adapter):
             message_id=str(m.message_id), text=text or "",
             thread_id=str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None,
             reply_to=str(reply.message_id) if reply is not None else None,
-            timestamp=m.date.timestamp())
+            timestamp=m.date.timestamp(), media=m.effective_attachment is not None)
 
     def _mentions(self, entities: dict[MessageEntity, str]) -> list[tuple[int, int]]:
         """(offset, length) in UTF-16 units of every @mention of this bot."""
@@ -385,7 +375,7 @@ class TelegramAdapter(Adapter):
                                                 message_thread_id=_thread(chat))
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
-                     kind: NoticeKind = "info") -> None:
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
         try:
             await self.send(chat, text, reply_to=reply_to)
             self.count("notice")

@@ -42,11 +42,12 @@ from gateway.core.cancellation import (
     ToolReason,
 )
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.ports import NoticeKind, Outcome, Reply
 from gateway.core.recovery import is_resume_prompt
-from gateway.core.router import Outcome
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
-from platforms.base import Adapter, EditStreamReply, NoticeKind, Reply
+from platforms.base import Adapter
+from platforms.streaming import EditStreamReply
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +76,15 @@ class WebchatAdapter(Adapter):
         self._held: dict[web.WebSocketResponse, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def routes(self, app: web.Application) -> None:
-        app.router.add_get("/", self._page)
-        app.router.add_get("/static/{name}", self._static)
-        app.router.add_get("/ws", self._websocket)
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/", self._page), web.get("/static/{name}", self._static), web.get("/ws", self._websocket)]
 
     async def stop(self) -> None:
         """Refuse new input; close idle pages' sockets now and busy ones once their turn ends, so a
         page still sees its answer (or its "interrupted by a restart" mark) before it reconnects."""
         self._closing = True
-        router = getattr(self, "router", None)
         for sid in list(self._sockets):
-            if router is None or not router.status(_key(sid)).running:
+            if self._gateway is None or not self._gateway.status(_key(sid)).running:
                 await self._close_session(sid)
 
     async def _close_session(self, sid: str) -> None:
@@ -126,10 +124,10 @@ class WebchatAdapter(Adapter):
         await self._push(chat.chat_id, {"type": "typing"})
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
-                     kind: NoticeKind = "info") -> None:
-        frame: dict[str, Any] = {"type": "notice", "kind": kind, "text": text, "reply_to": reply_to}
-        if kind == "interrupted" and text.startswith(_INTERRUPTED):  # the format of base.stop_notice
-            frame["interrupted"] = interruption("system", text.removeprefix(_INTERRUPTED))
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
+        frame: dict[str, Any] = {"type": "notice", "kind": kind.value, "text": text, "reply_to": reply_to}
+        if reason is not None:
+            frame["interrupted"] = interruption(reason.kind, reason.text)
             frame["kind"] = frame["interrupted"]["kind"]
         await self._push(chat.chat_id, frame)
 
@@ -186,8 +184,8 @@ class WebchatAdapter(Adapter):
 
     async def _hello(self, ws: web.WebSocketResponse, sid: str) -> None:
         key = _key(sid)
-        _conv, history = await self.router.store.conversation(key)
-        status = self.router.status(key)
+        history = await self.gateway.history(key)
+        status = self.gateway.status(key)
         await ws.send_json({"type": "hello", "history": [_row(m) for m in history if m.role != "tool"],
                             "running": status.running or status.queued > 0, "queued": status.queued,
                             "agent": status.agent})
@@ -218,7 +216,7 @@ class WebchatAdapter(Adapter):
         task.add_done_callback(self._tasks.discard)
 
     async def _submit(self, ws: web.WebSocketResponse, msg: InboundMessage, *, is_command: bool) -> None:
-        result = await self.router.submit(msg, self)
+        result = await self.gateway.submit(msg, self)
         if result.outcome is Outcome.REJECTED and self._closing:
             return  # rejected because we are going down: unacked, so the page sends it again
         with contextlib.suppress(ConnectionError, RuntimeError):
@@ -260,9 +258,6 @@ class _WebReply(EditStreamReply):
 
     async def settled(self) -> None:
         await self._idle()  # idle only once recorded: a reload right now shows the whole turn
-
-
-_INTERRUPTED = "⏹ interrupted: "
 
 
 def interruption(by: str, reason: str) -> dict[str, str]:

@@ -14,11 +14,12 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART
-from gateway.core.router import Router, RouterSettings
+from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
 from tests.redis_server import RedisServer, RedisServerMissing
+from tests.routers import start_router
 
 if TYPE_CHECKING:
     from gateway.ops.daemon import Daemon
@@ -69,11 +70,10 @@ async def make_router(store: SqliteStore, provider: FakeProvider, tools: ToolReg
         if agent == "openai":
             oa = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=1,
                                             backoff_s=0.01), tools)
-            router = Router(RouterSettings(**settings), store, oa)  # type: ignore[arg-type]
+            router = await start_router(store, oa, chat, **settings)
         else:
-            router = Router(RouterSettings(**settings), store, EchoAgent(tools, delay_s=0.0))  # type: ignore[arg-type]
+            router = await start_router(store, EchoAgent(tools, delay_s=0.0), chat, **settings)
         made.append((router, oa))
-        await router.start({chat.name: chat})
         return router
 
     yield factory

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.ops.config import ConfigError, Secret, load_config
+from gateway.core.secrets import Secret
+from gateway.ops.config import ConfigError, load_config
 
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -15,10 +15,11 @@ import pytest
 import pytest_asyncio
 
 from gateway.core.cancellation import GATEWAY_RESTART
-from gateway.core.commands import HELP
+from gateway.core.commands import help_text
 from gateway.core.logs import JsonFormatter
+from gateway.core.ports import Health
+from gateway.core.router import MEDIA_ONLY
 from gateway.ops.daemon import Daemon
-from platforms.base import MEDIA_ONLY
 from platforms.discord_bot import DiscordAdapter
 from tests.conftest import DaemonFactory
 from tests.fakes.discord_api import (
@@ -67,7 +68,7 @@ def start(fake: FakeDiscord, make_daemon: DaemonFactory) -> Start:
                                             **discord})
         adapter = daemon.adapters["discord"]
         assert isinstance(adapter, DiscordAdapter)
-        await eventually(lambda: adapter.healthy()[0], 5, "the gateway to be ready")
+        await eventually(lambda: adapter.health().ok, 5, "the gateway to be ready")
         return daemon, adapter
 
     return _start
@@ -113,7 +114,7 @@ def two_channels() -> list[FakeGuild]:
 async def test_dm_round_trip(start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
     provider.then(Script(text="hi", delay_s=0.3))  # slow enough for a typing indicator (after 0.2 s)
     daemon, adapter = await start()
-    assert adapter.healthy() == (True, "connected as switchboard")
+    assert adapter.health() == Health(True, "connected as switchboard")
     dm = fake.dm_channel_id(ALICE_ID)
     mid = await fake.dispatch_message(dm, "hello", author_id=ALICE_ID, author_name="alice")
     reply = await reply_with(fake, dm, "hi ")
@@ -121,7 +122,7 @@ async def test_dm_round_trip(start: Start, fake: FakeDiscord, provider: FakeProv
     assert len(bot_messages(fake, dm)) == 1
     assert any(c.path == f"/channels/{dm}/typing" for c in fake.sent)
     assert [c.last_user for c in provider.connections] == ["hello"]
-    assert (await daemon.readiness())["discord"][0] is True
+    assert (await daemon.readiness())["discord"].ok is True
 
 
 async def test_guild_mention_mode(start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
@@ -138,9 +139,9 @@ async def test_guild_mention_mode(start: Start, fake: FakeDiscord, provider: Fak
     await reply_with(fake, TEXT_CHANNEL_ID, answer("and more", 1))
     await fake.dispatch_message(TEXT_CHANNEL_ID, "/help@otherbot", author_id=BOB_ID)  # not ours
     await fake.dispatch_message(TEXT_CHANNEL_ID, "!help", author_id=BOB_ID)
-    await reply_with(fake, TEXT_CHANNEL_ID, HELP)
+    await reply_with(fake, TEXT_CHANNEL_ID, help_text())
     assert [c.last_user for c in provider.connections] == ["hello bot", "and more"]
-    assert [m["content"] for m in bot_messages(fake, TEXT_CHANNEL_ID)][-1] == HELP
+    assert [m["content"] for m in bot_messages(fake, TEXT_CHANNEL_ID)][-1] == help_text()
 
 
 @pytest.mark.parametrize("fake", [{"guilds": two_channels()}], indirect=True)
@@ -233,7 +234,7 @@ async def test_application_commands_answer(start: Start, fake: FakeDiscord, prov
     dm = fake.dm_channel_id(ALICE_ID)
     inter = await fake.dispatch_interaction("help", channel_id=dm, user_id=ALICE_ID)
     call = await fake.wait_for(lambda c: c.path.endswith(f"/{inter.token}/callback"))
-    assert (call.json["data"]["content"], call.json["data"]["flags"]) == (HELP, 64)  # only the asker sees it
+    assert (call.json["data"]["content"], call.json["data"]["flags"]) == (help_text(), 64)  # only the asker sees it
     # A slow router answer: the interaction is deferred first, then the "thinking" message is edited.
     monkeypatch.setattr(DiscordAdapter, "DEFER_AFTER_S", 0.05)
     submit = daemon.router.submit
@@ -332,7 +333,7 @@ async def test_gateway_drop(start: Start, fake: FakeDiscord, provider: FakeProvi
     # The stream keeps editing the message it started before the drop.
     done = await reply_with(fake, TEXT_CHANNEL_ID, answer("before", 30))
     assert done["id"] == streaming["id"] and len(bot_messages(fake, TEXT_CHANNEL_ID)) == 1
-    await eventually(lambda: adapter.healthy()[0], what="healthy again")
+    await eventually(lambda: adapter.health().ok, what="healthy again")
     provider.words = 1
     # A reply to the pre-drop message still counts as addressed (the adapter remembers its messages).
     await fake.dispatch_message(TEXT_CHANNEL_ID, "after", author_id=ALICE_ID, reference_message_id=int(done["id"]))
@@ -350,7 +351,7 @@ async def test_shutdown_marks_streams_interrupted(start: Start, fake: FakeDiscor
     await fake.dispatch_message(dm, "too late", author_id=ALICE_ID)
     await daemon.router.shutdown(GATEWAY_RESTART)
     assert bot_messages(fake, dm)[0]["content"].endswith("⏹ interrupted: gateway restart")
-    assert adapter.client.is_closed() and adapter.healthy() == (False, "stopped")
+    assert adapter.client.is_closed() and adapter.health() == Health(False, "stopped")
     assert provider.requests_for("too late") == []
 
 
@@ -360,7 +361,7 @@ async def test_login_retried_after_a_transient_failure(start: Start, fake: FakeD
     fake.fail_next("GET", "/users/@me", status=400)
     _daemon, adapter = await start()
     assert [c.status for c in fake.requests if c.path == "/users/@me"] == [400, 200]
-    assert adapter.healthy()[0]
+    assert adapter.health().ok
     await fake.dispatch_message(fake.dm_channel_id(ALICE_ID), "still there?", author_id=ALICE_ID)
     await reply_with(fake, fake.dm_channel_id(ALICE_ID), answer("still there?", provider.words))
 
@@ -422,7 +423,8 @@ async def test_rejected_token_is_never_logged(fake: FakeDiscord, make_daemon: Da
                                               logs: _Capture) -> None:
     wrong = SECRET_TOKEN + "-revoked"
     daemon = await make_daemon(discord={"token": wrong})
-    ok, detail = (await daemon.readiness())["discord"]
+    health = (await daemon.readiness())["discord"]
+    ok, detail = health.ok, health.detail
     assert not ok and "token was rejected" in detail
     assert fake.requests[0].status == 401
     assert any("token was rejected" in line for line in logs.formatted)

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.core.cancellation import EVICTED, NEW_MESSAGE, STOPPED_BY_USER, ToolReason
 from gateway.core.messages import ChatRef
-from gateway.core.router import Outcome
+from gateway.core.ports import Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat

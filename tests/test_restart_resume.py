@@ -5,19 +5,20 @@ from __future__ import annotations
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
-from gateway.core.router import Router, RouterSettings
+from gateway.core.fencing import Fence
+from gateway.core.ports import InboundStatus
+from gateway.core.router import Router
 from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
+from tests.routers import start_router
 
 MARKER = "[interrupted by system: gateway restart]"
 
 
 async def _router(store: SqliteStore, agent: OpenAIAgent, chat: MemoryChat, max_age: float = 600) -> Router:
-    router = Router(RouterSettings(), store, agent)
-    await router.start({chat.name: chat}, resume_max_age_s=max_age)
-    return router
+    return await start_router(store, agent, chat, resume_max_age_s=max_age)
 
 
 async def test_a_turn_cut_off_by_a_restart_is_resumed_once_with_the_system_marker(
@@ -54,9 +55,10 @@ async def test_a_turn_cut_off_by_a_restart_is_resumed_once_with_the_system_marke
 async def test_a_crash_mid_turn_is_closed_told_and_resumed(
         store: SqliteStore, chat: MemoryChat, provider: FakeProvider, tools: ToolRegistry) -> None:
     msg = chat.message("c1", "what was I saying")
-    inbound = await store.accept_inbound("memory:dm:c1", msg)
+    fence = Fence.local("memory:dm:c1")
+    inbound = await store.accept_inbound(fence, msg)
     assert inbound is not None
-    await store.append("memory:dm:c1", 1, [ChatMessage("user", msg.text)], inbound=(inbound, "running", None))
+    await store.append(fence, 1, [ChatMessage("user", msg.text)], inbound=(inbound, InboundStatus.RUNNING, None))
     provider.words = 2
     agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
     router = await _router(store, agent, chat)

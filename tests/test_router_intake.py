@@ -10,11 +10,12 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.messages import ChatType
-from gateway.core.router import Outcome, Router, RouterSettings
+from gateway.core.ports import Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory, free_port
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.routers import start_router
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -49,8 +50,7 @@ async def test_dedup_survives_a_restart_through_the_store(store: SqliteStore, ch
     agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
     msg = chat.message("c1", "hello", mid="tg-7")
     for expected in (Outcome.ACCEPTED, Outcome.DUPLICATE):  # two router lifetimes, one store
-        router = Router(RouterSettings(), store, agent)
-        await router.start({chat.name: chat})
+        router = await start_router(store, agent, chat)
         result = await router.submit(msg, chat)
         assert result.outcome is expected
         if result.run:
@@ -64,15 +64,13 @@ async def test_messages_accepted_but_never_run_are_replayed_after_a_restart(
         store: SqliteStore, chat: MemoryChat, provider: FakeProvider, tools: ToolRegistry) -> None:
     provider.delay_s = 0.2
     agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
-    router = Router(RouterSettings(busy="queue"), store, agent)
-    await router.start({chat.name: chat})
+    router = await start_router(store, agent, chat, busy="queue")
     await router.submit(chat.message("c1", "first"), chat)
     queued = await router.submit(chat.message("c1", "second"), chat)
     assert queued.outcome is Outcome.QUEUED
     await router.shutdown(GATEWAY_RESTART)  # "first" is cancelled; "second" never ran
     provider.delay_s = 0.0
-    router = Router(RouterSettings(), store, agent)
-    await router.start({chat.name: chat})
+    router = await start_router(store, agent, chat)
     await chat.wait_for(lambda: any(t.startswith("reply to: second") and t.endswith("w19 ") for t in chat.texts("c1")))
     for _ in range(100):
         if not await store.unfinished_inbound():
@@ -157,8 +155,7 @@ async def test_a_provider_that_is_down_is_reported_and_retried(store: SqliteStor
                                                                tools: ToolRegistry) -> None:
     agent = OpenAIAgent(OpenAISettings(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", retries=2,
                                        backoff_s=0.01), tools)
-    router = Router(RouterSettings(), store, agent)
-    await router.start({chat.name: chat})
+    router = await start_router(store, agent, chat)
     run = (await router.submit(chat.message("c1", "anyone?"), chat)).run
     assert run is not None
     await run.wait()

@@ -19,9 +19,11 @@ from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
 from agent_cache import keys
+from agent_cache.leases import LeaseManager
+from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage
+from gateway.core.ports import FencedOut, InboundStatus, Store, StoreError
 from gateway.core.transcript import ChatMessage, ToolCall
-from gateway.store import Store, StoreError
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from tests.redis_server import RedisServer, RedisServerMissing
@@ -82,6 +84,16 @@ async def redis_store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
     await store.close()
 
 
+async def own(store: Store, session: str, worker: str = "contract-test") -> Fence:
+    """A fence for writes to `session`: a shared store only accepts one minted from a live lease."""
+    if isinstance(store, SqliteStore):
+        return Fence.local(session)
+    assert isinstance(store, RedisStore)
+    got = await LeaseManager(store._r, worker, ttl_s=60).acquire(session, keys.lease(session), keys.fence(session))
+    assert got.lease is not None, f"{session} is leased to {got.owner}"
+    return Fence(session, got.lease.fence)
+
+
 async def archived(store: Store, session: str, conversation: int) -> list[str]:
     """Contents of a conversation that is no longer current (the protocol has no read for it)."""
     if isinstance(store, SqliteStore):
@@ -95,14 +107,15 @@ async def archived(store: Store, session: str, conversation: int) -> list[str]:
 # --- inbound ------------------------------------------------------------------------------
 
 async def test_accept_dedup_finish(any_store: Store) -> None:
-    first = await any_store.accept_inbound(S1, msg("m1"))
+    F1, F2 = await own(any_store, S1), await own(any_store, S2)
+    first = await any_store.accept_inbound(F1, msg("m1"))
     assert first is not None
-    assert await any_store.accept_inbound(S1, msg("m1")) is None
-    second = await any_store.accept_inbound(S1, msg("m2"))
+    assert await any_store.accept_inbound(F1, msg("m1")) is None
+    second = await any_store.accept_inbound(F1, msg("m2"))
     assert second is not None and second > first
     # The same message id elsewhere is a different message.
-    assert await any_store.accept_inbound(S2, msg("m1", chat_id="-100")) is not None
-    assert await any_store.accept_inbound(S2, msg("m1", platform="telegram")) is not None
+    assert await any_store.accept_inbound(F2, msg("m1", chat_id="-100")) is not None
+    assert await any_store.accept_inbound(F2, msg("m1", platform="telegram")) is not None
 
     open_ = await any_store.unfinished_inbound(S1)
     assert [(r.id, r.session_key, r.message, r.status) for r in open_] == [
@@ -110,23 +123,24 @@ async def test_accept_dedup_finish(any_store: Store) -> None:
     assert open_[0].received_at == pytest.approx(time.time(), abs=60)
 
     # Open statuses keep the record (and the message intact, even with a detail that looks like JSON).
-    await any_store.finish_inbound(S1, first, "running", 'cut ,"received_at": 0, "quote"}')
+    await any_store.finish_inbound(F1, first, InboundStatus.RUNNING, 'cut ,"received_at": 0, "quote"}')
     open_ = await any_store.unfinished_inbound(S1)
     assert [(r.id, r.status, r.message) for r in open_] == [(first, "running", msg("m1")),
                                                             (second, "accepted", msg("m2"))]
-    await any_store.finish_inbound(S1, first, "restart")
+    await any_store.finish_inbound(F1, first, InboundStatus.RESTART)
     assert (await any_store.unfinished_inbound(S1))[0].status == "restart"
 
-    for status in ("done", "cancelled"):
-        await any_store.finish_inbound(S1, first if status == "done" else second, status, "detail")
+    for status in (InboundStatus.DONE, InboundStatus.CANCELLED):
+        await any_store.finish_inbound(F1, first if status is InboundStatus.DONE else second, status, "detail")
     assert await any_store.unfinished_inbound(S1) == []
     # A finished message stays de-duplicated.
-    assert await any_store.accept_inbound(S1, msg("m1")) is None
+    assert await any_store.accept_inbound(F1, msg("m1")) is None
 
 
 async def test_unfinished_per_session(any_store: Store) -> None:
-    a = await any_store.accept_inbound(S1, msg("a"))
-    b = await any_store.accept_inbound(S2, msg("b", chat_id="-100"))
+    F1, F2 = await own(any_store, S1), await own(any_store, S2)
+    a = await any_store.accept_inbound(F1, msg("a"))
+    b = await any_store.accept_inbound(F2, msg("b", chat_id="-100"))
     assert [r.id for r in await any_store.unfinished_inbound(S1)] == [a]
     assert [r.id for r in await any_store.unfinished_inbound(S2)] == [b]
     everywhere = await any_store.unfinished_inbound()
@@ -134,54 +148,57 @@ async def test_unfinished_per_session(any_store: Store) -> None:
         assert [r.id for r in everywhere] == [a, b]
     else:  # a shared store recovers per session, when a worker takes the session's lease
         assert everywhere == []
-    for status in ("rejected", "failed", "resumed"):
-        c = await any_store.accept_inbound(S1, msg(f"c-{status}"))
+    for status in (InboundStatus.REJECTED, InboundStatus.FAILED, InboundStatus.RESUMED):
+        c = await any_store.accept_inbound(F1, msg(f"c-{status}"))
         assert c is not None
-        await any_store.finish_inbound(S1, c, status)
+        await any_store.finish_inbound(F1, c, status)
     assert [r.id for r in await any_store.unfinished_inbound(S1)] == [a]
 
 
 # --- transcripts --------------------------------------------------------------------------
 
 async def test_conversation_append_reset(any_store: Store) -> None:
+    F1, F2 = await own(any_store, S1), await own(any_store, S2)
     assert await any_store.conversation(S1) == (1, [])
-    await any_store.append(S1, 1, ROWS[:2])
-    await any_store.append(S1, 1, ROWS[2:])
-    await any_store.append(S1, 1, [])
+    await any_store.append(F1, 1, ROWS[:2])
+    await any_store.append(F1, 1, ROWS[2:])
+    await any_store.append(F1, 1, [])
     assert await any_store.conversation(S1) == (1, ROWS)
     assert await any_store.conversation(S2) == (1, [])
 
-    assert await any_store.reset(S1) == 2
+    assert await any_store.reset(F1) == 2
     assert await any_store.conversation(S1) == (2, [])
     # A turn that started before /new still writes into its own (now archived) conversation.
     late = ChatMessage("assistant", "late", created_at=1712345690.0)
-    await any_store.append(S1, 1, [late])
-    await any_store.append(S1, 2, [ROWS[0]])
+    await any_store.append(F1, 1, [late])
+    await any_store.append(F1, 2, [ROWS[0]])
     assert await any_store.conversation(S1) == (2, [ROWS[0]])
     assert await archived(any_store, S1, 1) == [m.content for m in [*ROWS, late]]
 
-    assert await any_store.reset(S1) == 3
-    assert await any_store.reset(S2) == 2  # a session never written to starts from 1
+    assert await any_store.reset(F1) == 3
+    assert await any_store.reset(F2) == 2  # a session never written to starts from 1
 
 
 async def test_inbound_status_set_by_append(any_store: Store) -> None:
-    done = await any_store.accept_inbound(S1, msg("m1"))
-    running = await any_store.accept_inbound(S1, msg("m2"))
+    F1 = await own(any_store, S1)
+    done = await any_store.accept_inbound(F1, msg("m1"))
+    running = await any_store.accept_inbound(F1, msg("m2"))
     assert done is not None and running is not None
-    await any_store.append(S1, 1, ROWS[:1], inbound=(running, "running", None))
-    await any_store.append(S1, 1, ROWS[1:], inbound=(done, "done", None))
+    await any_store.append(F1, 1, ROWS[:1], inbound=(running, InboundStatus.RUNNING, None))
+    await any_store.append(F1, 1, ROWS[1:], inbound=(done, InboundStatus.DONE, None))
     assert [(r.id, r.status, r.message) for r in await any_store.unfinished_inbound(S1)] == [
         (running, "running", msg("m2"))]
     assert (await any_store.conversation(S1))[1] == ROWS
 
 
 async def test_sessions_listing(any_store: Store) -> None:
-    await any_store.append(S1, 1, ROWS)
+    F1, F2 = await own(any_store, S1), await own(any_store, S2)
+    await any_store.append(F1, 1, ROWS)
     await asyncio.sleep(0.01)
-    await any_store.append(S2, 1, ROWS[:1])
+    await any_store.append(F2, 1, ROWS[:1])
     await asyncio.sleep(0.01)
-    await any_store.reset(S1)
-    await any_store.append(S1, 2, ROWS[:2])
+    await any_store.reset(F1)
+    await any_store.append(F1, 2, ROWS[:2])
     listed = await any_store.sessions()
     assert [(s.key, s.conversation, s.messages) for s in listed] == [(S1, 2, 2), (S2, 1, 1)]
     assert listed[0].updated_at >= listed[1].updated_at > 1e9
@@ -240,25 +257,35 @@ async def test_pairing_expiry(any_store: Store) -> None:
 
 # --- Redis only ---------------------------------------------------------------------------
 
-async def test_fenced_write_is_refused_and_writes_nothing(redis_store: RedisStore,
-                                                          redis_server: RedisServer) -> None:
-    raw = redis_server.client()
-    inbound = await redis_store.accept_inbound(S1, msg("m1"))
+async def test_writes_need_the_current_lease(redis_store: RedisStore, redis_server: RedisServer) -> None:
+    """A zombie (its lease taken over) and a write with no lease at all change nothing."""
+    with pytest.raises(StoreError, match="without a lease"):
+        await redis_store.accept_inbound(Fence.local(S1), msg("m0"))
+    old = await own(redis_store, S1, "w1")
+    inbound = await redis_store.accept_inbound(old, msg("m1"))
     assert inbound is not None
-    await redis_store.append(S1, 1, ROWS[:1], fence=None)  # before any lease: no fence to check
-    raw.set(keys.fence(S1), 5)
+    await redis_store.append(old, 1, ROWS[:1])
+    raw = redis_server.client()
+    raw.delete(keys.lease(S1))  # w1's lease lapsed; w2 takes the session
+    new = await own(redis_store, S1, "w2")
+    assert new.number > old.number
     meta = raw.hgetall(keys.meta(S1))
 
-    with pytest.raises(StoreError, match="fenced out"):
-        await redis_store.append(S1, 1, ROWS[1:], fence=4, inbound=(inbound, "done", None))
+    for write in (redis_store.append(old, 1, ROWS[1:], inbound=(inbound, InboundStatus.DONE, None)),
+                  redis_store.finish_inbound(old, inbound, InboundStatus.DONE), redis_store.reset(old),
+                  redis_store.accept_inbound(old, msg("m2"))):
+        with pytest.raises(FencedOut):
+            await write
     assert await redis_store.conversation(S1) == (1, ROWS[:1])
     assert raw.hgetall(keys.meta(S1)) == meta
-    assert [r.status for r in await redis_store.unfinished_inbound(S1)] == ["accepted"]
+    assert [r.status for r in await redis_store.unfinished_inbound(S1)] == [InboundStatus.ACCEPTED]
+    assert await redis_store.accept_inbound(new, msg("m2")) is not None  # the refused accept let it through
 
-    await redis_store.append(S1, 1, ROWS[1:2], fence=5)
-    await redis_store.append(S1, 1, ROWS[2:], fence=6, inbound=(inbound, "done", None))
+    await redis_store.append(new, 1, ROWS[1:], inbound=(inbound, InboundStatus.DONE, None))
     assert await redis_store.conversation(S1) == (1, ROWS)
-    assert await redis_store.unfinished_inbound(S1) == []
+    raw.delete(keys.lease(S1))  # lapsed, and nobody has it: its last owner cannot prove it either
+    with pytest.raises(FencedOut):
+        await redis_store.reset(new)
 
 
 def lose_next_reply(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,35 +305,37 @@ def lose_next_reply(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_a_write_retried_after_a_lost_reply_is_applied_once(redis_store: RedisStore,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    await redis_store.append(S2, 1, ROWS[:1])  # load the scripts: lose the writes' replies, not SCRIPT LOAD's
-    await redis_store.reset(S2)
+    F1, F2 = await own(redis_store, S1), await own(redis_store, S2)
+    await redis_store.append(F2, 1, ROWS[:1])  # load the scripts: lose the writes' replies, not SCRIPT LOAD's
+    await redis_store.reset(F2)
     lose_next_reply(monkeypatch)
-    inbound = await redis_store.accept_inbound(S1, msg("m1"))  # the retry finds its own dedup claim
+    inbound = await redis_store.accept_inbound(F1, msg("m1"))  # the retry finds its own dedup claim
     assert inbound is not None
     assert [r.id for r in await redis_store.unfinished_inbound(S1)] == [inbound]
-    assert await redis_store.accept_inbound(S1, msg("m1")) is None
+    assert await redis_store.accept_inbound(F1, msg("m1")) is None
 
     lose_next_reply(monkeypatch)
-    await redis_store.append(S1, 1, ROWS[:2], inbound=(inbound, "running", None))
+    await redis_store.append(F1, 1, ROWS[:2], inbound=(inbound, InboundStatus.RUNNING, None))
     assert await redis_store.conversation(S1) == (1, ROWS[:2])
 
     lose_next_reply(monkeypatch)
-    assert await redis_store.reset(S1) == 2
-    assert await redis_store.reset(S1) == 3
+    assert await redis_store.reset(F1) == 2
+    assert await redis_store.reset(F1) == 3
 
 
 @pytest.mark.parametrize("session", [S1, S2, "discord:thread:1:2:3", "odd:{brace}:key}{"])
 async def test_all_keys_of_a_session_share_one_slot(redis_store: RedisStore, redis_server: RedisServer,
                                                     session: str) -> None:
-    inbound = await redis_store.accept_inbound(session, msg("m1"))
+    fence = await own(redis_store, session)
+    inbound = await redis_store.accept_inbound(fence, msg("m1"))
     assert inbound is not None
-    await redis_store.append(session, 1, ROWS, inbound=(inbound, "running", None))
-    await redis_store.reset(session)
-    await redis_store.append(session, 2, ROWS)
+    await redis_store.append(fence, 1, ROWS, inbound=(inbound, InboundStatus.RUNNING, None))
+    await redis_store.reset(fence)
+    await redis_store.append(fence, 2, ROWS)
     written = {k for k in redis_server.client().scan_iter("*") if "{s:" in k}
     named = {keys.lease(session), keys.fence(session), keys.meta(session), keys.inbound(session),
              keys.messages(session, 1), keys.messages(session, 2)}
-    assert written <= named and len(written) == 4
+    assert written == named
     assert len({key_slot(k.encode()) for k in named}) == 1
     assert len({key_slot(k.encode()) for k in (keys.pairing_codes("x"), keys.paired_users("x"))}) == 1
 
@@ -316,16 +345,17 @@ async def test_errors_are_store_errors_and_it_recovers_after_a_restart(tmp_path:
     store = RedisStore(server.url)
     try:
         await store.open()
-        inbound = await store.accept_inbound(S1, msg("m1"))
+        F1 = await own(store, S1)
+        inbound = await store.accept_inbound(F1, msg("m1"))
         assert inbound is not None
-        await store.append(S1, 1, ROWS[:2], inbound=(inbound, "running", None))
+        await store.append(F1, 1, ROWS[:2], inbound=(inbound, InboundStatus.RUNNING, None))
         await asyncio.gather(*(store.conversation(f"other-{i}") for i in range(20)))  # a pool of connections
         server.kill()
 
         assert not await store.ping()
-        for call in (store.accept_inbound(S1, msg("m2")), store.finish_inbound(S1, inbound, "done"),
-                     store.unfinished_inbound(S1), store.conversation(S1), store.append(S1, 1, ROWS[2:]),
-                     store.reset(S1), store.sessions(), store.is_paired("telegram", "u1"),
+        for call in (store.accept_inbound(F1, msg("m2")), store.finish_inbound(F1, inbound, InboundStatus.DONE),
+                     store.unfinished_inbound(S1), store.conversation(S1), store.append(F1, 1, ROWS[2:]),
+                     store.reset(F1), store.sessions(), store.is_paired("telegram", "u1"),
                      store.pairing_code("telegram", "u1", "Ann", code="AAAA2222", ttl_s=60, max_pending=3),
                      store.approve_pairing("AAAA2222", ttl_s=60), store.pairing_state()):
             with pytest.raises(StoreError, match=r"^redis .* failed: ConnectionError"):
@@ -337,8 +367,8 @@ async def test_errors_are_store_errors_and_it_recovers_after_a_restart(tmp_path:
         assert await store.ping()
         assert await store.conversation(S1) == (1, ROWS[:2])
         assert [(r.id, r.status) for r in await store.unfinished_inbound(S1)] == [(inbound, "running")]
-        assert await store.accept_inbound(S1, msg("m1")) is None  # dedup survived too
-        await store.append(S1, 1, ROWS[2:], inbound=(inbound, "done", None))
+        assert await store.accept_inbound(F1, msg("m1")) is None  # dedup survived too
+        await store.append(F1, 1, ROWS[2:], inbound=(inbound, InboundStatus.DONE, None))
         assert await store.conversation(S1) == (1, ROWS)
         assert await store.unfinished_inbound(S1) == []
     finally:
@@ -365,11 +395,12 @@ async def test_errors_never_show_the_password(redis_server: RedisServer) -> None
 async def test_dedup_expires(redis_server: RedisServer) -> None:
     store = RedisStore(redis_server.url, dedup_ttl_s=0.2)
     await store.open()
+    F1 = await own(store, S1)
     try:
-        assert await store.accept_inbound(S1, msg("m1")) is not None
-        assert await store.accept_inbound(S1, msg("m1")) is None
+        assert await store.accept_inbound(F1, msg("m1")) is not None
+        assert await store.accept_inbound(F1, msg("m1")) is None
         await asyncio.sleep(0.3)
-        assert await store.accept_inbound(S1, msg("m1")) is not None
+        assert await store.accept_inbound(F1, msg("m1")) is not None
     finally:
         await store.close()
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.secrets import Secret
 from gateway.ops import units
-from gateway.ops.config import Config, Secret
+from gateway.ops.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT_DIR = ROOT / "systemd"

@@ -18,8 +18,9 @@ import aiohttp
 import pytest
 
 from gateway.core.logs import JsonFormatter
+from gateway.core.ports import Health
+from gateway.core.router import MEDIA_ONLY as MEDIA_NOTICE
 from gateway.ops.daemon import Daemon
-from platforms.base import MEDIA_ONLY as MEDIA_NOTICE
 from platforms.splitting import utf16_len
 from platforms.telegram_bot import TelegramAdapter
 from tests.conftest import DaemonFactory
@@ -102,7 +103,7 @@ async def test_dm_round_trip(start: Start, fake: FakeTelegramAPI, provider: Fake
     assert not delete.params.get("drop_pending_updates")
     await fake.wait_until(lambda: bool(fake.polls) and (fake.polls[-1].offset or 0) > update_id)
     assert fake.pending_updates == [] and fake.polls[-1].allowed_updates == ["message"]
-    assert adapter.healthy() == (True, "polling")
+    assert adapter.health() == Health(True, "polling")
     assert "reply_parameters" not in fake.sent[-1].params  # no quoting in private chats
 
 
@@ -272,7 +273,7 @@ async def test_409_conflict_degrades_health_logs_once_and_backs_off(
     fake.conflict_polling(True)
     await asyncio.sleep(1.2)
     assert fake.poll_count - before <= 3, "tight retry loop"
-    ok, reason = adapter.healthy()
+    ok, reason = adapter.health().ok, adapter.health().detail
     assert not ok and "409" in reason and "another process is polling" in reason
     async with aiohttp.ClientSession() as http, \
             http.get(f"http://127.0.0.1:{daemon.config.http.port}/readyz") as resp:
@@ -283,7 +284,7 @@ async def test_409_conflict_degrades_health_logs_once_and_backs_off(
     fake.conflict_polling(False)
     fake.push_text(4, "back", user_id=4)
     await shown(fake, 4, lambda t: t == "reply to: back w0 ", timeout=3)
-    assert adapter.healthy() == (True, "polling")
+    assert adapter.health() == Health(True, "polling")
     assert any("connection restored" in r.getMessage() for r in caplog.records)
 
 
@@ -293,7 +294,7 @@ async def test_webhook_checks_the_secret_token(
     secret = "s3cret-webhook-token"
     daemon, adapter = await start(mode="webhook", webhook_url="https://example.test/tg", secret_token=secret)
     assert fake.webhook["url"] == "https://example.test/tg" and fake.webhook["secret_token"] == secret
-    assert fake.webhook["allowed_updates"] == ["message"] and adapter.healthy()[0]
+    assert fake.webhook["allowed_updates"] == ["message"] and adapter.health().ok
     url = f"http://127.0.0.1:{daemon.config.http.port}/telegram/webhook"
 
     def update(text: str) -> dict[str, Any]:
@@ -382,7 +383,7 @@ async def test_the_token_never_reaches_logs_or_health(
         fake.push_photo(13, user_id=13)  # the media notice hits the 403
         fake.push_text(13, "hi", user_id=13)
         await shown(fake, 13, lambda t: t == "reply to: hi w0 ")
-        assert TOKEN not in adapter.healthy()[1]
+        assert TOKEN not in adapter.health().detail
     finally:
         root.removeHandler(handler)
         root.removeHandler(raw)

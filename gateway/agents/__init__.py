@@ -1,5 +1,1 @@
-"""Agents: the offline `echo` default and any OpenAI-compatible Chat Completions endpoint."""
-
-from gateway.agents.base import Agent, AgentError
-
-__all__ = ["Agent", "AgentError"]
+"""Agents (the offline `echo` default, any OpenAI-compatible endpoint), their tools and tool processes."""

@@ -16,10 +16,10 @@ from typing import Any
 
 import aiohttp
 
-from gateway.agents.base import AgentError
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
 from gateway.core.logs import redactor
+from gateway.core.ports import AgentError
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
 
 log = logging.getLogger(__name__)

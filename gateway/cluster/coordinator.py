@@ -14,52 +14,48 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis, LeaseManager
-from gateway.core.cancellation import TAKEN_OVER
+from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Route
+from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
-
-if TYPE_CHECKING:
-    from gateway.core.router import Router, Submitted
-    from platforms.base import Adapter
+from gateway.core.metrics import Metrics
+from gateway.core.ports import Health, Outcome, Submitted
 
 log = logging.getLogger(__name__)
 
-MAX_HOPS = 3
 REPLY_WAIT_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    fence: int | None = None  # set: ours, with this fencing number
-    owner: str | None = None  # set: forward to this worker
-
-
 class Cluster:
-    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, router: Router,
-                 adapters: dict[str, Adapter], info: dict[str, Any] | None = None,
-                 resume_max_age_s: float = 600.0) -> None:
-        self.resume_max_age_s = resume_max_age_s
+    """`Ownership` over Redis (see gateway.core.cluster): leases, forwarding, dead workers."""
+
+    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, metrics: Metrics,
+                 info: dict[str, Any] | None = None) -> None:
         self.redis = redis
-        self.worker_id = worker_id
+        self._worker_id = worker_id
         self.ttl_s = ttl_s
-        self.router = router
-        self.adapters = adapters
+        self.metrics = metrics
         self.info = info or {}
         self.leases = LeaseManager(redis, worker_id, ttl_s=ttl_s, on_lost=self._lost)
         self.ingress: dict[str, str] = {}  # ingress leases held: name -> description
+        self._events: ClusterEvents | None = None
         self._acquiring: dict[str, asyncio.Future[Route]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox = keys.worker_inbox(worker_id)
 
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
     # --- lifecycle ------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, events: ClusterEvents) -> None:
+        self._events = events
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
             await self.redis.xgroup_create(self._inbox, keys.GROUP, id="0", mkstream=True)
         await self._heartbeat()
@@ -79,34 +75,28 @@ class Cluster:
             await self.redis.delete(keys.worker_alive(self.worker_id))
         await self.redis.aclose()
 
-    def healthy(self) -> tuple[bool, str]:
+    def health(self) -> Health:
         age = time.monotonic() - self.leases.last_ok
         if age < self.ttl_s:
-            return True, f"worker {self.worker_id}, {len(self.leases.held)} lease(s)"
-        return False, f"Redis unreachable for {age:.0f} s; leases cannot be proven"
+            return Health(True, f"worker {self.worker_id}, {len(self.leases.held)} lease(s)")
+        return Health(False, f"Redis unreachable for {age:.0f} s; leases cannot be proven")
 
-    # --- routing --------------------------------------------------------------------------
+    # --- ownership ------------------------------------------------------------------------
 
     async def route(self, session: str) -> Route:
         """Ours (with the fence) or someone else's. Concurrent callers for one session share one
         acquisition, so messages and commands keep their order."""
-        lease = self.leases.held.get(session)
-        if lease is not None and self.leases.valid(session):
-            return Route(fence=lease.fence)
+        if (fence := self.fence_of(session)) is not None:
+            return Route(fence=fence)
+        if not self.health().ok:
+            raise ClusterUnavailable("Redis is unreachable; ownership cannot be proven")
         pending = self._acquiring.get(session)
         if pending is not None:
             return await asyncio.shield(pending)
         fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._acquiring[session] = fut
         try:
-            got = await self.leases.acquire(session, keys.lease(session), keys.fence(session))
-            if got.lease is None:
-                route = Route(owner=got.owner)
-            else:
-                self.router.metrics.lease_events.labels("acquired").inc()
-                await self.redis.sadd(keys.worker_sessions(self.worker_id), session)
-                await self._recover(session)
-                route = Route(fence=got.lease.fence)
+            route = await self._acquire(session)
             fut.set_result(route)
             return route
         except BaseException as exc:
@@ -116,37 +106,60 @@ class Cluster:
         finally:
             self._acquiring.pop(session, None)
 
-    def guard(self, session: str, fence: int) -> bool:
-        return self.leases.valid(session, fence)
+    async def _acquire(self, session: str) -> Route:
+        try:
+            got = await self.leases.acquire(session, keys.lease(session), keys.fence(session))
+            if got.lease is None:
+                return Route(owner=got.owner)
+            self.metrics.lease_events.labels("acquired").inc()
+            await self.redis.sadd(keys.worker_sessions(self.worker_id), session)
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        fence = Fence(session, got.lease.fence)
+        await self._recover(session)
+        return Route(fence=fence)
+
+    def fence_of(self, session: str) -> Fence | None:
+        lease = self.leases.held.get(session)
+        if lease is None or not self.leases.holds(session):
+            return None
+        return Fence(session, lease.fence)
+
+    def holds(self, fence: Fence) -> bool:
+        return self.leases.holds(fence.session_key, fence.number)
+
+    def check_lease(self, session: str) -> None:
+        self.leases.check_lease(session)
 
     async def _recover(self, session: str) -> None:
         """We just took the session: finish what its previous owner left open."""
-        from gateway.core.recovery import recover_records
-
-        records = await self.router.store.unfinished_inbound(session)
-        if records:
-            log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
-            await recover_records(self.router, self.adapters, records, resume_max_age_s=self.resume_max_age_s,
-                                  cut_off=TAKEN_OVER)
+        assert self._events is not None
+        await self._events.adopted(session)
 
     def _lost(self, session: str) -> None:
-        self.router.metrics.lease_events.labels("lost").inc()
-        if self.ingress.pop(session, None) is None:  # an ingress lease has no session to stop
-            self.router.lease_lost(session)
+        self.metrics.lease_events.labels("lost").inc()
+        if self.ingress.pop(session, None) is None and self._events is not None:  # ingress leases stop nothing
+            self._events.lease_lost(session)
 
     # --- forwarding -----------------------------------------------------------------------
 
     async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
-                      want_reply: bool) -> dict[str, str] | None:
+                      want_reply: bool) -> Submitted | None:
         """Hand a message to its owner's inbox; with `want_reply`, wait for the command's result."""
         request = uuid.uuid4().hex if want_reply else ""
         entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
                  "from": self.worker_id}
-        await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry)})
-        if not want_reply:
+        try:
+            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry)})
+            if not want_reply:
+                return None
+            got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        if not got:
             return None
-        got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
-        return json.loads(got[1]) if got else None
+        result = json.loads(got[1])
+        return Submitted(Outcome(result["outcome"]), result["detail"])
 
     async def _consume(self) -> None:
         while True:
@@ -166,13 +179,10 @@ class Cluster:
         try:
             entry = json.loads(fields["data"])
             msg = InboundMessage.from_dict(entry["msg"])
-            adapter = self.adapters.get(msg.platform)
-            if adapter is None:
-                log.error("forwarded message for platform %s, which this worker does not run", msg.platform)
-            else:
-                result = await self.router.submit(msg, adapter, key=entry["session"], hops=int(entry["hops"]))
-                if entry.get("reply"):
-                    await self._reply(entry["reply"], result)
+            assert self._events is not None
+            result = await self._events.deliver(msg, entry["session"], int(entry["hops"]))
+            if result is not None and entry.get("reply"):
+                await self._reply(entry["reply"], result)
         except (ValueError, KeyError, TypeError):
             log.exception("dropping a malformed inbox entry %s", entry_id)
         except (RedisError, OSError) as exc:
@@ -197,8 +207,8 @@ class Cluster:
                 await self._heartbeat()
                 await self._release_idle()
                 await self._claim_from_the_dead()
-            except (RedisError, OSError) as exc:
-                log.warning("cluster housekeeping failed: %s", type(exc).__name__)
+            except (RedisError, OSError, ClusterUnavailable) as exc:
+                log.warning("cluster housekeeping failed: %s", exc or type(exc).__name__)
             except Exception:  # never let housekeeping die quietly
                 log.exception("cluster housekeeping crashed; retrying")
 
@@ -213,7 +223,8 @@ class Cluster:
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""
         for session in list(self.leases.held):
-            if session not in self.router.cache and not self.router.busy(session) \
+            assert self._events is not None
+            if not self._events.in_use(session) \
                     and session not in self._acquiring and session not in self.ingress:
                 await self.leases.release(session)
                 await self.redis.srem(keys.worker_sessions(self.worker_id), session)

@@ -21,7 +21,7 @@ class IngressLeader:
         self.name = name
 
     def held(self) -> bool:
-        return self.cluster.leases.valid(self.name)
+        return self.cluster.leases.holds(self.name)
 
     async def wait(self) -> None:
         """Return once this worker holds the ingress lease (standing by meanwhile)."""

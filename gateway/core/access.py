@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gateway.core.messages import InboundMessage
-from gateway.store import Store
+from gateway.core.ports import Store
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ class AccessControl:
         self.policies = policies
         self._paired: set[tuple[str, str]] = set()
         self._last_notice: dict[tuple[str, str], float] = {}
+
+    def set_policies(self, policies: dict[str, AccessPolicy]) -> None:
+        """A reload: new lists apply to the next message."""
+        self.policies = policies
 
     async def check(self, msg: InboundMessage) -> tuple[bool, str | None]:
         """(allowed, what to tell the user if not — None means say nothing this time)."""

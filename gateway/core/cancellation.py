@@ -73,6 +73,13 @@ def timed_out(seconds: float) -> ToolReason:
     return ToolReason.system(f"turn timed out after {seconds:g} s")
 
 
+def stop_notice(reason: ToolReason) -> str:
+    """How a stopped turn is marked in the chat: the user's own stop briefly, anything else by name."""
+    if reason.kind == "user" and reason.text.startswith("stopped by user"):
+        return "⏹ stopped"
+    return f"⏹ interrupted: {reason.text}"
+
+
 class RunCancelled(Exception):
     """Raised inside thread-based tools by `Run.raise_if_cancelled`."""
 
@@ -94,13 +101,13 @@ class Run:
     """
 
     __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "_thread_event", "_waiters",
-                 "cancelled_at", "done_at", "fence", "guard", "run_id", "session_key", "started_at")
+                 "cancelled_at", "done_at", "guard", "run_id", "session_key", "started_at")
 
-    def __init__(self, session_key: str, *, fence: int | None = None) -> None:
+    def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
         self.session_key = session_key
-        self.fence = fence
-        # In cluster mode: "do we still own the session?" — checked before anything is sent.
+        # In cluster mode: "do we still provably own the session?" — a pure check made before
+        # anything is sent.
         self.guard: Callable[[], bool] | None = None
         self.started_at: float | None = None
         self.cancelled_at: float | None = None  # perf_counter() at cancel
@@ -131,13 +138,8 @@ class Run:
 
     def may_send(self) -> bool:
         """May output of this run still reach the chat? Not once cancelled, nor once its session's
-        lease can no longer be proven (the run is then cancelled with the lease-lost reason)."""
-        if self._reason is not None:
-            return False
-        if self.guard is not None and not self.guard():
-            self.cancel(LEASE_LOST)
-            return False
-        return True
+        lease can no longer be proven. A question only: it changes nothing."""
+        return self._reason is None and (self.guard is None or self.guard())
 
     def raise_if_cancelled(self) -> None:
         if self._reason is not None:

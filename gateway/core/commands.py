@@ -1,30 +1,124 @@
-"""Chat commands. They are parsed here and executed by the router outside the session lane."""
+"""Chat commands: one registry the router dispatches on and the platform menus and `/help` are made from.
+
+Commands run outside the session lane and never wait on a turn. Adding one means adding a
+`CommandSpec` here (name, aliases, help text, who may run it, handler); nothing else lists them.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
 
-KNOWN = frozenset({"stop", "new", "reset", "status", "help", "start"})
+from gateway.core.ports import NoticeKind
+
+STOPPED = "Stopped."
 
 # "/stop", "/stop@SwitchboardBot", "!stop" (Discord habit). "!" only counts for known names,
 # so "!sleep 5" stays an ordinary message for the echo agent.
 _COMMAND = re.compile(r"^([/!])([A-Za-z][A-Za-z0-9_]{0,31})(?:@([A-Za-z0-9_]+))?(?:\s+(.*))?$", re.S)
 
-HELP = (
-    "Commands:\n"
-    "/stop — stop the current answer (and drop queued messages)\n"
-    "/new — start a fresh conversation (/reset does the same)\n"
-    "/status — what is running in this chat\n"
-    "/help — this text"
+
+class Who(StrEnum):
+    """Who may run a command (on top of the platform's access policy, which always applies)."""
+
+    ANYONE = "anyone"
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    text: str
+    kind: NoticeKind = NoticeKind.INFO
+
+
+class SessionControl(Protocol):
+    """What command handlers may do to a session; the router implements it."""
+
+    def stop(self, key: str) -> int:
+        """Stop the running turn and drop queued ones; how many were stopped."""
+
+    async def reset(self, key: str) -> bool:
+        """Stop everything and start a new conversation; False if the store failed."""
+
+    def status_text(self, key: str) -> str: ...
+
+
+Handler = Callable[[SessionControl, str, str], Awaitable[CommandResult]]  # (control, session key, args)
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    name: str
+    summary: str  # one line, for menus and /help
+    handler: Handler
+    aliases: tuple[str, ...] = ()
+    who: Who = Who.ANYONE
+    private: bool = False  # answer only the person who asked (Discord: ephemeral)
+    in_menu: bool = True  # listed in the platforms' command menus
+
+
+async def _stop(control: SessionControl, key: str, _args: str) -> CommandResult:
+    if control.stop(key):
+        return CommandResult(STOPPED, NoticeKind.STOPPED)
+    return CommandResult("Nothing is running.")
+
+
+async def _new(control: SessionControl, key: str, _args: str) -> CommandResult:
+    if await control.reset(key):
+        return CommandResult("Started a new conversation. The old one is archived.")
+    return CommandResult("Could not start a new conversation (storage error); please try again.", NoticeKind.ERROR)
+
+
+async def _status(control: SessionControl, key: str, _args: str) -> CommandResult:
+    return CommandResult(control.status_text(key))
+
+
+async def _help(_control: SessionControl, _key: str, _args: str) -> CommandResult:
+    return CommandResult(help_text())
+
+
+COMMANDS: tuple[CommandSpec, ...] = (
+    CommandSpec("stop", "Stop the current answer (and drop queued messages)", _stop),
+    CommandSpec("new", "Start a fresh conversation (the old one is archived)", _new, aliases=("reset",)),
+    CommandSpec("status", "What is running in this chat", _status, private=True),
+    CommandSpec("help", "List the commands", _help, aliases=("start",), private=True),
 )
+_BY_NAME = {name: spec for spec in COMMANDS for name in (spec.name, *spec.aliases)}
+
+
+def lookup(name: str) -> CommandSpec | None:
+    return _BY_NAME.get(name.lower())
+
+
+def menu() -> list[tuple[str, str]]:
+    """(name, summary) of every command a platform should list, aliases included (hidden ones not)."""
+    out: list[tuple[str, str]] = []
+    for spec in COMMANDS:
+        if spec.in_menu:
+            out.append((spec.name, spec.summary))
+            out += [(alias, f"Same as /{spec.name}") for alias in spec.aliases if alias != "start"]
+    return out
+
+
+def help_text() -> str:
+    lines = ["Commands:"]
+    for spec in COMMANDS:
+        names = " ".join(f"/{n}" for n in (spec.name, *spec.aliases) if n != "start")
+        lines.append(f"{names} — {spec.summary}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
     name: str
     args: str
-    known: bool
+    spec: CommandSpec | None  # None: not one of ours (answered with "unknown command")
+
+    @property
+    def known(self) -> bool:
+        return self.spec is not None
 
 
 def parse_command(text: str, bot_username: str | None = None) -> Command | None:
@@ -39,7 +133,7 @@ def parse_command(text: str, bot_username: str | None = None) -> Command | None:
     name = name.lower()
     if target and bot_username and target.lower() != bot_username.lower():
         return None
-    known = name in KNOWN
-    if prefix == "!" and not known:
+    spec = lookup(name)
+    if prefix == "!" and spec is None:
         return None
-    return Command(name, (args or "").strip(), known)
+    return Command(name, (args or "").strip(), spec)

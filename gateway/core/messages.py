@@ -1,4 +1,4 @@
-"""The normalized message every platform adapter produces, and how it maps to a session."""
+"""The normalized message every platform adapter produces, where replies go, and how it maps to a session."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class InboundMessage:
     reply_to: str | None = None
     timestamp: float = field(default_factory=time.time)
     user_handle: str | None = None  # e.g. a Telegram @username, for allowlists
+    media: bool = False  # it carried something besides text (a photo, a file, a sticker)
     # Platform-specific bits an adapter wants back when replying (never persisted).
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -51,14 +52,15 @@ class InboundMessage:
         return {"platform": self.platform, "chat_id": self.chat_id, "chat_type": self.chat_type.value,
                 "user_id": self.user_id, "user_name": self.user_name, "message_id": self.message_id,
                 "text": self.text, "thread_id": self.thread_id, "reply_to": self.reply_to,
-                "timestamp": self.timestamp, "user_handle": self.user_handle}
+                "timestamp": self.timestamp, "user_handle": self.user_handle, "media": self.media}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InboundMessage:
         return cls(platform=d["platform"], chat_id=d["chat_id"], chat_type=ChatType(d["chat_type"]),
                    user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"], text=d["text"],
                    thread_id=d.get("thread_id"), reply_to=d.get("reply_to"),
-                   timestamp=d.get("timestamp", time.time()), user_handle=d.get("user_handle"))
+                   timestamp=d.get("timestamp", time.time()), user_handle=d.get("user_handle"),
+                   media=bool(d.get("media", False)))
 
 
 @dataclass(frozen=True, slots=True)

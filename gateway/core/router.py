@@ -15,13 +15,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from redis.exceptions import RedisError
-
-from agent_cache import AgentCache
-from gateway.agents import Agent
+from agent_cache import AgentCache, CacheSettings
 from gateway.core.access import AccessControl
 from gateway.core.cancellation import (
     EVICTED,
@@ -32,52 +28,44 @@ from gateway.core.cancellation import (
     Run,
     ToolReason,
 )
-from gateway.core.commands import HELP, Command, parse_command
+from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Ownership, Route
+from gateway.core.commands import STOPPED, Command, parse_command
+from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage, session_key
 from gateway.core.metrics import Metrics
+from gateway.core.ports import (
+    Agent,
+    NoticeKind,
+    Outcome,
+    Outlet,
+    Outlets,
+    SessionStatus,
+    Store,
+    StoreError,
+    Submitted,
+)
 from gateway.core.ratelimit import UserRateLimit
+from gateway.core.recovery import Recovery
 from gateway.core.transcript import ChatMessage
-from gateway.core.turns import SessionAgent, Turn, TurnRunner
-from gateway.store import Store, StoreError
-
-if TYPE_CHECKING:
-    from gateway.cluster.coordinator import Cluster
-    from platforms.base import Adapter, NoticeKind
+from gateway.core.turns import Interruptions, LiveConversation, Turn, TurnRunner
 
 log = logging.getLogger(__name__)
 
 BusyPolicy = Literal["interrupt", "queue"]
-STOPPED = "Stopped."
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
+MEDIA_ONLY = "I can only read text for now."
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class RouterSettings:
+    """The `[router]` section of the config."""
+
     busy: BusyPolicy = "interrupt"
     per_user_in_groups: bool = False
     max_message_chars: int = 16_000
     turn_timeout_s: float = 600.0
-    max_agents: int = 256
-    idle_ttl_s: float = 3600.0
-    when_full: Literal["evict_oldest", "reject"] = "evict_oldest"
-    messages_per_minute: int = 0  # per user; 0 = no limit
-
-
-class Outcome(StrEnum):
-    ACCEPTED = "accepted"
-    QUEUED = "queued"
-    DUPLICATE = "duplicate"
-    REJECTED = "rejected"
-    COMMAND = "command"
-    FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
-
-
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    outcome: Outcome
-    detail: str = ""
-    run: Run | None = None
+    messages_per_minute: int = 20  # per user; excess gets one notice, then silence; 0 = off
 
 
 @dataclass(slots=True)
@@ -88,49 +76,65 @@ class Lane:
     worker: asyncio.Task[None] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SessionStatus:
-    key: str
-    running: bool
-    since: float | None
-    queued: int
-    agent: str
-
-
 class Router:
-    def __init__(self, settings: RouterSettings, store: Store, agent: Agent, metrics: Metrics | None = None) -> None:
+    """The core's `Gateway`: platforms submit here; the router owns lanes, turns and recovery."""
+
+    def __init__(self, settings: RouterSettings, *, store: Store, agent: Agent, outlets: Outlets,
+                 cache: CacheSettings | None = None, metrics: Metrics | None = None,
+                 access: AccessControl | None = None, cluster: Ownership | None = None,
+                 resume_max_age_s: float = 600.0) -> None:
         self.settings = settings
         self.store = store
-        self.agent = agent
         self.metrics = metrics or Metrics()
-        self.cache: AgentCache[SessionAgent] = AgentCache(
-            max_agents=settings.max_agents, idle_ttl_s=settings.idle_ttl_s,
-            when_full=settings.when_full, on_evict=self._on_evict)
+        self._agent = agent
+        self._outlets = outlets
+        self._access = access
+        self._cluster = cluster
+        cache = cache or CacheSettings()
+        self.cache: AgentCache[LiveConversation] = AgentCache(
+            max_agents=cache.max_agents, idle_ttl_s=cache.idle_ttl_s, when_full=cache.when_full,
+            on_evict=self._on_evict)
+        self.interruptions = Interruptions()
         self._lanes: dict[str, Lane] = {}
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
-        self._sweeper: asyncio.Task[None] | None = None
-        self._timeouts: asyncio.Task[None] | None = None
-        self._turns = TurnRunner(self)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rate_limit = UserRateLimit(settings.messages_per_minute)
+        self._turns = TurnRunner(store=store, metrics=self.metrics, cache=self.cache,
+                                 interruptions=self.interruptions, agent=lambda: self._agent,
+                                 timeout_s=lambda: self.settings.turn_timeout_s,
+                                 check_lease=cluster.check_lease if cluster else None)
+        self._recovery = Recovery(store, outlets, requeue=self.resume, remember=self._remember,
+                                  fence=self._fence, resume_max_age_s=resume_max_age_s)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
-        # The last interruption per session (kind, reason, when), for /status and the console.
-        self.interruptions: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
-        self.bot_usernames: dict[str, str] = {}  # platform -> bot username, for /cmd@Bot
-        self.worker_id: str | None = None  # set in cluster mode
-        self.cluster: Cluster | None = None
-        self.access: AccessControl | None = None
-        self.rate_limit = UserRateLimit(settings.messages_per_minute)
+
+    @property
+    def agent(self) -> Agent:
+        return self._agent
+
+    @property
+    def worker_id(self) -> str | None:
+        return self._cluster.worker_id if self._cluster else None
+
+    def use_agent(self, agent: Agent) -> None:
+        """A reload: new turns use `agent`; running ones finish on the agent they started with."""
+        self._agent = agent
+
+    def apply_settings(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self._rate_limit.per_minute = settings.messages_per_minute
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    async def start(self, adapters: dict[str, Adapter], *, resume_max_age_s: float = 600.0) -> None:
-        """Recover what a previous process left unfinished, then start the idle sweeper."""
-        from gateway.core.recovery import recover
-
+    async def start(self) -> None:
+        """Recover what a previous process left unfinished, then start the sweepers."""
         loop = asyncio.get_running_loop()
-        self._sweeper = loop.create_task(self._sweep())
-        self._timeouts = loop.create_task(self._turns.watch_timeouts())
-        await recover(self, adapters, resume_max_age_s=resume_max_age_s)
+        self._tasks = [loop.create_task(self._sweep()), loop.create_task(self._turns.watch_timeouts())]
+        await self._recovery.recover_all()
+
+    def cluster_events(self) -> ClusterEvents:
+        """What the cluster coordinator reports to (given to it when it starts)."""
+        return _ClusterEvents(self)
 
     async def shutdown(self, reason: ToolReason, *, drain_s: float = 0.0, grace_s: float = 10.0) -> None:
         """Stop intake, let running turns finish for up to `drain_s`, hard_cancel the rest for
@@ -139,9 +143,8 @@ class Router:
         Queued turns stay accepted in the store and are replayed on the next start.
         """
         self._closing = True
-        for task in (self._sweeper, self._timeouts):
-            if task is not None:
-                task.cancel()
+        for task in self._tasks:
+            task.cancel()
         running = [lane.worker for lane in self._lanes.values() if lane.worker and lane.current]
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
@@ -157,53 +160,83 @@ class Router:
             for task in late:
                 task.cancel()
 
+    # --- the Gateway port -----------------------------------------------------------------
+
+    async def submit(self, msg: InboundMessage, outlet: Outlet, *,
+                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
+        """Route one inbound message. Never raises for bad input: the user gets a reason."""
+        return await self._intake(msg, outlet, ephemeral, key, hops=0)
+
+    async def history(self, key: str) -> list[ChatMessage]:
+        return (await self.store.conversation(key))[1]
+
+    def count_outbound(self, platform: str, kind: str) -> None:
+        if kind == "429":
+            self.metrics.platform_429s.labels(platform).inc()
+        else:
+            self.metrics.messages_out.labels(platform, kind).inc()
+
+    def status(self, key: str) -> SessionStatus:
+        lane = self._lanes.get(key)
+        current = lane.current if lane else None
+        running = current is not None and current.run.started_at is not None
+        since = current.run.started_at if running and current else None
+        queued = len(lane.pending) if lane else 0
+        return SessionStatus(key, running, since, queued, self._agent.description)
+
+    def sessions(self) -> list[SessionStatus]:
+        return [self.status(key) for key in list(self._lanes)]
+
     # --- intake ---------------------------------------------------------------------------
 
-    async def submit(self, msg: InboundMessage, adapter: Adapter, *,
-                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None,
-                     hops: int = 0) -> Submitted:
-        """Route one inbound message. Never raises for bad input: the user gets a reason.
-
-        `hops` counts forwards between cluster workers (a forwarded message arrives with 1)."""
-        result = await self._submit(msg, adapter, ephemeral, key, hops)
+    async def _intake(self, msg: InboundMessage, outlet: Outlet, ephemeral: Sequence[ChatMessage] | None,
+                      key: str | None, hops: int) -> Submitted:
+        """`hops` counts forwards between cluster workers (a forwarded message arrives with 1)."""
+        result = await self._route(msg, outlet, ephemeral, key, hops)
         self.metrics.messages_in.labels(msg.platform, result.outcome.value).inc()
         return result
 
-    async def _submit(self, msg: InboundMessage, adapter: Adapter, ephemeral: Sequence[ChatMessage] | None,
-                      key: str | None, hops: int) -> Submitted:
+    async def _route(self, msg: InboundMessage, outlet: Outlet, ephemeral: Sequence[ChatMessage] | None,
+                     key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
-        if (problem := self._validate(msg.text)) is not None:
-            return await self._reject(adapter, msg, key, problem)
-        cmd = parse_command(msg.text, self.bot_usernames.get(msg.platform))
+        media_only = msg.media and not msg.text.strip()
+        if not media_only and (problem := self._validate(msg.text)) is not None:
+            return await self._reject(outlet, msg, key, problem)
+        cmd = parse_command(msg.text, outlet.bot_username)
         if self._closing and cmd is None:  # commands still work while turns drain: /stop must stop
-            return await self._reject(adapter, msg, key, "The gateway is restarting; please send that again in a "
-                                      "moment.", kind="restart")
-        if self.access is not None:
-            allowed, notice = await self.access.check(msg)
+            return await self._reject(outlet, msg, key, "The gateway is restarting; please send that again in a "
+                                      "moment.", kind=NoticeKind.RESTART)
+        if self._access is not None:
+            allowed, notice = await self._access.check(msg)
             if not allowed:
-                return await self._reject(adapter, msg, key, notice, kind="info",
+                return await self._reject(outlet, msg, key, notice, kind=NoticeKind.INFO,
                                           detail="not allowed (notice throttled)")
+        if media_only:
+            return await self._reject(outlet, msg, key, MEDIA_ONLY)
         if cmd is None and ephemeral is None:  # commands always get through: /stop must work
-            allowed, notice = self.rate_limit.check(msg.platform, msg.user_id)
+            allowed, notice = self._rate_limit.check(msg.platform, msg.user_id)
             if not allowed:
-                return await self._reject(adapter, msg, key, notice, detail="rate limited (notice already sent)")
-        if self.cluster is not None and ephemeral is None:
-            owner = await self._owner(key)
-            if owner is None:
-                return await self._reject(adapter, msg, key, "I can't take messages right now (shared storage "
+                return await self._reject(outlet, msg, key, notice, detail="rate limited (notice already sent)")
+        fence = Fence.local(key)
+        if self._cluster is not None and ephemeral is None:
+            route = await self._owner(key)
+            if route is None:
+                return await self._reject(outlet, msg, key, "I can't take messages right now (shared storage "
                                           "is unavailable). Please try again shortly.")
-            if owner != self.worker_id:
+            if route.fence is None:
                 if self._seen(msg, hops):
                     return Submitted(Outcome.DUPLICATE)
-                return await self._forward(owner, cmd, msg, key, adapter, hops)
+                assert route.owner is not None
+                return await self._forward(route.owner, cmd, msg, key, outlet, hops)
+            fence = route.fence
         if cmd is not None:
             if self._seen(msg, hops):
                 return Submitted(Outcome.DUPLICATE)
-            return await self._command(cmd, key, msg, adapter)
+            return await self._command(cmd, key, msg, outlet)
         if ephemeral is None and self._seen(msg, hops):
             return Submitted(Outcome.DUPLICATE)
 
-        turn = Turn(msg, key, adapter, ephemeral)
+        turn = Turn(msg, key, outlet, fence, ephemeral)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
         if busy and self.settings.busy == "interrupt":
@@ -213,29 +246,29 @@ class Router:
             turn.accepted.set_result(True)
             return Submitted(Outcome.ACCEPTED, run=turn.run)
         try:
-            turn.inbound_id = await self.store.accept_inbound(key, msg)
+            turn.inbound_id = await self.store.accept_inbound(fence, msg)
         except StoreError as exc:
             turn.accepted.set_result(False)
             self._forget(msg)
             log.error("could not store an inbound message: %s", exc, extra={"session": key})
-            return await self._reject(adapter, msg, key, "Sorry, I could not save your message (storage error). "
+            return await self._reject(outlet, msg, key, "Sorry, I could not save your message (storage error). "
                                       "Please send it again.")
         if turn.inbound_id is None:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
         if busy and self.settings.busy == "queue" and ahead:
-            await adapter.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
-                                 reply_to=msg.message_id, kind="queued")
+            await outlet.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
+                                reply_to=msg.message_id, kind=NoticeKind.QUEUED)
             return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
         return Submitted(Outcome.ACCEPTED, run=turn.run)
 
-    async def _reject(self, adapter: Adapter, msg: InboundMessage, key: str, text: str | None, *,
-                      kind: NoticeKind = "error", detail: str = "") -> Submitted:
+    async def _reject(self, outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
+                      kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
         """Tell the user why (unless `text` is None: already told recently) and say so in the log."""
         log.info("rejected a message: %s", text or detail, extra={"session": key})
         if text:
-            await adapter.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
+            await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
         return Submitted(Outcome.REJECTED, text or detail)
 
     def _validate(self, text: str) -> str | None:
@@ -248,18 +281,27 @@ class Router:
             return "That message contains binary data; I can only read text."
         return None
 
-    async def resume(self, msg: InboundMessage, adapter: Adapter, key: str, *,
+    async def resume(self, msg: InboundMessage, outlet: Outlet, key: str, *,
                      inbound_id: int | None = None) -> Run | None:
         """Queue a turn after a restart without the intake checks a user message gets: a message
         already stored (`inbound_id`), or an automatic one whose message id makes it happen once."""
-        turn = Turn(msg, key, adapter)
+        fence = self._fence(key)
+        if fence is None:  # the session is not ours (any more): its owner recovers it
+            return None
+        turn = Turn(msg, key, outlet, fence)
         self._enqueue(turn)
         try:
-            turn.inbound_id = inbound_id or await self.store.accept_inbound(key, msg)
+            turn.inbound_id = inbound_id or await self.store.accept_inbound(fence, msg)
         except StoreError:
             turn.inbound_id = None
         turn.accepted.set_result(turn.inbound_id is not None)
         return turn.run if turn.inbound_id is not None else None
+
+    def _fence(self, key: str) -> Fence | None:
+        """This worker's proof of ownership of `key` now: local, or a lease it provably holds."""
+        if self._cluster is None:
+            return Fence.local(key)
+        return self._cluster.fence_of(key)
 
     def _seen(self, msg: InboundMessage, hops: int) -> bool:
         """In-memory de-duplication, for messages straight from a platform. A forwarded message
@@ -267,10 +309,6 @@ class Router:
         if hops:
             self._remember(msg)
             return False
-        return self._remember(msg)
-
-    def remember(self, msg: InboundMessage) -> bool:
-        """Record a message id as seen (True if it already was)."""
         return self._remember(msg)
 
     def _remember(self, msg: InboundMessage) -> bool:
@@ -288,9 +326,8 @@ class Router:
 
     def _enqueue(self, turn: Turn) -> int:
         """Put a turn in its lane; returns how many turns are ahead of it."""
-        if self.cluster is not None and (lease := self.cluster.leases.held.get(turn.key)) is not None:
-            turn.run.fence = lease.fence
-            turn.run.guard = functools.partial(self.cluster.guard, turn.key, lease.fence)
+        if self._cluster is not None and not turn.fence.is_local:
+            turn.run.guard = functools.partial(self._cluster.holds, turn.fence)
         lane = self._lanes.get(turn.key)
         if lane is None:
             lane = self._lanes[turn.key] = Lane(turn.key)
@@ -336,51 +373,48 @@ class Router:
             log.info("cancelled %d turn(s): %s", len(runs), reason.marker, extra={"session": session})
         return runs
 
-    def _on_evict(self, key: str, _agent: SessionAgent, running: bool) -> None:
+    def _on_evict(self, key: str, _agent: LiveConversation, running: bool) -> None:
         if running:
             self.hard_cancel(key, EVICTED)
 
     # --- cluster mode ---------------------------------------------------------------------
 
-    async def _owner(self, key: str) -> str | None:
-        """The worker that owns `key` (this one if it was free); None if that cannot be known."""
-        assert self.cluster is not None
-        if not self.cluster.healthy()[0] and key not in self.cluster.leases.held:
-            return None
+    async def _owner(self, key: str) -> Route | None:
+        """Ours (with the fence) or someone else's; None if that cannot be known now."""
+        assert self._cluster is not None
         try:
-            route = await self.cluster.route(key)
-        except (RedisError, OSError) as exc:
-            log.warning("cannot route %s: %s", key, type(exc).__name__)
+            return await self._cluster.route(key)
+        except ClusterUnavailable as exc:
+            log.warning("cannot route %s: %s", key, exc)
             return None
-        return self.worker_id if route.fence is not None else route.owner
 
-    async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, adapter: Adapter,
+    async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, outlet: Outlet,
                        hops: int) -> Submitted:
-        assert self.cluster is not None
-        if hops >= MAX_HOPS or (cmd is None and not adapter.pushes_anywhere):
+        assert self._cluster is not None
+        if hops >= MAX_HOPS or (cmd is None and not outlet.pushes_anywhere):
             # A web chat or API client waits on this worker's connection, and only the owner may
             # answer: say so rather than answer twice or not at all.
-            return await self._reject(adapter, msg, key, "This conversation is busy on another worker right "
+            return await self._reject(outlet, msg, key, "This conversation is busy on another worker right "
                                       "now; please try again in a moment.")
         log.debug("forwarding to %s (hop %d)", owner, hops + 1, extra={"session": key})
         # The owner answers push platforms itself; only a client connected here needs the result.
-        want_reply = cmd is not None and not adapter.pushes_anywhere
+        want_reply = cmd is not None and not outlet.pushes_anywhere
         try:
-            result = await self.cluster.forward(owner, msg, key, hops=hops, want_reply=want_reply)
-        except (RedisError, OSError) as exc:
+            result = await self._cluster.forward(owner, msg, key, hops=hops, want_reply=want_reply)
+        except ClusterUnavailable as exc:
             self._forget(msg)
-            log.warning("forwarding to %s failed: %s", owner, type(exc).__name__, extra={"session": key})
-            return await self._reject(adapter, msg, key, "I could not pass that on (shared storage is "
+            log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": key})
+            return await self._reject(outlet, msg, key, "I could not pass that on (shared storage is "
                                       "unavailable). Please try again shortly.")
         if not want_reply:
             return Submitted(Outcome.FORWARDED, owner)
         if result is None:
-            return await self._reject(adapter, msg, key, "The worker running this conversation did not answer "
+            return await self._reject(outlet, msg, key, "The worker running this conversation did not answer "
                                       "in time; please try again.")
-        detail, outcome = result["detail"], Outcome(result["outcome"])
-        kind: NoticeKind = "stopped" if detail == STOPPED else "error" if outcome is Outcome.REJECTED else "info"
-        await adapter.notify(msg.chat, detail, reply_to=msg.message_id, kind=kind)  # the owner can't reach it
-        return Submitted(outcome, detail)
+        kind = (NoticeKind.STOPPED if result.detail == STOPPED else
+                NoticeKind.ERROR if result.outcome is Outcome.REJECTED else NoticeKind.INFO)
+        await outlet.notify(msg.chat, result.detail, reply_to=msg.message_id, kind=kind)  # the owner can't reach it
+        return result
 
     def lease_lost(self, session: str) -> None:
         """Another worker owns `session` now: stop its turn and drop everything local, silently.
@@ -392,54 +426,44 @@ class Router:
                 turn.run.cancel(LEASE_LOST)
         self.cache.discard(session)
 
-    def busy(self, session: str) -> bool:
+    def in_use(self, session: str) -> bool:
+        """Does this worker still need `session` (a cached agent or work in its lane)?"""
         lane = self._lanes.get(session)
-        return lane is not None and (lane.current is not None or bool(lane.pending))
+        return session in self.cache or (lane is not None and (lane.current is not None or bool(lane.pending)))
 
     # --- commands (never behind the lane) -------------------------------------------------
 
-    async def _command(self, cmd: Command, key: str, msg: InboundMessage, adapter: Adapter) -> Submitted:
-        kind: NoticeKind = "info"
-        if cmd.name == "stop":
-            runs = self._cancel_lane(key, STOPPED_BY_USER)
-            text, kind = (STOPPED, "stopped") if runs else ("Nothing is running.", "info")
-        elif cmd.name in ("new", "reset"):
-            self._cancel_lane(key, SESSION_RESET)
-            self.cache.discard(key)
-            try:
-                await self.store.reset(key)
-                text = "Started a new conversation. The old one is archived."
-            except StoreError as exc:
-                log.error("reset failed: %s", exc, extra={"session": key})
-                text, kind = "Could not start a new conversation (storage error); please try again.", "error"
-        elif cmd.name == "status":
-            text = self._status_text(self.status(key))
-        elif cmd.name in ("help", "start"):
-            text = HELP
-        else:
-            return await self._reject(adapter, msg, key, f"Unknown command /{cmd.name} — try /help.")
-        await adapter.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
-        return Submitted(Outcome.COMMAND, text)
+    async def _command(self, cmd: Command, key: str, msg: InboundMessage, outlet: Outlet) -> Submitted:
+        if cmd.spec is None:
+            return await self._reject(outlet, msg, key, f"Unknown command /{cmd.name} — try /help.")
+        result = await cmd.spec.handler(self, key, cmd.args)
+        await outlet.notify(msg.chat, result.text, reply_to=msg.message_id, kind=result.kind)
+        return Submitted(Outcome.COMMAND, result.text)
 
-    def status(self, key: str) -> SessionStatus:
-        lane = self._lanes.get(key)
-        current = lane.current if lane else None
-        running = current is not None and current.run.started_at is not None
-        since = current.run.started_at if running and current else None
-        queued = len(lane.pending) if lane else 0
-        return SessionStatus(key, running, since, queued, self.agent.description)
+    def stop(self, key: str) -> int:
+        return len(self._cancel_lane(key, STOPPED_BY_USER))
 
-    @staticmethod
-    def _status_text(s: SessionStatus) -> str:
+    async def reset(self, key: str) -> bool:
+        self._cancel_lane(key, SESSION_RESET)
+        self.cache.discard(key)
+        fence = self._fence(key)
+        try:
+            if fence is None:
+                raise StoreError("this worker no longer owns the session")
+            await self.store.reset(fence)
+            return True
+        except StoreError as exc:
+            log.error("reset failed: %s", exc, extra={"session": key})
+            return False
+
+    def status_text(self, key: str) -> str:
+        s = self.status(key)
         if s.running and s.since is not None:
             clock = time.strftime("%H:%M:%S", time.localtime(s.since))
             state = f"Running since {clock} ({time.time() - s.since:.0f} s)"
         else:
             state = "Idle"
         return f"{state} · queued: {s.queued} · agent: {s.agent}"
-
-    def sessions(self) -> list[SessionStatus]:
-        return [self.status(key) for key in list(self._lanes)]
 
     # --- turns ----------------------------------------------------------------------------
 
@@ -467,9 +491,33 @@ class Router:
             turn.run.end()
 
     async def _sweep(self) -> None:
-        every = max(1.0, min(30.0, self.settings.idle_ttl_s / 2))
+        every = max(1.0, min(30.0, self.cache.idle_ttl_s / 2))
         while True:
             await asyncio.sleep(every)
-            self.rate_limit.prune()
+            self._rate_limit.prune()
             if expired := self.cache.expire_idle():
                 log.debug("released %d idle agents", expired)
+
+
+class _ClusterEvents(ClusterEvents):
+    """What the cluster coordinator tells the router (passed to it at start, never patched on)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def lease_lost(self, session: str) -> None:
+        self._router.lease_lost(session)
+
+    def in_use(self, session: str) -> bool:
+        return self._router.in_use(session)
+
+    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
+        outlet = self._router._outlets.get(msg.platform)
+        if outlet is None:
+            log.error("forwarded message for platform %s, which this worker does not run", msg.platform)
+            return None
+        return await self._router._intake(msg, outlet, None, session, hops)
+
+    async def adopted(self, session: str) -> None:
+        await self._router._recovery.recover_taken_over(session)
+

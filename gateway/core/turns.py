@@ -10,26 +10,23 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
-from agent_cache import CacheFull
-from gateway.agents import AgentError
+from agent_cache import AgentCache, CacheFull
 from gateway.core.cancellation import GATEWAY_RESTART, LEASE_LOST, SESSION_RESET, Run, current_run, timed_out
+from gateway.core.fencing import Fence
 from gateway.core.logs import log_context
 from gateway.core.messages import InboundMessage
+from gateway.core.metrics import Metrics
+from gateway.core.ports import Agent, AgentError, InboundStatus, NoticeKind, Outlet, Reply, Store, StoreError
 from gateway.core.transcript import ChatMessage, TextDelta, TurnRecorder
-from gateway.store import StoreError
-
-if TYPE_CHECKING:
-    from gateway.core.router import Router
-    from platforms.base import Adapter, Reply
 
 log = logging.getLogger(__name__)
 
 
-class SessionAgent:
-    """What the agent cache holds per session: the live conversation, rebuilt from the store."""
+class LiveConversation:
+    """What the agent cache holds per session: its current conversation, loaded once from the store."""
 
     __slots__ = ("conversation", "history", "key")
 
@@ -39,14 +36,33 @@ class SessionAgent:
         self.history = history
 
 
-class Turn:
-    __slots__ = ("accepted", "adapter", "ephemeral", "inbound_id", "key", "msg", "run")
+class Interruptions:
+    """The last interruption per session (kind, reason, when), for /status and the console; bounded."""
 
-    def __init__(self, msg: InboundMessage, key: str, adapter: Adapter,
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+
+    def record(self, key: str, kind: str, reason: str) -> None:
+        self._last[key] = (kind, reason, time.time())
+        self._last.move_to_end(key)
+        if len(self._last) > self.LIMIT:
+            self._last.popitem(last=False)
+
+    def get(self, key: str) -> tuple[str, str, float] | None:
+        return self._last.get(key)
+
+
+class Turn:
+    __slots__ = ("accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "outlet", "run")
+
+    def __init__(self, msg: InboundMessage, key: str, outlet: Outlet, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
         self.msg = msg
         self.key = key
-        self.adapter = adapter
+        self.outlet = outlet
+        self.fence = fence
         self.run = Run(key)
         self.ephemeral = ephemeral
         self.inbound_id: int | None = None
@@ -55,14 +71,22 @@ class Turn:
 
 
 class TurnRunner:
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, *, store: Store, metrics: Metrics, cache: AgentCache[LiveConversation],
+                 interruptions: Interruptions, agent: Callable[[], Agent], timeout_s: Callable[[], float],
+                 check_lease: Callable[[str], None] | None = None) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._cache = cache
+        self._interruptions = interruptions
+        self._agent = agent
+        self._timeout_s = timeout_s
+        self._check_lease = check_lease
         self.running: dict[Run, float] = {}  # run -> monotonic start
 
     async def watch_timeouts(self) -> None:
         """Stop turns that outlive `turn_timeout_s` (one sweep for all, instead of a timer each)."""
         while True:
-            timeout = self.router.settings.turn_timeout_s
+            timeout = self._timeout_s()
             await asyncio.sleep(min(1.0, timeout / 5))
             cutoff = time.monotonic() - timeout
             for run, started in list(self.running.items()):
@@ -79,12 +103,12 @@ class TurnRunner:
             agent = await self._session_agent(turn.key) if turn.ephemeral is None else None
         except (CacheFull, StoreError) as exc:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
-            await self._finish(turn, "rejected", str(exc))
-            self.router.metrics.turns.labels("rejected").inc()
-            await turn.adapter.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
-                                      "Please try again shortly." if isinstance(exc, CacheFull) else
-                                      "Sorry, I could not load this conversation (storage error).",
-                                      reply_to=msg.message_id, kind="error")
+            await self._finish(turn, InboundStatus.REJECTED, str(exc))
+            self._metrics.turns.labels("rejected").inc()
+            await turn.outlet.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
+                                     "Please try again shortly." if isinstance(exc, CacheFull) else
+                                     "Sorry, I could not load this conversation (storage error).",
+                                     reply_to=msg.message_id, kind=NoticeKind.ERROR)
             return
         user = ChatMessage("user", msg.text, created_at=msg.timestamp)
         recorder = TurnRecorder()
@@ -95,24 +119,25 @@ class TurnRunner:
             self._count_cancel(turn.key, run)
             if agent is not None and run.reason != SESSION_RESET:
                 await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
-                                    status=("cancelled", run.reason.marker))
+                                    status=(InboundStatus.CANCELLED, run.reason.marker))
             else:
-                await self._finish(turn, "cancelled", run.reason.marker)
+                await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
             return
         history = list(turn.ephemeral if turn.ephemeral is not None else agent.history if agent else [])
         conversation = agent.conversation if agent else 0
         if agent is not None:
-            await self._persist(turn, agent, conversation, [user], remember=False, status=("running", None))
-        reply = turn.adapter.open_reply(msg, run)
+            await self._persist(turn, agent, conversation, [user], remember=False,
+                                status=(InboundStatus.RUNNING, None))
+        reply = turn.outlet.open_reply(msg, run)
         ctx = contextvars.copy_context()
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._stream(run, history, user, reply, recorder), context=ctx)
+        task = loop.create_task(self._stream(run, self._agent(), history, user, reply, recorder), context=ctx)
         run.attach(task)  # a cancel that landed during the awaits above cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
-        self.router.cache.mark_running(turn.key, True)
-        self.router.metrics.turns_running.inc()
+        self._cache.mark_running(turn.key, True)
+        self._metrics.turns_running.inc()
         try:
             await task
         except BaseException:
@@ -120,10 +145,10 @@ class TurnRunner:
                 raise
         finally:
             self.running.pop(run, None)
-            self.router.cache.mark_running(turn.key, False)
-            self.router.metrics.turns_running.dec()
+            self._cache.mark_running(turn.key, False)
+            self._metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
-        self.router.metrics.turns.labels(status).inc()
+        self._metrics.turns.labels(status.value).inc()
         try:
             await self._record(turn, agent, conversation, user, rows, status, detail)
         finally:
@@ -132,92 +157,96 @@ class TurnRunner:
             except Exception:
                 log.exception("the platform failed after a turn ended")
 
-    async def _record(self, turn: Turn, agent: SessionAgent | None, conversation: int, user: ChatMessage,
-                      rows: list[ChatMessage], status: str, detail: str | None) -> None:
+    async def _record(self, turn: Turn, agent: LiveConversation | None, conversation: int, user: ChatMessage,
+                      rows: list[ChatMessage], status: InboundStatus, detail: str | None) -> None:
         run = turn.run
         if run.reason == LEASE_LOST:  # fenced out: the new owner closes this turn's record
             self._count_cancel(turn.key, run)
             return
-        if status == "cancelled":
+        if status is InboundStatus.CANCELLED:
             self._count_cancel(turn.key, run)
             if run.reason == GATEWAY_RESTART:
-                status = "restart"  # resumed on the next start
+                status = InboundStatus.RESTART  # resumed on the next start
         if agent is not None:
             await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         else:
             await self._finish(turn, status, detail)
 
-    async def _stream(self, run: Run, history: list[ChatMessage], user: ChatMessage, reply: Reply,
+    async def _stream(self, run: Run, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
                       recorder: TurnRecorder) -> None:
-        async for event in self.router.agent.run_turn(history, user):
+        async for event in agent.run_turn(history, user):
             recorder.feed(event)
-            if isinstance(event, TextDelta) and run.may_send():
+            if isinstance(event, TextDelta) and self._may_send(run):
                 await reply.delta(event.text)
-        if run.may_send():
+        if self._may_send(run):
             await reply.finish(recorder.text)
 
+    def _may_send(self, run: Run) -> bool:
+        if run.may_send():
+            return True
+        if not run.is_cancelled() and self._check_lease is not None:
+            self._check_lease(run.session_key)  # the lease lapsed unnoticed (a pause): drop it now
+        return False
+
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
-                       reply: Reply) -> tuple[list[ChatMessage], str, str | None]:
+                       reply: Reply) -> tuple[list[ChatMessage], InboundStatus, str | None]:
         # Cancelled — or stopped so late that the task still returned: its output was held back
         # from the chat by then (Run.may_send), so the record says interrupted either way.
         if task.cancelled() or run.reason is not None:
             if run.reason is None:  # only Run.cancel holds the task, so this is a bug: say so
                 log.error("turn task cancelled without a tool_reason")
-                return recorder.failed("cancelled without a reason"), "failed", "no reason"
+                return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
             await reply.interrupted(run.reason)
-            return recorder.interrupted(run.reason), "cancelled", run.reason.marker
+            return recorder.interrupted(run.reason), InboundStatus.CANCELLED, run.reason.marker
         exc = task.exception()
         if exc is None:
-            return recorder.complete(), "done", None
+            return recorder.complete(), InboundStatus.DONE, None
         if isinstance(exc, AgentError):
             log.warning("agent failed: %s", exc)
-            self.router.metrics.provider_errors.inc()
+            self._metrics.provider_errors.inc()
             await reply.failed(f"The agent failed: {exc}.")
-            return recorder.failed(str(exc)), "failed", str(exc)
+            return recorder.failed(str(exc)), InboundStatus.FAILED, str(exc)
         log.error("turn crashed", exc_info=exc)
         await reply.failed("Something went wrong on our side; it has been logged.")
-        return recorder.failed("internal error"), "failed", type(exc).__name__
+        return recorder.failed("internal error"), InboundStatus.FAILED, type(exc).__name__
 
     def _count_cancel(self, key: str, run: Run) -> None:
         reason = run.reason
         if reason is None:
             return
-        self.router.metrics.cancels.labels(reason.kind, reason.text).inc()
+        self._metrics.cancels.labels(reason.kind, reason.text).inc()
         if run.cancelled_at is not None and run.done_at is not None:
-            self.router.metrics.stop_latency.observe(run.done_at - run.cancelled_at)
-        self.router.interruptions[key] = (reason.kind, reason.text, time.time())
-        self.router.interruptions.move_to_end(key)
-        if len(self.router.interruptions) > 10_000:
-            self.router.interruptions.popitem(last=False)
+            self._metrics.stop_latency.observe(run.done_at - run.cancelled_at)
+        self._interruptions.record(key, reason.kind, reason.text)
 
-    async def _session_agent(self, key: str) -> SessionAgent:
-        agent = self.router.cache.get(key)
+    async def _session_agent(self, key: str) -> LiveConversation:
+        agent = self._cache.get(key)
         if agent is None:
-            conversation, history = await self.router.store.conversation(key)
-            agent = self.router.cache.get(key)
+            conversation, history = await self._store.conversation(key)
+            agent = self._cache.get(key)
             if agent is None:
-                agent = SessionAgent(key, conversation, history)
-                self.router.cache.put(key, agent)
+                agent = LiveConversation(key, conversation, history)
+                self._cache.put(key, agent)
         return agent
 
-    async def _persist(self, turn: Turn, agent: SessionAgent, conversation: int, rows: list[ChatMessage],
-                       *, status: tuple[str, str | None], prepend: ChatMessage | None = None,
+    async def _persist(self, turn: Turn, agent: LiveConversation, conversation: int, rows: list[ChatMessage],
+                       *, status: tuple[InboundStatus, str | None], prepend: ChatMessage | None = None,
                        remember: bool = True) -> None:
         """Write rows to the turn's own conversation (a /new meanwhile does not move them), and the
         inbound message's new status in the same transaction."""
         inbound = (turn.inbound_id, *status) if turn.inbound_id is not None else None
         try:
-            await self.router.store.append(turn.key, conversation, rows, fence=turn.run.fence, inbound=inbound)
+            await self._store.append(turn.fence, conversation, rows, inbound=inbound)
         except StoreError as exc:
             log.error("could not store a turn's transcript: %s", exc, extra={"session": turn.key})
             return
         if remember and agent.conversation == conversation:
             agent.history.extend([prepend, *rows] if prepend else rows)
 
-    async def _finish(self, turn: Turn, status: str, detail: str | None) -> None:
+    async def _finish(self, turn: Turn, status: InboundStatus, detail: str | None) -> None:
         if turn.inbound_id is None:
             return
         try:
-            await self.router.store.finish_inbound(turn.key, turn.inbound_id, status, detail)
+            await self._store.finish_inbound(turn.fence, turn.inbound_id, status, detail)
         except StoreError as exc:
-            log.error("could not mark a message %s: %s", status, exc, extra={"session": turn.key})
+            log.error("could not mark a message %s: %s", status.value, exc, extra={"session": turn.key})

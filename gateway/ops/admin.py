@@ -19,11 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core.cancellation import STOPPED_BY_OPERATOR
+from gateway.core.metrics import Metrics
+from gateway.core.ports import Store
 from gateway.core.router import Router
+from gateway.ops.http import ReadinessCheck
 from platforms.assets import static_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ReadinessCheck = Callable[[], Awaitable[dict[str, tuple[bool, str]]]]
 
 COOKIE = "switchboard_admin"
 _PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login")}
@@ -32,7 +34,7 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False))
 
 
-def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | None,
+def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
                     extra_stats: Callable[[], dict[str, Any]] | None = None) -> web.Application:
     def valid(given: str) -> bool:
         return token is not None and hmac.compare_digest(given.encode(), token.encode())
@@ -84,12 +86,12 @@ def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | N
             raise web.HTTPNotFound()
         return static_response(request, name)
 
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8",
+    async def prometheus(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def sessions(_request: web.Request) -> web.Response:
-        return web.json_response({"sessions": await session_table(router)})
+        return web.json_response({"sessions": await session_table(router, store)})
 
     async def stop(request: web.Request) -> web.Response:
         try:
@@ -109,15 +111,15 @@ def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | N
                             "misses": cache.misses, "evictions": cache.evictions},
             # The last bucket's bound is +Inf, sent as null (JSON has no infinity).
             "stop_latency_buckets": [(le if math.isfinite(le) else None, n)
-                                     for le, n in router.metrics.stop_histogram()],
-            "health": {name: {"ok": ok, "detail": detail} for name, (ok, detail) in checks.items()},
+                                     for le, n in metrics.stop_histogram()],
+            "health": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()},
             "agent": router.agent.description,
         }
         if extra_stats is not None:
             body.update(extra_stats())
         return _json(body)
 
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", prometheus)
     app.router.add_get("/admin/api/sessions", sessions)
     app.router.add_post("/admin/api/sessions/stop", stop)
     app.router.add_get("/admin/api/stats", stats)
@@ -127,14 +129,14 @@ def build_admin_app(router: Router, readiness: ReadinessCheck, *, token: str | N
     return app
 
 
-async def session_table(router: Router) -> list[dict[str, Any]]:
+async def session_table(router: Router, store: Store) -> list[dict[str, Any]]:
     """Live sessions first (running or queued), then recently active idle ones from the store."""
     now = time.time()
     rows: dict[str, dict[str, Any]] = {}
     for status in router.sessions():
         rows[status.key] = _row(status.key, "running" if status.running else "queued" if status.queued else "idle",
                                 status.since, status.queued, router, now)
-    for info in await router.store.sessions(limit=200):
+    for info in await store.sessions(limit=200):
         if info.key not in rows:
             rows[info.key] = _row(info.key, "idle", None, 0, router, now)
     return list(rows.values())

@@ -9,9 +9,9 @@ import sys
 
 from gateway import __version__
 from gateway.core.logs import redactor, setup_logging
+from gateway.core.ports import StoreError
 from gateway.ops import units
 from gateway.ops.config import Config, ConfigError, load_config, render
-from gateway.store import StoreError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from agent_cache import CacheSettings
+from gateway.core.router import RouterSettings
+from gateway.core.secrets import Secret
+from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
+
 ENV_PREFIX = "SWITCHBOARD_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -25,29 +30,6 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 class ConfigError(Exception):
     """A bad configuration value; the message names the key."""
-
-
-class Secret:
-    """A string that never shows itself in reprs, logs or `switchboard check`."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
 
 
 @dataclass
@@ -74,45 +56,6 @@ class AdminConfig:
 
 
 @dataclass
-class WebchatConfig:
-    enabled: bool | None = None  # None: on when no chat platform is configured
-
-
-@dataclass
-class ApiConfig:
-    enabled: bool = False
-    keys: list[Secret] = field(default_factory=list)
-    model_name: str = "switchboard"
-
-
-@dataclass
-class TelegramConfig:
-    token: Secret | None = None  # the platform is on when a token is set
-    mode: Literal["polling", "webhook"] = "polling"
-    base_url: str = "https://api.telegram.org/bot"
-    base_file_url: str = "https://api.telegram.org/file/bot"
-    webhook_url: str | None = None  # public URL Telegram posts to (webhook mode)
-    webhook_path: str = "/telegram/webhook"
-    secret_token: Secret | None = None
-    groups: Literal["mention", "all"] = "mention"
-    access: Literal["pairing", "allowlist", "open"] = "pairing"
-    allowlist: list[str] = field(default_factory=list)  # user ids and @usernames
-    edit_interval_s: float = 1.0
-    poll_timeout_s: int = 30
-
-
-@dataclass
-class DiscordConfig:
-    token: Secret | None = None  # the platform is on when a token is set
-    guild_mode: Literal["mention", "all"] = "mention"
-    allowed_channels: list[str] = field(default_factory=list)  # with guild_mode "all"
-    access: Literal["pairing", "allowlist", "open"] = "pairing"
-    allowlist: list[str] = field(default_factory=list)  # user ids
-    edit_interval_s: float = 1.0
-    register_commands: bool = True
-
-
-@dataclass
 class AgentConfig:
     kind: Literal["echo", "openai"] = "echo"
     base_url: str = "http://127.0.0.1:11434/v1"
@@ -133,22 +76,6 @@ class ToolsConfig:
     shell_allow_prefixes: list[str] = field(default_factory=list)
     shell_cwd: str | None = None
     tool_kill_grace_s: float = 2.0
-
-
-@dataclass
-class RouterConfig:
-    busy: Literal["interrupt", "queue"] = "interrupt"
-    per_user_in_groups: bool = False
-    max_message_chars: int = 16_000
-    turn_timeout_s: float = 600.0
-    messages_per_minute: int = 20  # per user; excess gets one notice, then silence; 0 = off
-
-
-@dataclass
-class AgentCacheConfig:
-    max_agents: int = 256
-    idle_ttl_s: float = 3600.0
-    when_full: Literal["evict_oldest", "reject"] = "evict_oldest"
 
 
 @dataclass
@@ -185,8 +112,8 @@ class Config:
     discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    agent_cache: AgentCacheConfig = field(default_factory=AgentCacheConfig)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -1,4 +1,9 @@
-"""Wires config, store, agent, router, adapters and the HTTP listener; owns start and stop."""
+"""Wires config, store, agent, cluster, router, platforms and the HTTP listeners; owns start and stop.
+
+Everything is built in `__init__` with its collaborators passed in; `start` brings the parts up
+on an `AsyncExitStack`, so `stop` takes them down in reverse order — each step logged if it
+fails, none skipped because an earlier one did.
+"""
 
 from __future__ import annotations
 
@@ -10,33 +15,34 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from agent_cache import keys
-from gateway.agents import Agent
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
-from gateway.core.access import AccessControl, AccessPolicy
+from gateway.core.access import AccessControl
 from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
 from gateway.core.logs import redactor
-from gateway.core.router import Router, RouterSettings
+from gateway.core.metrics import Metrics
+from gateway.core.ports import Agent, Health, Store
+from gateway.core.router import Router
 from gateway.ops.admin import build_admin_app
 from gateway.ops.config import Config, ConfigError, load_config
-from gateway.ops.http import build_app, serve
+from gateway.ops.http import build_app, start_sites
+from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
-from gateway.store import Store
 from gateway.store.sqlite import SqliteStore
-from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
 
 
 def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
+    """The one place config sections become agent settings."""
     t = config.tools
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
@@ -51,37 +57,6 @@ def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
     return EchoAgent(tools, delay_s=a.echo_delay_s)
 
 
-def build_adapters(config: Config) -> dict[str, Adapter]:
-    from platforms.api import ApiAdapter
-    from platforms.webchat import WebchatAdapter
-
-    adapters: dict[str, Adapter] = {}
-    if config.telegram.token is not None:
-        from platforms.telegram_bot import TelegramAdapter
-        adapters["telegram"] = TelegramAdapter(config.telegram)
-    if config.discord.token is not None:
-        from platforms.discord_bot import DiscordAdapter
-        adapters["discord"] = DiscordAdapter(config.discord)
-    if config.webchat_enabled:
-        adapters["webchat"] = WebchatAdapter()
-    if config.api.enabled:
-        adapters["api"] = ApiAdapter(keys=[k.reveal() for k in config.api.keys],
-                                     model_name=config.api.model_name)
-    return adapters
-
-
-def _router_settings(config: Config) -> RouterSettings:
-    r, c = config.router, config.agent_cache
-    return RouterSettings(busy=r.busy, per_user_in_groups=r.per_user_in_groups, max_message_chars=r.max_message_chars,
-                          turn_timeout_s=r.turn_timeout_s, max_agents=c.max_agents, idle_ttl_s=c.idle_ttl_s,
-                          when_full=c.when_full, messages_per_minute=r.messages_per_minute)
-
-
-def _access_policies(config: Config) -> dict[str, AccessPolicy]:
-    return {"telegram": AccessPolicy(config.telegram.access, frozenset(a.lower() for a in config.telegram.allowlist)),
-            "discord": AccessPolicy(config.discord.access, frozenset(config.discord.allowlist))}
-
-
 def build_store(config: Config) -> Store:
     """SQLite in the data dir, or the shared Redis store in cluster mode."""
     if config.redis.url is not None:
@@ -89,6 +64,18 @@ def build_store(config: Config) -> Store:
 
         return RedisStore(config.redis.url.reveal())
     return SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+
+
+def build_cluster(config: Config, metrics: Metrics) -> Cluster | None:
+    if config.redis.url is None:
+        return None
+    from gateway.store.redis import connect
+
+    c = config.cluster
+    return Cluster(connect(config.redis.url.reveal(), decode_responses=True, health_check_interval=10),
+                   c.worker_id or f"{socket.gethostname()}:{os.getpid()}", ttl_s=c.lease_ttl_s, metrics=metrics,
+                   info={"http": f"{config.http.host}:{config.http.port}",
+                         "admin": f"{config.admin.host}:{config.admin.port}"})
 
 
 def tune_gc() -> None:
@@ -108,53 +95,100 @@ class Daemon:
     def __init__(self, config: Config, *, config_path: str | None = None) -> None:
         self.config = config
         self.config_path = config_path
-        self.notifier = Notifier.from_env()
-        self.watchdog = Watchdog(self.notifier)
-        self._old_agents: list[Agent] = []
         for secret in config.secrets():
             redactor.add(secret)
+        self.notifier = Notifier.from_env()
+        self.watchdog = Watchdog(self.notifier)
+        self.metrics = Metrics()
         self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
-        self.store: Store = build_store(config)
-        self.cluster: Cluster | None = None
+        self.store = build_store(config)
+        self.cluster = build_cluster(config, self.metrics)
+        self.adapters = build_adapters(config, self.cluster)
+        self.access = AccessControl(self.store, access_policies(config))
         self.agent = build_agent(config, self.reaper)
-        self.router = Router(_router_settings(config), self.store, self.agent)
-        self.adapters = build_adapters(config)
-        self.router.access = AccessControl(self.store, _access_policies(config))
-        self._runner: web.AppRunner | None = None
-        self._admin_runner: web.AppRunner | None = None
-        self._stopped = asyncio.Event()
+        self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
+        self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
+                             cache=config.agent_cache, metrics=self.metrics, access=self.access,
+                             cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s)
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._stop_reason: ToolReason = GATEWAY_RESTART
+        self.stop_errors: list[str] = []
 
-    async def readiness(self) -> dict[str, tuple[bool, str]]:
-        checks = {"store": (await self.store.ping(), "redis" if self.config.redis.url else "sqlite")}
+    async def readiness(self) -> dict[str, Health]:
+        checks = {"store": Health(await self.store.ping(), "redis" if self.config.redis.url else "sqlite")}
         if self.cluster is not None:
-            checks["cluster"] = self.cluster.healthy()
+            checks["cluster"] = self.cluster.health()
         for name, adapter in self.adapters.items():
-            checks[name] = adapter.healthy()
+            checks[name] = adapter.health()
         return checks
 
     async def start(self) -> None:
-        self.notifier.status("opening the store")
-        await self.store.open()
-        if self.config.redis.url is not None:
-            await self._start_cluster(self.config.redis.url.reveal())
-        app = build_app(self.readiness)
-        for adapter in self.adapters.values():
-            adapter.routes(app)
-        for name, adapter in self.adapters.items():
-            self.notifier.status(f"starting {name}")
-            await adapter.start(self.router)
-        await self.router.start(self.adapters, resume_max_age_s=self.config.daemon.resume_max_age_s)
-        self._runner = await serve(app, self.config.http.host, self.config.http.port)
-        admin = self.config.admin
-        if admin.enabled:
-            admin_app = build_admin_app(self.router, self.readiness,
-                                        token=admin.token.reveal() if admin.token else None,
-                                        extra_stats=self._cluster_stats)
-            self._admin_runner = await serve(admin_app, admin.host, admin.port)
+        """Bring everything up; what started is stopped again (in reverse) if a later step fails."""
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start(stack)
+            self._stack = stack.pop_all()
         tune_gc()
         log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s)",
                  self.config.http.host, self.config.http.port, self.agent.description,
                  ", ".join(self.adapters) or "none")
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        # Registered in the reverse of the order they must stop in: intake first, the store last.
+        self.notifier.status("opening the store")
+        await self.store.open()
+        self._on_stop(stack, "the store", self.store.close)
+        self._on_stop(stack, "the agents", self._close_agents)
+        self._on_stop(stack, "tool processes", self._drain_tools)
+        if self.cluster is not None:
+            await self.cluster.start(self.router.cluster_events())
+            self._on_stop(stack, "cluster membership", self.cluster.stop)  # releases leases
+        for name, adapter in self.adapters.items():
+            self.notifier.status(f"starting {name}")
+            await adapter.start(self.router)
+            self._on_stop(stack, f"the {name} client", adapter.close)
+        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
+        runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0)]
+        admin = self.config.admin
+        if admin.enabled:
+            runners.append(web.AppRunner(
+                build_admin_app(self.router, self.metrics, self.store, self.readiness,
+                                token=admin.token.reveal() if admin.token else None,
+                                extra_stats=self._cluster_stats),
+                access_log=None, shutdown_timeout=2.0))
+        for runner in runners:
+            await runner.setup()
+            self._on_stop(stack, "an HTTP listener", runner.cleanup)  # after the turns it serves ended
+        await self.router.start()
+        self._on_stop(stack, "the router", lambda: self.router.shutdown(
+            self._stop_reason, drain_s=self.config.daemon.drain_timeout_s,
+            grace_s=self.config.daemon.shutdown_grace_s))
+        for name, adapter in self.adapters.items():
+            self._on_stop(stack, f"{name} intake", adapter.stop)
+        await start_sites(runners[0], self.config.http.host, self.config.http.port)
+        if admin.enabled:
+            await start_sites(runners[1], admin.host, admin.port)
+
+    def _on_stop(self, stack: contextlib.AsyncExitStack, what: str, step: Callable[[], Awaitable[object]]) -> None:
+        async def run() -> None:
+            try:
+                await step()
+            except Exception:
+                self.stop_errors.append(what)
+                log.exception("stopping %s failed; carrying on with the rest", what)
+
+        stack.push_async_callback(run)
+
+    async def _drain_tools(self) -> None:
+        try:
+            await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
+        except TimeoutError:
+            self.reaper.kill_all_now()
+
+    async def _close_agents(self) -> None:
+        for agent in self._agents:
+            close = getattr(agent, "close", None)
+            if close is not None:
+                await close()
 
     def _cluster_stats(self) -> dict[str, object]:
         if self.cluster is None:
@@ -162,59 +196,15 @@ class Daemon:
         leases = self.cluster.leases
         return {"cluster": {"worker": self.cluster.worker_id, "leases_held": len(leases.held),
                             "lease_acquisitions": leases.acquisitions, "lease_losses": leases.losses,
-                            "ingress": dict(self.cluster.ingress), "healthy": self.cluster.healthy()[0]}}
-
-    async def _start_cluster(self, url: str) -> None:
-        from gateway.store.redis import connect
-
-        c = self.config.cluster
-        worker_id = c.worker_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.cluster = Cluster(
-            connect(url, decode_responses=True, health_check_interval=10), worker_id,
-            ttl_s=c.lease_ttl_s, router=self.router, adapters=self.adapters,
-            info={"http": f"{self.config.http.host}:{self.config.http.port}",
-                  "admin": f"{self.config.admin.host}:{self.config.admin.port}"},
-            resume_max_age_s=self.config.daemon.resume_max_age_s)
-        self.router.cluster = self.cluster
-        self.router.worker_id = worker_id
-        await self.cluster.start()
-        from gateway.cluster.ingress import IngressLeader
-        from platforms.discord_bot import DiscordAdapter
-        from platforms.telegram_bot import TelegramAdapter
-
-        telegram = self.adapters.get("telegram")
-        if telegram is not None and self.config.telegram.mode == "polling" and self.config.telegram.token:
-            assert isinstance(telegram, TelegramAdapter)
-            name = f"telegram:{keys.token_id(self.config.telegram.token.reveal())}"
-            telegram.leader = IngressLeader(self.cluster, name)
-        discord = self.adapters.get("discord")
-        if discord is not None and self.config.discord.token:
-            assert isinstance(discord, DiscordAdapter)
-            discord.leader = IngressLeader(self.cluster, f"discord:{keys.token_id(self.config.discord.token.reveal())}")
+                            "ingress": dict(self.cluster.ingress), "healthy": self.cluster.health().ok}}
 
     async def stop(self, reason: ToolReason = GATEWAY_RESTART) -> None:
-        """Stop intake, hard_cancel running turns for `reason`, flush, close."""
+        """Stop intake, hard_cancel running turns for `reason`, flush, close — in reverse start order."""
         log.info("shutting down: %s", reason.marker)
-        for adapter in self.adapters.values():
-            with contextlib.suppress(Exception):
-                await adapter.stop()
-        d = self.config.daemon
-        await self.router.shutdown(reason, drain_s=d.drain_timeout_s, grace_s=d.shutdown_grace_s)
-        if self.cluster is not None:
-            await self.cluster.stop()  # releases leases: the next worker to need a session takes it
-        try:
-            await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
-        except TimeoutError:
-            self.reaper.kill_all_now()
-        for agent in (*self._old_agents, self.agent):
-            close = getattr(agent, "close", None)
-            if close is not None:
-                await close()
-        for runner in (self._runner, self._admin_runner):
-            if runner is not None:
-                await runner.cleanup()
-        await self.store.close()
-        self._stopped.set()
+        self._stop_reason = reason
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
 
     async def run(self) -> None:
         """Run until SIGINT/SIGTERM; a second signal skips the wait for running turns.
@@ -248,7 +238,7 @@ class Daemon:
 
     async def _announce_ready(self) -> None:
         while True:
-            waiting = [(name, detail) for name, (ok, detail) in (await self.readiness()).items() if not ok]
+            waiting = [(name, h.detail) for name, h in (await self.readiness()).items() if not h.ok]
             if not waiting:
                 break
             self.notifier.status("waiting for " + ", ".join(f"{n}: {d}" for n, d in waiting))
@@ -271,15 +261,14 @@ class Daemon:
         for secret in new.secrets():
             redactor.add(secret)
         if "agent" in changed or "tools" in changed:
-            self._old_agents.append(self.agent)  # running turns finish on the agent they started with
-            self.agent = self.router.agent = build_agent(new, self.reaper)
+            self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
+            self._agents.append(self.agent)
+            self.router.use_agent(self.agent)
         if "router" in changed:
-            self.router.settings = _router_settings(new)
-            self.router.rate_limit.per_minute = new.router.messages_per_minute
+            self.router.apply_settings(new.router)
         if "log" in changed:
             logging.getLogger().setLevel(new.log.level.upper())
-        if self.router.access is not None:
-            self.router.access.policies = _access_policies(new)
+        self.access.set_policies(access_policies(new))  # access lists apply in place, always
         applied = [n for n in changed if n in RELOADABLE]
         self.config = dataclasses.replace(self.config, **{n: getattr(new, n) for n in applied})
         log.info("config reloaded: applied %s; needs a restart: %s", ", ".join(applied) or "nothing",

@@ -1,15 +1,18 @@
-"""The daemon's one aiohttp listener: health, readiness, and whatever routes adapters add."""
+"""The daemon's HTTP listener: health, readiness and the routes the platforms declare."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-ReadinessCheck = Callable[[], Awaitable[dict[str, tuple[bool, str]]]]
+from gateway.core.ports import Health
+
+ReadinessCheck = Callable[[], Awaitable[dict[str, Health]]]
 
 
-def build_app(readiness: ReadinessCheck, *, max_body: int = 1 << 20) -> web.Application:
+def build_app(readiness: ReadinessCheck, routes: Sequence[web.AbstractRouteDef] = (), *,
+              max_body: int = 1 << 20) -> web.Application:
     app = web.Application(client_max_size=max_body)
 
     async def healthz(_request: web.Request) -> web.Response:
@@ -17,18 +20,15 @@ def build_app(readiness: ReadinessCheck, *, max_body: int = 1 << 20) -> web.Appl
 
     async def readyz(_request: web.Request) -> web.Response:
         checks = await readiness()
-        ready = all(ok for ok, _ in checks.values())
-        body = {"ready": ready, "checks": {name: {"ok": ok, "detail": detail}
-                                           for name, (ok, detail) in checks.items()}}
+        ready = all(h.ok for h in checks.values())
+        body = {"ready": ready, "checks": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()}}
         return web.json_response(body, status=200 if ready else 503)
 
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), *routes])
     return app
 
 
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
+async def start_sites(runner: web.AppRunner, host: str, port: int) -> None:
+    """Start listening on a runner that is already set up (its cleanup stops the sites too)."""
     await web.TCPSite(runner, host, port).start()
-    return runner
+

@@ -1,5 +1,1 @@
-"""Durable state: transcripts, inbound messages (dedup and replay), session metadata."""
-
-from gateway.store.base import InboundRecord, SessionInfo, Store, StoreError
-
-__all__ = ["InboundRecord", "SessionInfo", "Store", "StoreError"]
+"""Store backends (the `Store` port of gateway.core.ports): SQLite for one process, Redis for clusters."""

@@ -28,24 +28,31 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
+from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
-from gateway.store.base import InboundRecord, SessionInfo, StoreError
 
 log = logging.getLogger(__name__)
 
 # Dropped connections only; the cluster client keeps redis-py's own policy, which follows failovers.
 _RETRY = Retry(ExponentialBackoff(cap=0.2, base=0.02), 2, supported_errors=(RedisConnectionError,))
 
-# Statuses that keep an inbound message open (it will be replayed or resumed); any other closes it.
-OPEN_STATUSES = frozenset({"accepted", "running", "restart"})
+# Every session-scoped write is fenced: it applies only while the writer's lease (KEYS[1], a hash
+# with the lease's `fence`) is live and carries the writer's fence. A worker whose lease lapsed or
+# was taken over — a zombie, or a previous incarnation of this process — cannot change the session.
+_FENCED_LUA = """
+if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then
+  return redis.error_reply('FENCED session lease lost or taken over')
+end
+"""
 
-# Shared by FINISH and APPEND. Only status and detail change; the rest of the record is spliced
-# on as stored text, because cjson would re-encode its floats with 14 significant digits. The
-# first `,"received_at":` is the real key: a quote inside a JSON string is always escaped.
+# Only status and detail change; the rest of the record is spliced on as stored text, because
+# cjson would re-encode its floats with 14 significant digits. The first `,"received_at":` is the
+# real key: a quote inside a JSON string is always escaped.
 _FINISH_LUA = """
 local function finish(key, id, keep, head)
   if keep == '1' then
@@ -60,18 +67,21 @@ local function finish(key, id, keep, head)
 end
 """
 
-# KEYS: inbound.  ARGV: id, keep (1/0), head.
-FINISH = _FINISH_LUA + "finish(KEYS[1], ARGV[1], ARGV[2], ARGV[3])"
+# KEYS: lease, inbound.  ARGV: fence, id, record.
+ACCEPT = _FENCED_LUA + """
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 0
+"""
 
-# KEYS: fence, meta, messages, inbound.
-# ARGV: fence ('' = unfenced), now, conversation, token, inbound id ('' = none), keep, head, rows...
-# Returns 0, or the session's current fence if the caller's is older (nothing written).
+# KEYS: lease, inbound.  ARGV: fence, id, keep (1/0), head.
+FINISH = _FENCED_LUA + _FINISH_LUA + "finish(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) return 0"
+
+# KEYS: lease, meta, messages, inbound.
+# ARGV: fence, now, conversation, token, inbound id ('' = none), keep, head, rows...
+# A write whose reply was lost is retried with the same token and found already applied.
 APPEND = _FINISH_LUA + """
 if redis.call('HGET', KEYS[2], 'op') == ARGV[4] then return 0 end
-if ARGV[1] ~= '' then
-  local current = tonumber(redis.call('GET', KEYS[1]) or '0')
-  if current > tonumber(ARGV[1]) then return current end
-end
+""" + _FENCED_LUA + """
 for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
   redis.call('RPUSH', KEYS[3], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
@@ -82,13 +92,15 @@ if ARGV[5] ~= '' then finish(KEYS[4], ARGV[5], ARGV[6], ARGV[7]) end
 return 0
 """
 
-# KEYS: meta.  ARGV: now, token.  A session without meta is on conversation 1, so its first reset gives 2.
+# KEYS: lease, meta.  ARGV: fence, now, token.  A session without meta is on conversation 1, so
+# its first reset gives 2.
 RESET = """
-if redis.call('HGET', KEYS[1], 'op') == ARGV[2] then return tonumber(redis.call('HGET', KEYS[1], 'conversation')) end
-redis.call('HSETNX', KEYS[1], 'conversation', 1)
-local conversation = redis.call('HINCRBY', KEYS[1], 'conversation', 1)
-redis.call('HSET', KEYS[1], 'updated_at', ARGV[1], 'op', ARGV[2])
-redis.call('HSETNX', KEYS[1], 'created_at', ARGV[1])
+if redis.call('HGET', KEYS[2], 'op') == ARGV[3] then return tonumber(redis.call('HGET', KEYS[2], 'conversation')) end
+""" + _FENCED_LUA + """
+redis.call('HSETNX', KEYS[2], 'conversation', 1)
+local conversation = redis.call('HINCRBY', KEYS[2], 'conversation', 1)
+redis.call('HSET', KEYS[2], 'updated_at', ARGV[2], 'op', ARGV[3])
+redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
 return conversation
 """
 
@@ -164,6 +176,7 @@ class RedisStore:
         except (ValueError, TypeError, RedisError) as exc:  # connects lazily: only the URL can be wrong here
             raise StoreError(f"invalid redis url: {self._redact(str(exc))}") from None
         self._r = r
+        self._accept = r.register_script(ACCEPT)
         self._finish = r.register_script(FINISH)
         self._append = r.register_script(APPEND)
         self._reset = r.register_script(RESET)
@@ -188,6 +201,10 @@ class RedisStore:
         """Redis failures become StoreError, without the URL's password and without a cause chain."""
         try:
             yield
+        except ResponseError as exc:
+            if str(exc).startswith("FENCED"):
+                raise FencedOut(f"redis {what} refused: this worker no longer holds the session's lease") from None
+            raise StoreError(f"redis {what} failed: ResponseError: {self._redact(str(exc))[:200]}") from None
         except (RedisError, OSError) as exc:
             text = self._redact(str(exc))[:200]
             raise StoreError(f"redis {what} failed: {type(exc).__name__}: {text}") from None
@@ -205,8 +222,8 @@ class RedisStore:
         except Exception:
             return False
 
-    async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
-        r = self._r
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        r, key = self._r, _fenced(fence)
         dedup, token = keys.dedup(msg.platform, msg.chat_id, msg.message_id), _token()
         with self._errors("accept_inbound"):
             pipe = r.pipeline(transaction=False)
@@ -215,10 +232,12 @@ class RedisStore:
             first, inbound_id = await pipe.execute()
             if not first and await r.get(dedup) != token:  # (our token: a retry of our own SET)
                 return None
-        record = {"status": "accepted", "detail": None, "received_at": time.time(), "message": msg.to_dict()}
+        record = {"status": InboundStatus.ACCEPTED.value, "detail": None, "received_at": time.time(),
+                  "message": msg.to_dict()}
         try:
             with self._errors("accept_inbound"):
-                await r.hset(keys.inbound(session_key), str(inbound_id), _json(record))
+                await self._accept(keys=[keys.lease(key), keys.inbound(key)],
+                                   args=[fence.number, str(inbound_id), _json(record)])
         except StoreError:
             # Not recorded: let the platform's redelivery (or the user's retry) through again.
             with suppress(RedisError, OSError):
@@ -226,10 +245,12 @@ class RedisStore:
             raise
         return int(inbound_id)
 
-    async def finish_inbound(self, session_key: str, inbound_id: int, status: str,
+    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:
+        key = _fenced(fence)
         with self._errors("finish_inbound"):
-            await self._finish(keys=[keys.inbound(session_key)], args=_finish_args(inbound_id, status, detail))
+            await self._finish(keys=[keys.lease(key), keys.inbound(key)],
+                               args=[fence.number, *_finish_args(inbound_id, status, detail)])
 
     async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
         """Open inbound messages of one session, oldest first.
@@ -245,7 +266,7 @@ class RedisStore:
         for inbound_id, text in sorted(raw.items(), key=lambda kv: int(kv[0])):
             rec = json.loads(text)
             out.append(InboundRecord(int(inbound_id), session_key, InboundMessage.from_dict(rec["message"]),
-                                     rec["status"], rec["received_at"]))
+                                     InboundStatus(rec["status"]), rec["received_at"]))
         return out
 
     async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
@@ -256,25 +277,23 @@ class RedisStore:
             rows = cast(list[str], await r.lrange(keys.messages(session_key, conversation), 0, -1))
         return conversation, [_decode_row(row) for row in rows]
 
-    async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
-                     *, fence: int | None = None, inbound: tuple[int, str, str | None] | None = None) -> None:
-        now = time.time()
+    async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
+                     inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
+        key, now = _fenced(fence), time.time()
         finish = _finish_args(*inbound) if inbound is not None else ["", "", ""]
-        args: list[str | float | int] = ["" if fence is None else fence, now, conversation, _token(), *finish,
+        args: list[str | float | int] = [fence.number, now, conversation, _token(), *finish,
                                          *(_encode_row(m) for m in rows)]
         with self._errors("append"):
-            current = await self._append(keys=[keys.fence(session_key), keys.meta(session_key),
-                                               keys.messages(session_key, conversation),
-                                               keys.inbound(session_key)], args=args)
-        if current:
-            raise StoreError(f"fenced out: session {session_key} is at fence {current}, this write had {fence}")
-        await self._touch(session_key, now)
+            await self._append(keys=[keys.lease(key), keys.meta(key), keys.messages(key, conversation),
+                                     keys.inbound(key)], args=args)
+        await self._touch(key, now)
 
-    async def reset(self, session_key: str) -> int:
-        now = time.time()
+    async def reset(self, fence: Fence) -> int:
+        key, now = _fenced(fence), time.time()
         with self._errors("reset"):
-            conversation = int(await self._reset(keys=[keys.meta(session_key)], args=[now, _token()]))
-        await self._touch(session_key, now)
+            conversation = int(await self._reset(keys=[keys.lease(key), keys.meta(key)],
+                                                 args=[fence.number, now, _token()]))
+        await self._touch(key, now)
         return conversation
 
     async def _touch(self, session_key: str, now: float) -> None:
@@ -367,10 +386,17 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _finish_args(inbound_id: int, status: str, detail: str | None) -> list[str]:
-    keep = status in OPEN_STATUSES
+def _fenced(fence: Fence) -> str:
+    """The session key of a write the shared store may apply: never one without a lease's fence."""
+    if fence.is_local:
+        raise StoreError("refused a write without a lease's fence (the Redis store is shared)")
+    return fence.session_key
+
+
+def _finish_args(inbound_id: int, status: InboundStatus, detail: str | None) -> list[str]:
+    keep = status.is_open
     # The record's text up to (not including) `,"received_at":`, which the script splices on.
-    head = _json({"status": status, "detail": detail})[:-1] if keep else ""
+    head = _json({"status": status.value, "detail": detail})[:-1] if keep else ""
     return [str(inbound_id), "1" if keep else "0", head]
 
 

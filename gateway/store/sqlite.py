@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.ports import OPEN_STATUSES, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
-from gateway.store.base import InboundRecord, SessionInfo, StoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,8 +173,8 @@ class SqliteStore:
         except StoreError:
             return False
 
-    async def accept_inbound(self, session_key: str, msg: InboundMessage) -> int | None:
-        payload = json.dumps(msg.to_dict())
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        session_key, payload = fence.session_key, json.dumps(msg.to_dict())
 
         def op(c: sqlite3.Connection) -> int | None:
             cur = c.execute(
@@ -184,21 +185,22 @@ class SqliteStore:
 
         return await self._call(op)
 
-    async def finish_inbound(self, session_key: str, inbound_id: int, status: str,
+    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:
         await self._call(lambda c: c.execute(
-            "UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status, detail, inbound_id)))
+            "UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status.value, detail, inbound_id)))
 
     async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
         def op(c: sqlite3.Connection) -> list[InboundRecord]:
-            where = "status IN ('accepted', 'running', 'restart')"
+            where = f"status IN {OPEN_STATUSES!r}"
             args: tuple[str, ...] = ()
             if session_key is not None:
                 where += " AND session_key = ?"
                 args = (session_key,)
             rows = c.execute("SELECT id, session_key, payload, status, received_at FROM inbound"
                              f" WHERE {where} ORDER BY id", args).fetchall()
-            return [InboundRecord(r[0], r[1], InboundMessage.from_dict(json.loads(r[2])), r[3], r[4]) for r in rows]
+            return [InboundRecord(r[0], r[1], InboundMessage.from_dict(json.loads(r[2])), InboundStatus(r[3]), r[4])
+                    for r in rows]
 
         return await self._call(op)
 
@@ -215,9 +217,9 @@ class SqliteStore:
 
         return await self._call(op)
 
-    async def append(self, session_key: str, conversation: int, rows: Sequence[ChatMessage],
-                     *, fence: int | None = None, inbound: tuple[int, str, str | None] | None = None) -> None:
-        now = time.time()
+    async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
+                     inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
+        session_key, now = fence.session_key, time.time()
         values = [(session_key, conversation, m.role, m.content, m.tool_calls_json(), m.tool_call_id,
                    m.interrupted_by, m.reason, m.created_at) for m in rows]
 
@@ -230,11 +232,13 @@ class SqliteStore:
                 " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
             if inbound is not None:
                 inbound_id, status, detail = inbound
-                c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status, detail, inbound_id))
+                c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status.value, detail, inbound_id))
 
         await self._call(op)
 
-    async def reset(self, session_key: str) -> int:
+    async def reset(self, fence: Fence) -> int:
+        session_key = fence.session_key
+
         def op(c: sqlite3.Connection) -> int:
             now = time.time()
             row = c.execute(
@@ -301,7 +305,7 @@ class SqliteStore:
 
     def _prune(self, c: sqlite3.Connection) -> None:
         """Forget finished inbound rows past the dedup window (transcripts are kept)."""
-        c.execute("DELETE FROM inbound WHERE status NOT IN ('accepted', 'running', 'restart') AND received_at < ?",
+        c.execute(f"DELETE FROM inbound WHERE status NOT IN {OPEN_STATUSES!r} AND received_at < ?",
                   (time.time() - self.dedup_ttl_s,))
 
 

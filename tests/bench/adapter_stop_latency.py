@@ -70,7 +70,7 @@ async def telegram(n: int, provider: str, port: int, data: Path) -> list[float]:
         await daemon.start()
         url = f"http://127.0.0.1:{daemon.config.http.port}/telegram/webhook"
         try:
-            while not daemon.adapters["telegram"].healthy()[0]:
+            while not daemon.adapters["telegram"].health().ok:
                 await asyncio.sleep(0.05)
             async def say(i: int, text: str) -> None:
                 entities = [{"type": "bot_command", "offset": 0, "length": 5}] if text == "/stop" else None
@@ -94,7 +94,7 @@ async def discord(n: int, provider: str, port: int, data: Path) -> list[float]:
         daemon = Daemon(load_config(None, env))
         await daemon.start()
         try:
-            while not daemon.adapters["discord"].healthy()[0]:
+            while not daemon.adapters["discord"].health().ok:
                 await asyncio.sleep(0.05)
             dms = [fake.dm_channel_id(user.id) for user in users]  # one DM session per user
 

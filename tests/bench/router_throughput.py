@@ -21,11 +21,11 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART
-from gateway.core.router import Router, RouterSettings
-from gateway.core.turns import SessionAgent
+from gateway.core.turns import LiveConversation
 from gateway.ops.daemon import tune_gc
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
+from tests.routers import start_router
 
 
 async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, float]:
@@ -33,8 +33,7 @@ async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, 
     await store.open()
     chat = MemoryChat()
     agent = EchoAgent(builtin_registry(ProcessToolSettings(reaper=ProcessReaper()), shell=False), delay_s=0)
-    router = Router(RouterSettings(max_agents=sessions), store, agent)
-    await router.start({chat.name: chat})
+    router = await start_router(store, agent, chat, max_agents=sessions)
     tune_gc()  # as the daemon does after start-up
     try:
         runs = []
@@ -55,13 +54,13 @@ async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, 
 
 def memory_per_idle_agent(count: int) -> float:
     """Bytes per idle cached agent: cache entry + per-session agent, history list empty."""
-    cache: AgentCache[SessionAgent] = AgentCache(max_agents=count)
+    cache: AgentCache[LiveConversation] = AgentCache(max_agents=count)
     keys = [f"telegram:dm:{1_000_000_000 + i}" for i in range(count)]  # keys exist either way
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     for key in keys:
-        cache.put(key, SessionAgent(key, 1, []))
+        cache.put(key, LiveConversation(key, 1, []))
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()

@@ -28,11 +28,12 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART, Run
-from gateway.core.router import Router, RouterSettings
+from gateway.core.router import Router
 from gateway.ops.daemon import tune_gc
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import free_port
 from tests.fakes.memory_chat import MemoryChat
+from tests.routers import start_router
 
 
 def pct(values: list[float], p: float) -> float:
@@ -70,8 +71,7 @@ async def streaming(n: int, data: Path) -> list[str]:
     agent = OpenAIAgent(OpenAISettings(base_url=f"http://127.0.0.1:{port}/v1", model="fake"),
                         builtin_registry(ProcessToolSettings(reaper=reaper), shell=False))
     chat = MemoryChat(edit_interval_s=0.25)
-    router = Router(RouterSettings(max_agents=n), store, agent)
-    await router.start({chat.name: chat})
+    router = await start_router(store, agent, chat, max_agents=n)
     tune_gc()  # as the daemon does after start-up
     try:
         runs: dict[int, Run] = {}
@@ -100,9 +100,8 @@ async def tools(n: int, data: Path) -> list[str]:
     await store.open()
     reaper = ProcessReaper(grace_s=2.0)
     chat = MemoryChat()
-    router = Router(RouterSettings(max_agents=n), store,
-                    EchoAgent(builtin_registry(ProcessToolSettings(reaper=reaper), shell=False), delay_s=0))
-    await router.start({chat.name: chat})
+    router = await start_router(store, EchoAgent(builtin_registry(ProcessToolSettings(reaper=reaper), shell=False),
+                                                 delay_s=0), chat, max_agents=n)
     tune_gc()  # as the daemon does after start-up
     loop = asyncio.get_running_loop()
     gone_at: dict[int, float] = {}

@@ -1,0 +1,74 @@
+"""The core's port to cluster coordination: who owns a session, and what the core hears back.
+
+`gateway.cluster` implements `Ownership` over Redis; a single process has none, and owns every
+session itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.core.fencing import Fence
+from gateway.core.messages import InboundMessage
+from gateway.core.ports import Health, Submitted
+
+
+class ClusterUnavailable(Exception):
+    """Ownership cannot be decided or proven now (Redis unreachable); the text says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    fence: Fence | None = None  # set: ours, with this fence
+    owner: str | None = None  # set: forward to this worker
+
+
+class ClusterEvents(ABC):
+    """What the coordinator tells the core; handed to `Ownership.start`."""
+
+    @abstractmethod
+    def lease_lost(self, session: str) -> None:
+        """Another worker may own `session` now: stop acting on it."""
+
+    @abstractmethod
+    def in_use(self, session: str) -> bool:
+        """Does this worker still need `session` (idle leases are released)?"""
+
+    @abstractmethod
+    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
+        """A message or command forwarded to us by another worker."""
+
+    @abstractmethod
+    async def adopted(self, session: str) -> None:
+        """We just took `session` over: finish what its previous owner left open."""
+
+
+class Ownership(Protocol):
+    @property
+    def worker_id(self) -> str: ...
+
+    def health(self) -> Health: ...
+
+    async def start(self, events: ClusterEvents) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def route(self, session: str) -> Route:
+        """Ours (taking the lease if it is free) or whose. Raises ClusterUnavailable."""
+
+    async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
+                      want_reply: bool) -> Submitted | None:
+        """Hand a message to its owner; with `want_reply`, the owner's result (None: no answer in
+        time). Raises ClusterUnavailable."""
+
+    def fence_of(self, session: str) -> Fence | None:
+        """The fence of a lease this worker provably holds now; no I/O, no state change."""
+
+    def holds(self, fence: Fence) -> bool:
+        """Is `fence` still provably ours? A pure check, safe before every send."""
+
+    def check_lease(self, session: str) -> None:
+        """State change: if the lease can no longer be proven, drop it (and say so via
+        `ClusterEvents.lease_lost`)."""

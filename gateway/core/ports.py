@@ -1,0 +1,240 @@
+"""The ports of the session core: what it needs from the layers around it, and what it offers them.
+
+The core imports none of its neighbours. Agents, stores and cluster coordination implement the
+protocols below and are passed in when the router is built; platforms implement `Outlet` and talk
+to the core only through `Gateway`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from gateway.core.cancellation import Run, ToolReason
+from gateway.core.fencing import Fence
+from gateway.core.messages import ChatRef, InboundMessage
+from gateway.core.transcript import AgentEvent, ChatMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """One component's readiness, as `/readyz` and the console show it."""
+
+    ok: bool
+    detail: str
+
+
+# --- agents -----------------------------------------------------------------------------------
+
+class AgentError(Exception):
+    """The agent could not produce an answer; the text is safe to show the user."""
+
+
+class Agent(Protocol):
+    @property
+    def description(self) -> str:
+        """Agent kind and model, for /status and /v1/models."""
+
+    def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage) -> AsyncIterator[AgentEvent]:
+        """Stream one turn. Tool calls run inside; cancellation arrives as CancelledError."""
+
+
+# --- the store --------------------------------------------------------------------------------
+
+class StoreError(Exception):
+    """The store could not do what was asked (disk full, Redis down, fenced out...)."""
+
+
+class FencedOut(StoreError):
+    """A shared store refused a write: its fence is not the session's current one."""
+
+
+class InboundStatus(StrEnum):
+    """Where an inbound message is in its life. The first three keep it open (replayed or resumed)."""
+
+    ACCEPTED = "accepted"  # stored, its turn never started
+    RUNNING = "running"  # its turn started; still so after a crash
+    RESTART = "restart"  # a graceful restart cut its turn off: resumed on the next start
+    DONE = "done"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    RESUMED = "resumed"  # closed; an automatic turn continues it
+
+    @property
+    def is_open(self) -> bool:
+        return self in _OPEN
+
+
+OPEN_STATUSES = ("accepted", "running", "restart")  # this order in SQL, to match partial indexes
+_OPEN = frozenset(InboundStatus(s) for s in OPEN_STATUSES)
+
+
+@dataclass(frozen=True, slots=True)
+class InboundRecord:
+    id: int
+    session_key: str
+    message: InboundMessage
+    status: InboundStatus
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    key: str
+    conversation: int
+    updated_at: float
+    messages: int
+
+
+class Store(Protocol):
+    """Durable state. Every write that belongs to a session carries its `Fence`; a store shared by
+    several workers refuses writes whose fence is not the session's current one."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> bool: ...
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        """Durably record an inbound message; None if (platform, chat, message id) was seen before."""
+
+    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
+                             detail: str | None = None) -> None:
+        """Close (or re-mark) an accepted message, so it is not replayed."""
+
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        """Messages whose turn never ended (the process stopped first), oldest first — of one
+        session, or of all sessions this store can enumerate cheaply (a shared store: none)."""
+
+    async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
+        """The session's current conversation number and its history."""
+
+    async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
+                     inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
+        """Add rows to one conversation of a session, and set `inbound` = (id, status, detail) of
+        the message being answered in the same transaction."""
+
+    async def reset(self, fence: Fence) -> int:
+        """Archive the current conversation and start a new one; returns its number."""
+
+    async def sessions(self, limit: int = 100) -> list[SessionInfo]: ...
+
+    async def is_paired(self, platform: str, user_id: str) -> bool: ...
+
+    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
+                           ttl_s: float, max_pending: int) -> str | None:
+        """The user's pending code (reusing an unexpired one, else `code`); None if too many pend."""
+
+    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+        """Approve a pending code: (platform, user id, name), or None if unknown or expired."""
+
+    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]: ...
+
+
+# --- platforms --------------------------------------------------------------------------------
+
+class NoticeKind(StrEnum):
+    """What a notice is about, for platforms that show kinds differently (the web chat styles them)."""
+
+    INFO = "info"
+    ERROR = "error"
+    QUEUED = "queued"
+    STOPPED = "stopped"
+    RESTART = "restart"
+    INTERRUPTED = "interrupted"
+
+
+class Reply(ABC):
+    """The outbound side of one turn. Implementations drop output once the run is cancelled."""
+
+    @abstractmethod
+    async def delta(self, text: str) -> None:
+        """More assistant text arrived."""
+
+    @abstractmethod
+    async def finish(self, text: str) -> None:
+        """The turn ended normally; `text` is the whole final answer."""
+
+    @abstractmethod
+    async def interrupted(self, reason: ToolReason) -> None:
+        """The turn was stopped: show that, once, and send nothing more."""
+
+    @abstractmethod
+    async def failed(self, text: str) -> None:
+        """The agent failed; tell the user in words."""
+
+    async def settled(self) -> None:
+        """The turn is over and its outcome recorded; nothing more will be said for it."""
+
+
+class Outlet(Protocol):
+    """What the core needs from a platform: where replies and notices go."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pushes_anywhere(self) -> bool:
+        """Can any worker reach this platform's chats (a REST API), or only the one holding the
+        user's connection (web chat, HTTP API)? Decides whether messages may be forwarded."""
+
+    @property
+    def bot_username(self) -> str | None:
+        """The bot's own name on the platform, so `/cmd@OtherBot` is told apart from ours."""
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply: ...
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
+        """Send a short notice (command replies, acks, rejections, stops); never raises.
+        `reason` is set on notices about an interruption, for platforms that show it."""
+
+
+class Outcome(StrEnum):
+    ACCEPTED = "accepted"
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+    REJECTED = "rejected"
+    COMMAND = "command"
+    FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    outcome: Outcome
+    detail: str = ""
+    run: Run | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStatus:
+    key: str
+    running: bool
+    since: float | None
+    queued: int
+    agent: str
+
+
+class Gateway(Protocol):
+    """What the core offers platforms: the only way in."""
+
+    async def submit(self, msg: InboundMessage, outlet: Outlet, *,
+                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
+        """Route one inbound message (commands included). Never raises for bad input: the user
+        gets a reason. `ephemeral` history makes a stateless turn (the HTTP API without a session)."""
+
+    def status(self, key: str) -> SessionStatus: ...
+
+    async def history(self, key: str) -> list[ChatMessage]:
+        """The current conversation of a session, as stored."""
+
+    def count_outbound(self, platform: str, kind: str) -> None:
+        """Metrics: one outbound `send`/`edit`/`notice`, or a `429` from the platform."""
+
+
+Outlets = Mapping[str, Outlet]

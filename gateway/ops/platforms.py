@@ -1,0 +1,77 @@
+"""The platform registry: every platform the daemon can run, built from its config section.
+
+Adding a platform means adding one `PlatformEntry` here (plus its adapter and config section);
+the daemon, the access policies and readiness all come from this list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent_cache import keys
+from gateway.cluster.coordinator import Cluster
+from gateway.cluster.ingress import IngressLeader
+from gateway.core.access import AccessPolicy
+from gateway.ops.config import Config
+from platforms.base import Adapter
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformEntry:
+    name: str
+    enabled: Callable[[Config], bool]
+    build: Callable[[Config, Cluster | None], Adapter]
+    access: Callable[[Config], AccessPolicy] | None = None  # None: the platform has its own auth
+
+
+def _leader(cluster: Cluster | None, platform: str, token: str) -> IngressLeader | None:
+    """In cluster mode one worker per bot token holds the platform's intake; the others stand by."""
+    return IngressLeader(cluster, f"{platform}:{keys.token_id(token)}") if cluster is not None else None
+
+
+def _telegram(config: Config, cluster: Cluster | None) -> Adapter:
+    from platforms.telegram_bot import TelegramAdapter
+
+    c = config.telegram
+    assert c.token is not None
+    polling = c.mode == "polling"  # with webhooks every worker takes updates
+    return TelegramAdapter(c, leader=_leader(cluster, "telegram", c.token.reveal()) if polling else None)
+
+
+def _discord(config: Config, cluster: Cluster | None) -> Adapter:
+    from platforms.discord_bot import DiscordAdapter
+
+    c = config.discord
+    assert c.token is not None
+    return DiscordAdapter(c, leader=_leader(cluster, "discord", c.token.reveal()))
+
+
+def _webchat(_config: Config, _cluster: Cluster | None) -> Adapter:
+    from platforms.webchat import WebchatAdapter
+
+    return WebchatAdapter()
+
+
+def _api(config: Config, _cluster: Cluster | None) -> Adapter:
+    from platforms.api import ApiAdapter
+
+    return ApiAdapter(keys=[k.reveal() for k in config.api.keys], model_name=config.api.model_name)
+
+
+PLATFORMS: tuple[PlatformEntry, ...] = (
+    PlatformEntry("telegram", lambda c: c.telegram.token is not None, _telegram,
+                  lambda c: AccessPolicy(c.telegram.access, frozenset(a.lower() for a in c.telegram.allowlist))),
+    PlatformEntry("discord", lambda c: c.discord.token is not None, _discord,
+                  lambda c: AccessPolicy(c.discord.access, frozenset(c.discord.allowlist))),
+    PlatformEntry("webchat", lambda c: c.webchat_enabled, _webchat),
+    PlatformEntry("api", lambda c: c.api.enabled, _api),
+)
+
+
+def build_adapters(config: Config, cluster: Cluster | None) -> dict[str, Adapter]:
+    return {p.name: p.build(config, cluster) for p in PLATFORMS if p.enabled(config)}
+
+
+def access_policies(config: Config) -> dict[str, AccessPolicy]:
+    return {p.name: p.access(config) for p in PLATFORMS if p.access is not None}

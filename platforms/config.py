@@ -1,0 +1,50 @@
+"""The config sections of the platforms (`[telegram]`, `[discord]`, `[webchat]`, `[api]`).
+
+They live beside the adapters that read them; gateway.ops.config assembles the whole file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.core.secrets import Secret
+
+
+@dataclass
+class WebchatConfig:
+    enabled: bool | None = None  # None: on when no chat platform is configured
+
+
+@dataclass
+class ApiConfig:
+    enabled: bool = False
+    keys: list[Secret] = field(default_factory=list)
+    model_name: str = "switchboard"
+
+
+@dataclass
+class TelegramConfig:
+    token: Secret | None = None  # the platform is on when a token is set
+    mode: Literal["polling", "webhook"] = "polling"
+    base_url: str = "https://api.telegram.org/bot"
+    base_file_url: str = "https://api.telegram.org/file/bot"
+    webhook_url: str | None = None  # public URL Telegram posts to (webhook mode)
+    webhook_path: str = "/telegram/webhook"
+    secret_token: Secret | None = None
+    groups: Literal["mention", "all"] = "mention"
+    access: Literal["pairing", "allowlist", "open"] = "pairing"
+    allowlist: list[str] = field(default_factory=list)  # user ids and @usernames
+    edit_interval_s: float = 1.0
+    poll_timeout_s: int = 30
+
+
+@dataclass
+class DiscordConfig:
+    token: Secret | None = None  # the platform is on when a token is set
+    guild_mode: Literal["mention", "all"] = "mention"
+    allowed_channels: list[str] = field(default_factory=list)  # with guild_mode "all"
+    access: Literal["pairing", "allowlist", "open"] = "pairing"
+    allowlist: list[str] = field(default_factory=list)  # user ids
+    edit_interval_s: float = 1.0
+    register_commands: bool = True
