@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import discord
 import pytest
 import pytest_asyncio
@@ -39,6 +40,7 @@ class Bot(discord.Client):
         self.inbox: asyncio.Queue[discord.Message] = asyncio.Queue()
         self.ready_count = 0
         self.resumed = asyncio.Event()
+        self.interactions: list[discord.Interaction] = []
 
     async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
         """discord.py sleeps 5s before every non-initial IDENTIFY; skip that in tests."""
@@ -52,6 +54,9 @@ class Bot(discord.Client):
     async def on_message(self, message: discord.Message) -> None:
         if message.author != self.user:
             await self.inbox.put(message)
+
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        self.interactions.append(interaction)
 
     async def next_message(self) -> discord.Message:
         return await asyncio.wait_for(self.inbox.get(), 3.0)
@@ -310,3 +315,154 @@ async def test_client_closes_cleanly(fake: FakeDiscord) -> None:
         loop.set_exception_handler(previous)
     assert problems == []
     assert fake.connections == 1
+
+
+OnClick = Callable[[discord.Interaction], Awaitable[None]]
+
+
+class StopView(discord.ui.View):
+    """One "Stop" button (custom_id "stop"); each click runs `on_click` and is queued."""
+
+    def __init__(self, on_click: OnClick) -> None:
+        super().__init__(timeout=None)
+        self.on_click = on_click
+        self.clicks: asyncio.Queue[discord.Interaction] = asyncio.Queue()
+
+    @discord.ui.button(label="Stop", style=discord.ButtonStyle.danger, custom_id="stop")
+    async def stop_button(self, interaction: discord.Interaction, button: discord.ui.Button[StopView]) -> None:
+        await self.on_click(interaction)
+        await self.clicks.put(interaction)
+
+    async def next_click(self) -> discord.Interaction:
+        return await asyncio.wait_for(self.clicks.get(), 3.0)
+
+
+async def _nothing(interaction: discord.Interaction) -> None:
+    pass
+
+
+def _text_channel(client: discord.Client) -> discord.TextChannel:
+    channel = client.get_channel(TEXT_CHANNEL_ID)
+    assert isinstance(channel, discord.TextChannel)
+    return channel
+
+
+async def test_components_stored_replaced_and_validated(fake: FakeDiscord, client: Bot) -> None:
+    channel = _text_channel(client)
+    sent = await channel.send("working", view=StopView(_nothing))
+    stored = fake.message(sent.id)
+    assert stored is not None
+    (row,) = stored["components"]
+    assert row["type"] == 1 and [(b["type"], b["custom_id"], b["style"]) for b in row["components"]] == [
+        (2, "stop", 4),
+    ]  # fmt: skip
+    button = sent.components[0].children[0]  # type: ignore[union-attr]
+    assert isinstance(button, discord.Button) and button.custom_id == "stop"
+    relabelled = discord.ui.View()
+    relabelled.add_item(discord.ui.Button(label="Stopping…", custom_id="stop", disabled=True))
+    await sent.edit(view=relabelled)  # components replaced, content kept
+    stored = fake.message(sent.id)
+    assert stored is not None and stored["content"] == "working"
+    assert stored["components"][0]["components"][0]["disabled"] is True
+    edited = await sent.edit(content="done", view=None)  # components removed
+    assert edited.components == [] and (fake.message(sent.id) or {})["components"] == []
+    twins = discord.ui.View()
+    for label in ("a", "b"):
+        twins.add_item(discord.ui.Button(label=label, custom_id="same"))
+    with pytest.raises(discord.HTTPException, match="custom id cannot be duplicated") as info:
+        await channel.send("twins", view=twins)
+    assert info.value.status == 400 and info.value.code == 50035
+
+
+async def test_component_click_routes_to_view_and_updates_message(fake: FakeDiscord, client: Bot) -> None:
+    async def stop(interaction: discord.Interaction) -> None:
+        await interaction.response.edit_message(content="stopped", view=None)  # UPDATE_MESSAGE (7)
+
+    view = StopView(stop)
+    sent = await _text_channel(client).send("working", view=view)
+    inter = await fake.push_component_interaction(TEXT_CHANNEL_ID, sent.id, "stop", user_id=ALICE_ID)
+    clicked = await view.next_click()
+    assert clicked.type is discord.InteractionType.component and clicked.id == inter.id
+    assert clicked.data is not None and clicked.data.get("custom_id") == "stop"
+    assert clicked.message is not None and clicked.message.id == sent.id
+    assert isinstance(clicked.user, discord.Member) and clicked.user.name == "alice"
+    assert clicked.guild_id == GUILD_ID and client.interactions == [clicked]  # on_interaction too
+    assert (inter.type, inter.message_id, inter.response_type, inter.response_flags) == (3, sent.id, 7, 0)
+    assert inter.response_latency is not None and 0 <= inter.response_latency < 3
+    stored = fake.message(sent.id)
+    assert stored is not None and (stored["content"], stored["components"]) == ("stopped", [])
+    with pytest.raises(ValueError, match="no enabled component"):  # the button is gone now
+        await fake.push_component_interaction(TEXT_CHANNEL_ID, sent.id, "stop", user_id=ALICE_ID)
+    # discord.py refuses a second response itself, so ask the fake directly: Discord's 40060
+    url = f"{fake.rest_base}/interactions/{inter.id}/{inter.token}/callback"
+    async with aiohttp.ClientSession() as http, http.post(url, json={"type": 6}) as resp:
+        assert resp.status == 400 and (await resp.json())["code"] == 40060
+
+
+async def test_component_click_in_dm_deferred_update_and_ephemeral_followup(fake: FakeDiscord, client: Bot) -> None:
+    async def stop(interaction: discord.Interaction) -> None:
+        await interaction.response.defer()  # DEFERRED_UPDATE_MESSAGE (6) for a component
+        await interaction.edit_original_response(content="stopped", view=None)  # the button's message
+        await interaction.followup.send("only you see this", ephemeral=True)
+
+    dm_id = fake.dm_channel_id(ALICE_ID)
+    dm = await (await client.fetch_user(ALICE_ID)).create_dm()
+    view = StopView(stop)
+    sent = await dm.send("working", view=view)
+    inter = await fake.push_component_interaction(dm_id, sent.id, "stop", user_id=ALICE_ID)
+    clicked = await view.next_click()
+    assert clicked.guild is None and isinstance(clicked.user, discord.User)
+    assert isinstance(clicked.channel, discord.DMChannel) and clicked.channel.id == dm_id
+    assert (inter.guild_id, inter.response_type, inter.original_id) == (None, 6, sent.id)
+    component_msg, followup = fake.messages(dm_id)
+    assert (component_msg["id"], component_msg["content"], component_msg["components"]) == (
+        str(sent.id), "stopped", [],
+    )  # fmt: skip
+    assert followup["content"] == "only you see this" and followup["flags"] & 64
+    assert followup["interaction_metadata"]["type"] == 3
+
+
+async def test_late_interaction_response_is_unknown(fake: FakeDiscord, client: Bot) -> None:
+    errors: list[discord.HTTPException] = []
+
+    async def too_late(interaction: discord.Interaction) -> None:
+        for attempt in (interaction.response.defer(), interaction.followup.send("late")):
+            try:
+                await attempt
+            except discord.NotFound as exc:
+                errors.append(exc)
+
+    fake.interaction_deadline_s = 0.0  # any response now comes after the deadline (Discord: 3 s)
+    view = StopView(too_late)
+    sent = await _text_channel(client).send("working", view=view)
+    inter = await fake.push_component_interaction(TEXT_CHANNEL_ID, sent.id, "stop", user_id=ALICE_ID)
+    await view.next_click()
+    assert [(e.status, e.code) for e in errors] == [(404, 10062), (404, 10015)]
+    assert "Unknown interaction" in str(errors[0])
+    assert not inter.responded and inter.response_type is None
+
+
+async def test_deleted_message_edit_is_unknown(fake: FakeDiscord, client: Bot) -> None:
+    sent = await _text_channel(client).send("streaming…")
+    deleted = asyncio.create_task(client.wait_for("raw_message_delete", timeout=3))
+    assert await fake.delete_message(sent.id)  # a moderator deletes it mid-stream
+    assert (await deleted).message_id == sent.id
+    with pytest.raises(discord.NotFound) as info:
+        await sent.edit(content="streaming… more")
+    assert (info.value.status, info.value.code) == (404, 10008)
+    assert not await fake.delete_message(sent.id)
+
+
+async def test_latency_slows_one_channel_only(fake: FakeDiscord, client: Bot) -> None:
+    guild = client.get_guild(GUILD_ID)
+    thread = guild.get_thread(THREAD_ID) if guild else None
+    assert thread is not None
+    fake.set_latency(TEXT_CHANNEL_ID, 0.5)
+    started = time.monotonic()
+    slow = asyncio.create_task(_text_channel(client).send("slow"))
+    await thread.send("fast")
+    fast_done = time.monotonic() - started
+    await asyncio.wait_for(slow, 5)
+    slow_done = time.monotonic() - started
+    assert fast_done < 0.5 <= slow_done
+    assert [c.channel_id for c in fake.sent] == [THREAD_ID, TEXT_CHANNEL_ID]

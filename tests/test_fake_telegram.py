@@ -14,7 +14,7 @@ from telegram import Bot, InlineKeyboardButton, InlineKeyboardMarkup, ReplyParam
 from telegram.error import BadRequest, Conflict, InvalidToken, RetryAfter
 from telegram.ext import ApplicationBuilder, ContextTypes, MessageHandler, filters
 
-from tests.fakes.telegram_api import FakeTelegramAPI
+from tests.fakes.telegram_api import DRAFT_PEER_INVALID, FakeTelegramAPI
 from tests.fakes.telegram_html import HtmlParseError, parse_html
 
 TOKEN = "123456:TEST-TOKEN"
@@ -304,3 +304,187 @@ async def test_parse_html_entities_use_utf16_offsets() -> None:
     ]
     with pytest.raises(HtmlParseError, match="Unsupported start tag"):
         parse_html("<br>")
+
+
+class FakeClock:
+    """Stands in for `fake.clock`, so a test moves time instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_message_draft_streams_then_message_replaces_it(bot: Bot, fake: FakeTelegramAPI) -> None:
+    assert await bot.send_message_draft(42, 7, "")  # empty text: the "Thinking…" placeholder
+    assert fake.draft_state(42) == ""
+    await bot.send_message_draft(42, 7, "<b>Hel</b>", parse_mode="HTML")
+    await bot.send_message_draft(42, 7, "Hello")
+    assert fake.draft_state(42) == "Hello"
+    assert [(d.chat_id, d.draft_id, d.text) for d in fake.drafts] == [(42, 7, ""), (42, 7, "Hel"), (42, 7, "Hello")]
+    assert fake.drafts[1].entities == [{"type": "bold", "offset": 0, "length": 3}]
+    assert fake.drafts[0].time <= fake.drafts[1].time <= fake.drafts[2].time
+    await bot.send_message(43, "other chat")  # a message elsewhere keeps the draft
+    assert fake.draft_state(42) == "Hello"
+    await bot.send_message(42, "Hello, world")
+    assert fake.draft_state(42) is None
+    (draft,) = fake.draft_history(42)
+    assert (draft.draft_id, draft.text, draft.ended, len(draft.updates)) == (7, "Hello", "message", 3)
+    assert [r.method for r in fake.sent].count("sendMessageDraft") == 3
+
+
+async def test_message_draft_errors(bot: Bot, fake: FakeTelegramAPI) -> None:
+    for chat_id in (-100, -1001234567890):  # a group, a supergroup (forum topics included)
+        with pytest.raises(BadRequest, match="Textdraft_peer_invalid"):
+            await bot.send_message_draft(chat_id, 1, "x", message_thread_id=5)
+    with pytest.raises(BadRequest, match="Random_id_invalid"):
+        await bot.send_message_draft(42, 0, "x")
+    with pytest.raises(BadRequest, match=r"(?i)can't parse entities"):
+        await bot.send_message_draft(42, 1, "<b>x", parse_mode="HTML")
+    with pytest.raises(BadRequest, match=r"(?i)message is too long"):
+        await bot.send_message_draft(42, 1, "x" * 4097)
+    await bot.send_message_draft(42, 1, "<b>" + "x" * 4096 + "</b>", parse_mode="HTML")  # visible: 4096
+    fake.drafts_enabled = False  # a bot without the feature (before Bot API 9.5: no topic mode)
+    with pytest.raises(BadRequest, match="Textdraft_peer_invalid"):
+        await bot.send_message_draft(42, 1, "x")
+    assert [(d.chat_id, d.draft_id) for d in fake.drafts] == [(42, 1)]
+    assert fake.calls[-1].status == 400 and DRAFT_PEER_INVALID.endswith("TEXTDRAFT_PEER_INVALID")
+
+
+async def test_message_draft_lifetime_and_replacement(bot: Bot, fake: FakeTelegramAPI) -> None:
+    clock = fake.clock = FakeClock()
+    fake.draft_ttl_s = 30.0
+    await bot.send_message_draft(42, 1, "a")
+    clock.now += 29.0
+    await bot.send_message_draft(42, 1, "ab")  # refreshed in time: same bubble
+    clock.now += 29.0
+    assert fake.draft_state(42) == "ab"
+    clock.now += 2.0  # 31 s since the last refresh
+    assert fake.draft_state(42) is None
+    await bot.send_message_draft(42, 1, "abc")  # after expiry: a new bubble, same id
+    await bot.send_message_draft(42, 2, "other")  # another id replaces it
+    first, second, third = fake.draft_history(42)
+    assert (first.ended, first.ended_at, len(first.updates)) == ("expired", 1000.0 + 29 + 30, 2)
+    assert (second.text, second.ended, third.draft_id, third.ended) == ("abc", "replaced", 2, None)
+
+
+async def test_inline_keyboard_stored_edited_and_removed(bot: Bot, fake: FakeTelegramAPI) -> None:
+    stop = InlineKeyboardMarkup([[InlineKeyboardButton("Stop", callback_data="stop:1")]])
+    sent = await bot.send_message(42, "working", reply_markup=stop)
+    stored = fake.message(42, sent.message_id)
+    assert stored is not None and stored["reply_markup"] == stop.to_dict()
+    assert sent.reply_markup == stop
+    both = InlineKeyboardMarkup([[InlineKeyboardButton("Stop", callback_data="stop:1"),
+                                  InlineKeyboardButton("More", callback_data="more")]])  # fmt: skip
+    edited = await bot.edit_message_reply_markup(42, sent.message_id, reply_markup=both)
+    assert not isinstance(edited, bool) and edited.reply_markup == both
+    with pytest.raises(BadRequest, match=r"(?i)message is not modified"):
+        await bot.edit_message_reply_markup(42, sent.message_id, reply_markup=both)
+    kept = await bot.edit_message_text("still working", 42, sent.message_id, reply_markup=both)
+    assert not isinstance(kept, bool) and kept.reply_markup == both
+    done = await bot.edit_message_text("done", 42, sent.message_id)  # no markup: keyboard removed
+    assert not isinstance(done, bool) and done.reply_markup is None
+    assert "reply_markup" not in (fake.message(42, sent.message_id) or {})
+    with pytest.raises(BadRequest, match=r"(?i)message is not modified"):
+        await bot.edit_message_reply_markup(42, sent.message_id)
+    with pytest.raises(ValueError, match="no button"):
+        fake.push_callback(42, sent.message_id, "stop:1", user_id=42)  # the button is gone
+    too_long = InlineKeyboardMarkup([[InlineKeyboardButton("x", callback_data="é" * 33)]])  # 66 bytes
+    with pytest.raises(BadRequest, match="Button_data_invalid"):
+        await bot.send_message(42, "x", reply_markup=too_long)
+    assert [r.method for r in fake.sent] == [
+        "sendMessage", "editMessageReplyMarkup", "editMessageText", "editMessageText",
+    ]  # fmt: skip
+
+
+async def test_callback_answers_recorded_and_validated(bot: Bot, fake: FakeTelegramAPI) -> None:
+    clock = fake.clock = FakeClock()
+    stop = InlineKeyboardMarkup([[InlineKeyboardButton("Stop", callback_data="stop")]])
+    sent = await bot.send_message(42, "working", reply_markup=stop)
+    first = fake.push_callback(42, sent.message_id, "stop", user_id=42, username="alice")
+    clock.now += 0.5  # the tap reaches the bot half a second later
+    (update,) = await bot.get_updates()
+    query = update.callback_query
+    assert query is not None and query.id == str(first) and query.from_user.username == "alice"
+    clock.now += 0.25
+    assert await query.answer("Stopping…", show_alert=True)
+    answer = fake.callback_answer(first)
+    assert answer is not None and (answer.data, answer.text, answer.show_alert) == ("stop", "Stopping…", True)
+    assert (answer.chat_id, answer.message_id, answer.latency) == (42, sent.message_id, 0.25)
+    with pytest.raises(BadRequest, match=r"(?i)query id is invalid"):
+        await query.answer()  # a query is answered once
+    second = fake.push_callback(42, sent.message_id, "stop", user_id=42)
+    await bot.get_updates(offset=update.update_id + 1)
+    clock.now += 16.0  # past callback_ttl_s (15 s)
+    with pytest.raises(BadRequest, match=r"(?i)query is too old"):
+        await bot.answer_callback_query(str(second))
+    with pytest.raises(BadRequest, match=r"(?i)message_too_long"):
+        await bot.answer_callback_query(str(fake.push_callback(42, sent.message_id, "stop", user_id=42)), "x" * 201)
+    assert [a.query_id for a in fake.callback_answers] == [str(first)]
+
+
+async def test_length_counts_visible_text_unless_raw_mode(bot: Bot, fake: FakeTelegramAPI) -> None:
+    html = "<b>" + "x" * 4090 + "</b>&amp;" + "y" * 5  # 4096 visible, 4112 raw
+    sent = await bot.send_message(42, html, parse_mode="HTML")
+    assert len(sent.text or "") == 4096
+    with pytest.raises(BadRequest, match="Message_too_long"):  # editMessageText's own wording
+        await bot.edit_message_text(html + "z", 42, sent.message_id, parse_mode="HTML")
+    fake.count_raw_html = True  # the stricter, raw-HTML counting
+    with pytest.raises(BadRequest, match=r"(?i)message is too long"):
+        await bot.send_message(42, html, parse_mode="HTML")
+    with pytest.raises(BadRequest, match="Message_too_long"):
+        await bot.edit_message_text(html[:-1], 42, sent.message_id, parse_mode="HTML")
+    with pytest.raises(BadRequest, match=r"(?i)message is too long"):
+        await bot.send_message_draft(42, 1, html, parse_mode="HTML")
+
+
+async def test_deleted_message_cannot_be_edited(bot: Bot, fake: FakeTelegramAPI) -> None:
+    sent = await bot.send_message(42, "streaming…")
+    await bot.edit_message_text("streaming… more", 42, sent.message_id)
+    assert fake.delete_message(42, sent.message_id)  # the user deletes it mid-stream
+    assert not fake.delete_message(42, sent.message_id)
+    with pytest.raises(BadRequest, match=r"(?i)message to edit not found"):
+        await bot.edit_message_text("streaming… more and more", 42, sent.message_id)
+    with pytest.raises(BadRequest, match=r"(?i)message to edit not found"):
+        await bot.edit_message_reply_markup(42, sent.message_id)
+    assert fake.messages(42) == {}
+
+
+async def test_latency_slows_one_chat_only(bot: Bot, fake: FakeTelegramAPI) -> None:
+    fake.set_latency(42, 0.5)
+    started = time.monotonic()
+    slow = asyncio.create_task(bot.send_message(42, "slow"))
+    fast = await bot.send_message(43, "fast")
+    fast_done = time.monotonic() - started
+    await asyncio.wait_for(slow, 5)
+    slow_done = time.monotonic() - started
+    assert fast.chat.id == 43 and fast_done < 0.5 <= slow_done
+    assert [r.chat_id for r in fake.sent] == [43, 42]
+    fake.set_latency(42, 0)
+    await bot.send_message(42, "fast again")
+
+
+# PTB 22.2+ warns that RetryAfter.retry_after becomes a timedelta (opt in: PTB_TIMEDELTA=1)
+@pytest.mark.filterwarnings("ignore:.*retry_after.*")
+async def test_group_limit_and_per_chat_faults(bot: Bot, fake: FakeTelegramAPI) -> None:
+    clock = fake.clock = FakeClock()
+    fake.set_group_limit(3, window_s=60.0)
+    for i in range(3):
+        await bot.send_message(-100, f"m{i}")
+        clock.now += 10.0
+    with pytest.raises(RetryAfter) as info:
+        await bot.send_message(-100, "m3")
+    delay = info.value.retry_after
+    assert (delay.total_seconds() if isinstance(delay, dtm.timedelta) else delay) == 30  # oldest at t-30
+    await bot.send_message(-200, "another group")  # counted per group
+    for i in range(5):
+        await bot.send_message(42, f"private {i}")  # private chats are not limited
+    clock.now += 30.0
+    await bot.send_message(-100, "m3")  # the oldest send left the window
+    fake.set_group_limit(None)
+    fake.fail_next("sendMessage", 429, retry_after=4, chat_id=-100)
+    await bot.send_message(42, "unaffected")
+    with pytest.raises(RetryAfter):
+        await bot.send_message(-100, "limited")
+    await bot.send_message(-100, "fine again")

@@ -9,6 +9,11 @@ Usage::
         await fake.dispatch_message(TEXT_CHANNEL_ID, "hello", author_id=ALICE_ID, mentions_bot=True)
         call = await fake.wait_for(lambda c: c.method == "POST" and c.path.endswith("/messages"))
 
+Buttons: ``push_component_interaction`` clicks a component of a stored message; the bot's
+callbacks are validated like Discord's (3 s deadline, one acknowledgement) and recorded on the
+returned ``FakeInteraction``. ``delete_message`` and ``set_latency`` simulate a deleted message and
+a slow channel.
+
 See ``discord_models`` for the default ids (guild, channel, thread, users). discord.py quirks:
 ``guild_ready_timeout`` (default 2s) delays on_ready after the last GUILD_CREATE; a non-initial
 IDENTIFY sleeps 5s in ``Client.before_identify_hook`` (override it in tests); the bot's own

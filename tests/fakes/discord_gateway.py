@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import uuid
@@ -17,13 +18,16 @@ from tests.fakes.discord_models import (
     INTENT_GUILD_MESSAGES,
     INTENT_MESSAGE_CONTENT,
     INTENT_PRESENCES,
+    FakeChannel,
     FakeInteraction,
+    FakeUser,
     Json,
     guild_payload,
     iso_time,
     member_payload,
     ready_payload,
     user_payload,
+    walk_components,
 )
 from tests.fakes.discord_state import FakeState
 
@@ -139,20 +143,61 @@ class GatewayMixin(FakeState):
         if command_id is None:
             known = [c for c in self._all_commands(gid) if c["name"] == name]
             command_id = int(known[0]["id"]) if known else self.ids.next()
-        inter = FakeInteraction(self.ids.next(), uuid.uuid4().hex, name, channel_id, gid, user.id)
-        self._interactions[inter.token] = inter
         opts = [{"name": k, "type": _OPTION_TYPES[type(v)], "value": v} for k, v in (options or {}).items()]
         data: Json = {"id": str(command_id), "name": name, "type": 1, "options": opts}
+        if gid is not None:
+            data["guild_id"] = str(gid)
+        return await self._send_interaction(2, name, channel, user, data)
+
+    async def push_component_interaction(
+        self,
+        channel_id: int,
+        message_id: int,
+        custom_id: str,
+        *,
+        user_id: int | None = None,
+        user_name: str | None = None,
+        values: list[str] | None = None,
+    ) -> FakeInteraction:
+        """A user clicks the component ``custom_id`` (a button, or a select with ``values``) of
+        a message in a guild channel or DM: INTERACTION_CREATE type 3 (MESSAGE_COMPONENT).
+        Raises ValueError unless the message shows that enabled component."""
+        self._require_session()
+        channel = self.channels[channel_id]
+        msg = self._messages.get(message_id)
+        if msg is None or msg["channel_id"] != str(channel_id):
+            raise ValueError(f"no message {message_id} in channel {channel_id}")
+        found = [c for c in walk_components(msg["components"]) if c.get("custom_id") == custom_id]
+        if not found or found[0].get("disabled"):
+            raise ValueError(f"message {message_id} shows no enabled component {custom_id!r}")
+        data: Json = {"custom_id": custom_id, "component_type": found[0]["type"]}
+        if "id" in found[0]:
+            data["id"] = found[0]["id"]
+        if values is not None:
+            data["values"] = values
+        user = self._user(user_id, user_name)
+        return await self._send_interaction(3, custom_id, channel, user, data, msg)
+
+    async def _send_interaction(
+        self, itype: int, name: str, channel: FakeChannel, user: FakeUser, data: Json, msg: Json | None = None
+    ) -> FakeInteraction:
+        """Register and dispatch an INTERACTION_CREATE with what discord.py reads from it."""
+        gid = channel.guild_id
+        inter = FakeInteraction(self.ids.next(), uuid.uuid4().hex, name, channel.id, gid, user.id, type=itype)
+        inter.message_id, inter.created_at = (int(msg["id"]) if msg else None), self.clock()
+        self._interactions[inter.token] = inter
         payload: Json = {
-            "id": str(inter.id), "application_id": str(self.application_id), "type": 2, "data": data,
-            "token": inter.token, "version": 1, "channel_id": str(channel_id), "locale": "en-US",
+            "id": str(inter.id), "application_id": str(self.application_id), "type": itype, "data": data,
+            "token": inter.token, "version": 1, "channel_id": str(channel.id), "locale": "en-US",
             "app_permissions": "0", "entitlements": [], "attachment_size_limit": 8 * 1024 * 1024,
             "channel": {k: v for k, v in self._channel_json(channel).items() if k != "recipients"},
         }  # fmt: skip
+        if msg is not None:
+            payload["message"] = copy.deepcopy(msg)
         if gid is not None:
-            data["guild_id"] = str(gid)
             member = member_payload(user, iso_time(gid))
             payload.update(guild_id=str(gid), guild_locale="en-US", context=0, member=member)
+            payload["guild"] = {"id": str(gid), "locale": "en-US", "features": []}
             payload["member"]["permissions"] = payload["app_permissions"] = "2147483647"
             payload["authorizing_integration_owners"] = {"0": str(gid)}
         else:

@@ -79,16 +79,29 @@ class RestCall:
 
 @dataclass
 class FakeInteraction:
-    """An interaction dispatched to the bot; ``original_id`` is set once it is answered."""
+    """An interaction dispatched to the bot (type 2 slash command, 3 component) and its answer:
+    ``response_type``/``response_flags`` (64 = ephemeral) and ``responded_at`` once acknowledged;
+    ``original_id`` is the message ``@original`` names."""
 
     id: int
     token: str
-    name: str
+    name: str  # command name, or the component's custom_id
     channel_id: int
     guild_id: int | None
     user_id: int
     responded: bool = False
     original_id: int | None = None
+    type: int = 2
+    message_id: int | None = None  # the message a component interaction came from
+    created_at: float = 0.0  # fake.clock() when dispatched
+    response_type: int | None = None
+    response_flags: int = 0
+    responded_at: float | None = None
+
+    @property
+    def response_latency(self) -> float | None:
+        """Seconds from dispatch to the accepted initial response (Discord allows 3)."""
+        return None if self.responded_at is None else self.responded_at - self.created_at
 
 
 def default_users() -> list[FakeUser]:
@@ -135,8 +148,56 @@ def error_body(code: int, message: str, errors: Json | None = None) -> Json:
 
 
 def form_error(field_name: str, code: str, message: str) -> Json:
-    """The 50035 'Invalid Form Body' error for one field."""
-    return error_body(50035, "Invalid Form Body", {field_name: {"_errors": [{"code": code, "message": message}]}})
+    """The 50035 'Invalid Form Body' error for one field (dotted names nest: ``components.0.type``)."""
+    errors: Json = {"_errors": [{"code": code, "message": message}]}
+    for part in reversed(field_name.split(".")):
+        errors = {part: errors}
+    return error_body(50035, "Invalid Form Body", errors)
+
+
+def walk_components(components: list[Json]) -> list[Json]:
+    """Every component of a message, nested ones (action row children) included."""
+    found: list[Json] = []
+    for comp in components:
+        found.append(comp)
+        found.extend(walk_components(list(comp.get("components") or [])))
+        if isinstance(comp.get("accessory"), dict):
+            found.append(comp["accessory"])
+    return found
+
+
+def component_error(components: Any) -> Json | None:
+    """Discord's 50035 error for a legacy (action row) ``components`` list, or None if valid:
+    at most 5 rows of 1-5 components, custom_id 1-100 chars and unique, link buttons
+    (style 5) with a url instead. Error codes as Discord names them; field paths as it nests them."""
+    if not isinstance(components, list):
+        return form_error("components", "MODEL_TYPE_CONVERT", "Only iterables may be used in a ListType")
+    if len(components) > 5:
+        return form_error("components", "BASE_TYPE_BAD_LENGTH", "Must be between 0 and 5 in length.")
+    seen: set[str] = set()
+    for r, row in enumerate(components):
+        children = row.get("components") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or row.get("type") != 1 or not isinstance(children, list):
+            return form_error(f"components.{r}.type", "UNION_TYPE_CHOICES", "Value of field \"type\" must be 1.")
+        if not 1 <= len(children) <= 5:
+            message = "Must be between 1 and 5 in length."
+            return form_error(f"components.{r}.components", "BASE_TYPE_BAD_LENGTH", message)
+        for c, comp in enumerate(children):
+            where = f"components.{r}.components.{c}"
+            custom_id = comp.get("custom_id")
+            if comp.get("type") == 2 and comp.get("style") == 5:
+                if not comp.get("url"):
+                    return form_error(f"{where}.url", "BASE_TYPE_REQUIRED", "This field is required")
+                continue
+            if custom_id is None:
+                return form_error(f"{where}.custom_id", "BASE_TYPE_REQUIRED", "This field is required")
+            if not 1 <= len(str(custom_id)) <= 100:
+                return form_error(f"{where}.custom_id", "BASE_TYPE_BAD_LENGTH", "Must be between 1 and 100 in length.")
+            if custom_id in seen:
+                return form_error(f"{where}.custom_id", "COMPONENT_CUSTOM_ID_DUPLICATED",
+                                  "Component custom id cannot be duplicated")  # fmt: skip
+            seen.add(custom_id)
+    return None
 
 
 def user_payload(user: FakeUser) -> Json:

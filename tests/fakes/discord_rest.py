@@ -24,6 +24,7 @@ from tests.fakes.discord_models import (
     RestCall,
     Waiters,
     application_payload,
+    component_error,
     error_body,
     form_error,
     iso_time,
@@ -33,6 +34,8 @@ from tests.fakes.discord_state import FakeState
 
 API_PREFIX = "/api/v10"
 _CHANNEL_RE = re.compile(r"^/channels/(\d+)")
+_TOKEN_RE = re.compile(r"^/(?:interactions/\d+|webhooks/\d+)/([^/]+)")
+_CALLBACK_TYPES = (1, 4, 5, 6, 7, 8, 9, 10, 12)
 _NAME_RE = re.compile(r"^[-_\w]{1,32}$")
 _TRUE = ("1", "true", "True")
 Files = tuple[tuple[str, bytes], ...]
@@ -134,6 +137,9 @@ class RestMixin(FakeState):
         body, files = await self._read_body(request)
         ctx = _RequestContext(body, files)
         _CTX.set(ctx)
+        delay = self._latency.get(self._channel_of(path) or 0)
+        if delay:
+            await asyncio.sleep(delay)  # simulated slow channel (set_latency)
         response: web.StreamResponse | None = self._auth_error(request, path)
         if response is None:
             response = self._take_fault(request.method, path)
@@ -148,10 +154,19 @@ class RestMixin(FakeState):
         channel_id = ctx.channel_id or (int(match.group(1)) if match else None)
         query = dict(request.query)
         self.requests.append(
-            RestCall(request.method, path, response.status, channel_id, body, files, query, time.monotonic())
+            RestCall(request.method, path, response.status, channel_id, body, files, query, self.clock())
         )
         self._waiters.wake()
         return response
+
+    def _channel_of(self, path: str) -> int | None:
+        """Channel a request is about: /channels/{id}/..., or an interaction's (by token)."""
+        if match := _CHANNEL_RE.match(path):
+            return int(match.group(1))
+        if match := _TOKEN_RE.match(path):
+            inter = self._interactions.get(match.group(1))
+            return inter.channel_id if inter is not None else None
+        return None
 
     @staticmethod
     async def _read_body(request: web.Request) -> tuple[Any, Files]:
@@ -268,6 +283,10 @@ class RestMixin(FakeState):
             return _json(err, 400)
         if len(body.get("embeds") or []) > 10:
             return _json(form_error("embeds", "BASE_TYPE_MAX_LENGTH", "Must be 10 or fewer in length."), 400)
+        if body.get("components") and not int(body.get("flags") or 0) & 32768:  # not IS_COMPONENTS_V2
+            bad = component_error(body["components"])
+            if bad is not None:
+                return _json(bad, 400)
         keys = ("content", "embeds", "sticker_ids", "components", "poll")
         if creating and not files and not any(body.get(k) for k in keys):
             return _error(400, 50006, "Cannot send an empty message")
@@ -401,10 +420,27 @@ class RestMixin(FakeState):
         _ctx().channel_id = inter.channel_id
         return inter
 
+    def _missed_deadline(self, inter: FakeInteraction) -> bool:
+        """Not acknowledged within ``interaction_deadline_s``: Discord invalidates the token."""
+        deadline = self.interaction_deadline_s
+        return not inter.responded and deadline is not None and self.clock() - inter.created_at > deadline
+
+    def _webhook_error(self, inter: FakeInteraction | None) -> web.Response | None:
+        """Followup / @original requests with a dead token."""
+        if inter is None or self._missed_deadline(inter):
+            return _error(404, 10015, "Unknown Webhook")
+        if self.clock() - inter.created_at > self.interaction_token_ttl_s:
+            return _error(401, 50027, "Invalid Webhook Token")
+        return None
+
     def _interaction_message(self, inter: FakeInteraction, body: Json, files: Files) -> Json:
         user = self.users[inter.user_id]
         owners = {"0": str(inter.guild_id)} if inter.guild_id else {"1": str(user.id)}
-        meta: Json = {"id": str(inter.id), "type": 2, "user": user_payload(user), "name": inter.name}
+        meta: Json = {"id": str(inter.id), "type": inter.type, "user": user_payload(user)}
+        if inter.type == 3:
+            meta["interacted_message_id"] = str(inter.message_id)
+        else:
+            meta["name"] = inter.name
         meta["authorizing_integration_owners"] = owners
         extra: Json = {"webhook_id": str(self.application_id), "application_id": str(self.application_id)}
         extra["interaction_metadata"] = meta
@@ -418,8 +454,13 @@ class RestMixin(FakeState):
             return _error(404, 10062, "Unknown interaction")
         if inter.responded:
             return _error(400, 40060, "Interaction has already been acknowledged.")
+        if self._missed_deadline(inter):
+            return _error(404, 10062, "Unknown interaction")
         body: Json = _ctx().json or {}
         rtype, data = int(body.get("type", 0)), dict(body.get("data") or {})
+        if rtype not in _CALLBACK_TYPES or (rtype in (6, 7) and inter.type != 3):  # 6, 7: components only
+            choices = ", ".join(str(t) for t in _CALLBACK_TYPES if inter.type == 3 or t not in (6, 7))
+            return _json(form_error("type", "BASE_TYPE_CHOICES", f"Value must be one of {{{choices}}}."), 400)
         msg: Json | None = None
         if rtype in (4, 5):
             if rtype == 4:
@@ -431,11 +472,25 @@ class RestMixin(FakeState):
             msg = self._interaction_message(inter, data, _ctx().files)
             inter.original_id = int(msg["id"])
             await self._echo("MESSAGE_CREATE", msg)
-        inter.responded = True
+        elif rtype in (6, 7):  # the component's own message becomes @original
+            msg = self._messages.get(inter.message_id or 0)
+            if msg is None:
+                return _error(404, 10008, "Unknown Message")
+            inter.original_id = int(msg["id"])
+            if rtype == 7:
+                invalid = self._invalid(data, _ctx().files, creating=False)
+                if invalid is not None:
+                    return invalid
+                self._apply_edit(msg, data, _ctx().files)
+                await self._echo("MESSAGE_UPDATE", msg)
+            else:
+                msg = None
+        inter.responded, inter.responded_at = True, self.clock()
+        inter.response_type, inter.response_flags = rtype, int(data.get("flags") or 0)
         if request.query.get("with_response") not in _TRUE:
             return web.Response(status=204)
         flags = int((msg or {}).get("flags") or 0)
-        info: Json = {"id": str(inter.id), "type": 2, "response_message_loading": bool(flags & 128)}
+        info: Json = {"id": str(inter.id), "type": inter.type, "response_message_loading": bool(flags & 128)}
         info["response_message_ephemeral"] = bool(flags & 64)
         result: Json = {"interaction": info}
         if msg is not None:
@@ -445,24 +500,34 @@ class RestMixin(FakeState):
 
     async def _followup(self, request: web.Request) -> web.Response:
         inter = self._interaction(request)
-        if inter is None:
-            return _error(404, 10015, "Unknown Webhook")
+        dead = self._webhook_error(inter)
+        if dead is not None or inter is None:
+            return dead or _error(404, 10015, "Unknown Webhook")
         body: Json = _ctx().json or {}
         invalid = self._invalid(body, _ctx().files, creating=True)
         if invalid is not None:
             return invalid
+        loading = self._messages.get(inter.original_id or 0) if inter.response_type == 5 else None
+        if loading is not None and int(loading.get("flags") or 0) & 128:
+            # Right after a deferred (type 5) response a followup edits the loading message and
+            # keeps its ephemeral flag (Discord's documented backwards compatibility).
+            self._apply_edit(loading, {k: v for k, v in body.items() if k != "flags"}, _ctx().files)
+            await self._echo("MESSAGE_UPDATE", loading)
+            return _json(loading) if request.query.get("wait") in _TRUE else web.Response(status=204)
         msg = self._interaction_message(inter, body, _ctx().files)
         await self._echo("MESSAGE_CREATE", msg)
         return _json(msg) if request.query.get("wait") in _TRUE else web.Response(status=204)
 
     async def _webhook_message(self, request: web.Request) -> web.StreamResponse:
         inter = self._interaction(request)
-        if inter is None:
-            return _error(404, 10015, "Unknown Webhook")
+        dead = self._webhook_error(inter)
+        if dead is not None or inter is None:
+            return dead or _error(404, 10015, "Unknown Webhook")
         raw_id = request.match_info["message_id"]
         msg_id = inter.original_id if raw_id == "@original" else int(raw_id)
         msg = self._messages.get(msg_id or 0)
-        if msg is None or msg.get("webhook_id") != str(self.application_id):
+        own = msg is not None and (msg.get("webhook_id") == str(self.application_id) or msg_id == inter.original_id)
+        if msg is None or not own:
             return _error(404, 10008, "Unknown Message")
         if request.method == "GET":
             return _json(msg)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tests.fakes.discord_models import (
@@ -60,7 +61,11 @@ class FakeState:
         self._files: dict[int, bytes] = {}
         self._interactions: dict[str, FakeInteraction] = {}
         self._commands: dict[int | None, list[Json]] = {}
+        self._latency: dict[int, float] = {}
         self._base_url = ""
+        self.clock: Callable[[], float] = time.monotonic  # request and interaction times
+        self.interaction_deadline_s: float | None = 3.0  # initial response later: 10062
+        self.interaction_token_ttl_s = 900.0  # webhooks (followups, @original) after: 50027
 
     @property
     def rest_base(self) -> str:
@@ -99,6 +104,26 @@ class FakeState:
         """One stored message object, or None."""
         found = self._messages.get(message_id)
         return copy.deepcopy(found) if found is not None else None
+
+    @property
+    def interactions(self) -> list[FakeInteraction]:
+        """Every interaction dispatched so far, oldest first."""
+        return list(self._interactions.values())
+
+    async def delete_message(self, message_id: int) -> bool:
+        """Delete a message as a user/moderator would (MESSAGE_DELETE is dispatched; later
+        edits get 404 10008 "Unknown Message")."""
+        msg = self._messages.pop(message_id, None)
+        if msg is None:
+            return False
+        event = self._event_message(msg)
+        await self._dispatch("MESSAGE_DELETE", {k: event[k] for k in ("id", "channel_id", "guild_id") if k in event})
+        return True
+
+    def set_latency(self, channel_id: int, seconds: float) -> None:
+        """Delay every REST request about ``channel_id`` (interaction webhooks included) by
+        ``seconds`` before it is handled; 0 removes the delay."""
+        self._latency[channel_id] = seconds
 
     # ----- internals --------------------------------------------------------
     def _user(self, user_id: int | None, name: str | None = None, *, bot: bool = False) -> FakeUser:

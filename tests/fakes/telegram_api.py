@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import itertools
 import json
+import math
 import re
 import time
 from collections.abc import Callable
@@ -47,6 +48,14 @@ STRING_PARAMS = frozenset({
     "audio", "video", "voice", "animation", "thumbnail", "explanation", "question",
 })  # fmt: skip
 QUERY_INVALID = "query is too old and response timeout expired or query ID is invalid"
+# Observed answers of the real Bot API (not in its docs): sendMessageDraft to a group/supergroup
+# (and, before Bot API 9.5, to any chat of a bot without forum topic mode), a zero draft_id, and
+# editMessageText past 4096 (sendMessage says "message is too long" instead).
+DRAFT_PEER_INVALID = "Bad Request: TEXTDRAFT_PEER_INVALID"
+DRAFT_ID_INVALID = "Bad Request: RANDOM_ID_INVALID"
+EDIT_TOO_LONG = "Bad Request: MESSAGE_TOO_LONG"
+SEND_TOO_LONG = "Bad Request: message is too long"
+BUTTON_DATA_INVALID = "Bad Request: BUTTON_DATA_INVALID"  # callback_data outside 1-64 bytes
 _COMMAND_RE = re.compile(r"/[A-Za-z0-9_]+(?:@[A-Za-z0-9_]+)?")
 
 
@@ -60,7 +69,8 @@ class ApiError(Exception):
 
 @dataclass
 class SentRecord:
-    """A successful sendMessage/editMessageText/sendChatAction/deleteMessage call."""
+    """A successful sendMessage/sendMessageDraft/editMessageText/editMessageReplyMarkup/
+    sendChatAction/deleteMessage call."""
 
     method: str
     chat_id: int | str | None
@@ -68,7 +78,7 @@ class SentRecord:
     text: str | None  # raw text as sent (before HTML parsing); action name for sendChatAction
     parse_mode: str | None
     message_id: int | None
-    time: float  # time.monotonic()
+    time: float  # fake.clock() (time.monotonic() unless a test swaps it)
     params: JSONDict = field(default_factory=dict)
 
 
@@ -80,6 +90,64 @@ class CallRecord:
     params: JSONDict
     status: int
     time: float
+
+
+@dataclass
+class DraftRecord:
+    """One accepted sendMessageDraft call; empty/blank `text` is the "Thinking…" placeholder."""
+
+    chat_id: int
+    draft_id: int
+    text: str  # visible text after entity parsing
+    entities: list[JSONDict]
+    message_thread_id: int | None
+    time: float  # fake.clock()
+    params: JSONDict = field(default_factory=dict)
+
+
+@dataclass
+class Draft:
+    """One draft bubble in a chat: its updates, and how it ended (`ended` None while live)."""
+
+    chat_id: int
+    draft_id: int
+    updates: list[DraftRecord]
+    ended: str | None = None  # "replaced" (other draft_id) | "message" (bot sent one) | "expired"
+    ended_at: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.updates[-1].text
+
+
+@dataclass
+class CallbackAnswer:
+    """An accepted answerCallbackQuery; `latency` = seconds from the update's delivery to it."""
+
+    query_id: str
+    data: str
+    chat_id: int
+    message_id: int
+    text: str | None
+    show_alert: bool
+    url: str | None
+    time: float
+    pushed_at: float  # the user's tap (push_callback)
+    delivered_at: float | None  # first returned by getUpdates / POSTed by post_webhook
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.delivered_at is None else self.time - self.delivered_at
+
+
+@dataclass
+class _Callback:
+    data: str
+    chat_id: int
+    message_id: int
+    pushed_at: float
+    delivered_at: float | None = None
+    answered: bool = False
 
 
 @dataclass
@@ -107,6 +175,13 @@ def decode_param(name: str, value: str) -> Any:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None or value == "" else int(value)
+
+
+def _chat_key(chat_id: Any) -> int | str | None:
+    """Normalise a chat_id parameter ("42" and 42 are the same chat)."""
+    if isinstance(chat_id, str) and chat_id.lstrip("-").isdigit():
+        return int(chat_id)
+    return chat_id if isinstance(chat_id, int | str) else None
 
 
 def _error(status: int, description: str, parameters: JSONDict | None = None) -> web.Response:
@@ -146,8 +221,19 @@ class FakeTelegramAPI:
         self._msgs: dict[int | str, dict[int, JSONDict]] = {}
         self._last_msg_id: dict[int | str, int] = {}
         self._files: dict[str, bytes] = {}
-        self._callback_ids: set[str] = set()
-        self._faults: dict[str, list[ApiError]] = {}
+        self._callbacks: dict[str, _Callback] = {}
+        self._faults: dict[str, list[tuple[ApiError, int | str | None]]] = {}
+        self._latency: dict[int | str, float] = {}
+        self._group_limit: tuple[int, float] | None = None
+        self._group_sends: dict[int | str, list[float]] = {}
+        self._draft_history: dict[int, list[Draft]] = {}
+        self.drafts: list[DraftRecord] = []  # every accepted sendMessageDraft, in order
+        self.callback_answers: list[CallbackAnswer] = []  # every accepted answerCallbackQuery
+        self.clock: Callable[[], float] = time.monotonic  # all record times; tests may swap it
+        self.drafts_enabled = True  # False: sendMessageDraft answers TEXTDRAFT_PEER_INVALID
+        self.draft_ttl_s = 30.0  # a draft not refreshed for this long is gone (clients: ~30 s)
+        self.callback_ttl_s: float | None = 15.0  # unanswered query older than this: invalid
+        self.count_raw_html = False  # True: 4096 limit on the raw text (markup included)
         self._conflict = False
         self._closing = False
         self._poll_gen = 0
@@ -162,6 +248,8 @@ class FakeTelegramAPI:
             "deleteMyCommands": self._delete_my_commands,
             "sendMessage": self._send_message, "editMessageText": self._edit_message_text,
             "sendChatAction": self._send_chat_action, "deleteMessage": self._delete_message,
+            "sendMessageDraft": self._send_message_draft,
+            "editMessageReplyMarkup": self._edit_message_reply_markup,
             "answerCallbackQuery": self._answer_callback_query, "getChat": self._get_chat,
             "getFile": self._get_file, "close": lambda p: True, "logOut": lambda p: True,
         }  # fmt: skip
@@ -244,10 +332,11 @@ class FakeTelegramAPI:
             return _error(404, "Not Found")
         method, handler = entry
         params = await self._read_params(request)
+        delay = self._latency.get(_chat_key(params.get("chat_id")) or "")
+        if delay:
+            await asyncio.sleep(delay)  # simulated slow chat (set_latency)
         try:
-            faults = self._faults.get(method.lower())
-            if faults:
-                raise faults.pop(0)
+            self._raise_fault(method, params)
             result = handler(params)
             if inspect.isawaitable(result):
                 result = await result
@@ -267,14 +356,22 @@ class FakeTelegramAPI:
             return _error(404, "Not Found")
         return web.Response(body=data, content_type="application/octet-stream")
 
+    def _raise_fault(self, method: str, params: JSONDict) -> None:
+        faults = self._faults.get(method.lower(), [])
+        chat = _chat_key(params.get("chat_id"))
+        for i, (err, only_chat) in enumerate(faults):
+            if only_chat is None or _chat_key(only_chat) == chat:
+                del faults[i]
+                raise err
+
     def _record_call(self, method: str, params: JSONDict, status: int) -> None:
-        self.calls.append(CallRecord(method, params, status, time.monotonic()))
+        self.calls.append(CallRecord(method, params, status, self.clock()))
         self._wake()
 
     def _record(self, method: str, p: JSONDict, chat_id: Any, text: Any, msg_id: Any) -> None:
         rec = SentRecord(
             method, chat_id, _opt_int(p.get("message_thread_id")), text, p.get("parse_mode"),
-            msg_id, time.monotonic(), p,
+            msg_id, self.clock(), p,
         )  # fmt: skip
         self.sent.append(rec)
 
@@ -304,7 +401,8 @@ class FakeTelegramAPI:
         self._msgs.setdefault(cid, {})[mid] = msg
         return msg
 
-    def _render(self, p: JSONDict) -> tuple[str, list[JSONDict]]:
+    @staticmethod
+    def _parse(p: JSONDict) -> tuple[str, list[JSONDict]]:
         raw = p.get("text")
         text = "" if raw is None else str(raw)
         entities: list[JSONDict] = list(p.get("entities") or [])
@@ -313,11 +411,33 @@ class FakeTelegramAPI:
                 text, entities = parse_html(text)
             except HtmlParseError as err:
                 raise ApiError(400, f"Bad Request: can't parse entities: {err}") from None
+        return text, entities
+
+    def _check_length(self, p: JSONDict, text: str, too_long: str) -> None:
+        """Telegram counts the visible text (after entity parsing) in UTF-16 code units."""
+        counted = str(p.get("text") or "") if self.count_raw_html else text
+        if utf16_len(counted) > MAX_TEXT_UTF16:
+            raise ApiError(400, too_long)
+
+    def _render(self, p: JSONDict, too_long: str = SEND_TOO_LONG) -> tuple[str, list[JSONDict]]:
+        text, entities = self._parse(p)
         if not text.strip():
             raise ApiError(400, "Bad Request: message text is empty")
-        if utf16_len(text) > MAX_TEXT_UTF16:
-            raise ApiError(400, "Bad Request: message is too long")
+        self._check_length(p, text, too_long)
         return text, entities
+
+    @staticmethod
+    def _inline_markup(p: JSONDict) -> JSONDict | None:
+        """The inline keyboard a message will carry (None: none, as for an empty keyboard)."""
+        markup = p.get("reply_markup")
+        if not isinstance(markup, dict) or not any(markup.get("inline_keyboard") or []):
+            return None
+        for row in markup["inline_keyboard"]:
+            for button in row:
+                data = button.get("callback_data")
+                if data is not None and not 1 <= len(str(data).encode()) <= 64:
+                    raise ApiError(400, BUTTON_DATA_INVALID)
+        return markup
 
     def _reply_target(self, chat_id: int | str, p: JSONDict) -> JSONDict | None:
         rp = p.get("reply_parameters")
@@ -339,7 +459,7 @@ class FakeTelegramAPI:
         offset = _opt_int(p.get("offset"))
         limit = max(1, min(100, _opt_int(p.get("limit")) or 100))
         timeout = float(p.get("timeout") or 0)
-        rec = PollRecord(offset, limit, timeout, p.get("allowed_updates"), time.monotonic())
+        rec = PollRecord(offset, limit, timeout, p.get("allowed_updates"), self.clock())
         self.polls.append(rec)
         self._poll_gen += 1
         gen = self._poll_gen
@@ -367,6 +487,7 @@ class FakeTelegramAPI:
                 raise ApiError(409, CONFLICT_POLLING)
             result = self._updates[:limit]
             rec.returned = [u["update_id"] for u in result]
+            self._mark_delivered(result)
             return result
         except ApiError as err:
             rec.status = err.status
@@ -413,26 +534,34 @@ class FakeTelegramAPI:
         self.my_commands.pop(self._commands_key(p), None)
         return True
 
+    def _check_group_limit(self, chat: JSONDict) -> None:
+        if self._group_limit is None or chat["type"] not in ("group", "supergroup"):
+            return
+        limit, window = self._group_limit
+        now = self.clock()
+        recent = [t for t in self._group_sends.get(chat["id"], []) if now - t < window]
+        self._group_sends[chat["id"]] = recent
+        if len(recent) >= limit:
+            retry = max(1, math.ceil(recent[0] + window - now))
+            raise ApiError(429, f"Too Many Requests: retry after {retry}", {"retry_after": retry})
+
     def _send_message(self, p: JSONDict) -> JSONDict:
         chat = self._chat(p.get("chat_id"))
+        self._check_group_limit(chat)
         text, entities = self._render(p)
         thread = _opt_int(p.get("message_thread_id"))
         reply = self._reply_target(chat["id"], p)
-        markup = p.get("reply_markup")
         msg = self._new_message(
             chat, self.bot_user, text=text, entities=entities or None,
             message_thread_id=thread, is_topic_message=True if thread is not None else None,
-            reply_to_message=reply,
-            reply_markup=markup if isinstance(markup, dict) and "inline_keyboard" in markup else None,
+            reply_to_message=reply, reply_markup=self._inline_markup(p),
         )  # fmt: skip
+        self._group_sends.setdefault(chat["id"], []).append(self.clock())
+        self._end_draft(chat["id"], "message")  # the app replaces the draft by the message
         self._record("sendMessage", p, chat["id"], p.get("text"), msg["message_id"])
         return msg
 
-    def _edit_message_text(self, p: JSONDict) -> JSONDict | bool:
-        if p.get("inline_message_id"):
-            self._render(p)
-            self._record("editMessageText", p, None, p.get("text"), None)
-            return True
+    def _message_to_edit(self, p: JSONDict) -> JSONDict:
         chat = self._chat(p.get("chat_id"))
         mid = _opt_int(p.get("message_id"))
         msg = self._msgs.get(chat["id"], {}).get(mid) if mid is not None else None
@@ -440,8 +569,16 @@ class FakeTelegramAPI:
             raise ApiError(400, "Bad Request: message to edit not found")
         if msg["from"]["id"] != self.bot_user["id"]:
             raise ApiError(400, "Bad Request: message can't be edited")
-        text, entities = self._render(p)
-        markup = p.get("reply_markup")
+        return msg
+
+    def _edit_message_text(self, p: JSONDict) -> JSONDict | bool:
+        if p.get("inline_message_id"):
+            self._render(p, EDIT_TOO_LONG)
+            self._record("editMessageText", p, None, p.get("text"), None)
+            return True
+        msg = self._message_to_edit(p)
+        text, entities = self._render(p, EDIT_TOO_LONG)
+        markup = self._inline_markup(p)  # an edit without reply_markup removes the keyboard
         if (text, entities, markup) == (msg.get("text"), msg.get("entities", []), msg.get("reply_markup")):
             raise ApiError(400, NOT_MODIFIED)
         msg.update(text=text, edit_date=int(time.time()))
@@ -450,8 +587,62 @@ class FakeTelegramAPI:
                 msg[key] = val
             else:
                 msg.pop(key, None)
-        self._record("editMessageText", p, chat["id"], p.get("text"), mid)
+        self._record("editMessageText", p, msg["chat"]["id"], p.get("text"), msg["message_id"])
         return msg
+
+    def _edit_message_reply_markup(self, p: JSONDict) -> JSONDict | bool:
+        markup = self._inline_markup(p)
+        if p.get("inline_message_id"):
+            self._record("editMessageReplyMarkup", p, None, None, None)
+            return True
+        msg = self._message_to_edit(p)
+        if markup == msg.get("reply_markup"):
+            raise ApiError(400, NOT_MODIFIED)
+        if markup is None:
+            msg.pop("reply_markup", None)
+        else:
+            msg["reply_markup"] = markup
+        self._record("editMessageReplyMarkup", p, msg["chat"]["id"], None, msg["message_id"])
+        return msg
+
+    def _live_draft(self, chat_id: int) -> Draft | None:
+        """The chat's shown draft, first ending it as expired if not refreshed within the TTL."""
+        history = self._draft_history.get(chat_id)
+        draft = history[-1] if history else None
+        if draft is None or draft.ended is not None:
+            return None
+        last = draft.updates[-1].time
+        if self.clock() - last > self.draft_ttl_s:
+            draft.ended, draft.ended_at = "expired", last + self.draft_ttl_s
+            return None
+        return draft
+
+    def _end_draft(self, chat_id: int, reason: str) -> None:
+        draft = self._live_draft(chat_id)
+        if draft is not None:
+            draft.ended, draft.ended_at = reason, self.clock()
+
+    def _send_message_draft(self, p: JSONDict) -> bool:
+        text, entities = self._parse(p)  # entities are read before the chat, as Telegram does
+        chat = self._chat(p.get("chat_id"))
+        if chat["type"] != "private" or not self.drafts_enabled:
+            raise ApiError(400, DRAFT_PEER_INVALID)
+        draft_id = _opt_int(p.get("draft_id"))
+        if not draft_id:
+            raise ApiError(400, DRAFT_ID_INVALID)
+        self._check_length(p, text, SEND_TOO_LONG)  # 0-4096: empty = "Thinking…" placeholder
+        thread = _opt_int(p.get("message_thread_id"))
+        rec = DraftRecord(chat["id"], draft_id, text, entities, thread, self.clock(), p)
+        self.drafts.append(rec)
+        live = self._live_draft(chat["id"])
+        if live is not None and live.draft_id == draft_id:
+            live.updates.append(rec)  # same draft_id: the change is animated
+        else:
+            if live is not None:
+                live.ended, live.ended_at = "replaced", rec.time
+            self._draft_history.setdefault(chat["id"], []).append(Draft(chat["id"], draft_id, [rec]))
+        self._record("sendMessageDraft", p, chat["id"], p.get("text"), None)
+        return True
 
     def _send_chat_action(self, p: JSONDict) -> bool:
         chat = self._chat(p.get("chat_id"))
@@ -468,9 +659,26 @@ class FakeTelegramAPI:
         self._record("deleteMessage", p, chat["id"], None, mid)
         return True
 
+    def _mark_delivered(self, updates: list[JSONDict]) -> None:
+        for update in updates:
+            cb = self._callbacks.get(str(update.get("callback_query", {}).get("id")))
+            if cb is not None and cb.delivered_at is None:
+                cb.delivered_at = self.clock()
+
     def _answer_callback_query(self, p: JSONDict) -> bool:
-        if str(p.get("callback_query_id")) not in self._callback_ids:
-            raise ApiError(400, f"Bad Request: {QUERY_INVALID}")
+        qid = str(p.get("callback_query_id"))
+        cb, now = self._callbacks.get(qid), self.clock()
+        ttl = self.callback_ttl_s
+        if cb is None or cb.answered or (ttl is not None and now - cb.pushed_at > ttl):
+            raise ApiError(400, f"Bad Request: {QUERY_INVALID}")  # unknown, too old, or answered
+        text = p.get("text")
+        if text is not None and utf16_len(str(text)) > 200:
+            raise ApiError(400, EDIT_TOO_LONG)
+        cb.answered = True
+        self.callback_answers.append(CallbackAnswer(
+            qid, cb.data, cb.chat_id, cb.message_id, text, bool(p.get("show_alert")), p.get("url"),
+            now, cb.pushed_at, cb.delivered_at,
+        ))  # fmt: skip
         return True
 
     def _get_chat(self, p: JSONDict) -> JSONDict:
@@ -568,18 +776,53 @@ class FakeTelegramAPI:
         msg = self.user_message(chat_id, user_id=user_id, photo=sizes, caption=caption, **kw)
         return self.push_update({"message": msg})
 
-    def push_callback(self, chat_id: int, message_id: int, data: str, *, user_id: int) -> int:
-        """Queue a callback_query for a bot message's inline button; returns update_id."""
-        qid = str(next(self._update_ids))
-        self._callback_ids.add(qid)
-        query: JSONDict = {
-            "id": qid, "from": {"id": user_id, "is_bot": False, "first_name": "Test"},
-            "chat_instance": str(chat_id), "data": data,
-        }  # fmt: skip
+    def push_callback(
+        self, chat_id: int, message_id: int, data: str, *, user_id: int, username: str | None = None,
+        check_button: bool = True,
+    ) -> int:  # fmt: skip
+        """Queue a user's tap on an inline button (its callback query id is str(update_id));
+        with check_button, the message must show a button with this callback_data."""
         msg = self._msgs.get(chat_id, {}).get(message_id)
+        buttons = [b for row in (msg or {}).get("reply_markup", {}).get("inline_keyboard", []) for b in row]
+        if check_button and not any(b.get("callback_data") == data for b in buttons):
+            raise ValueError(f"message {chat_id}/{message_id} shows no button with callback_data {data!r}")
+        update_id = next(self._update_ids)
+        user: JSONDict = {"id": user_id, "is_bot": False, "first_name": "Test"}
+        if username:
+            user["username"] = username
+        query: JSONDict = {"id": str(update_id), "from": user, "chat_instance": str(chat_id), "data": data}
         if msg is not None:
             query["message"] = msg
-        return self.push_update({"callback_query": query})
+        self._callbacks[str(update_id)] = _Callback(data, chat_id, message_id, self.clock())
+        return self.push_update({"update_id": update_id, "callback_query": query})
+
+    def callback_answer(self, query_id: str | int) -> CallbackAnswer | None:
+        """The accepted answer to a callback query (query id = push_callback's update_id)."""
+        return next((a for a in self.callback_answers if a.query_id == str(query_id)), None)
+
+    def draft_state(self, chat_id: int) -> str | None:
+        """Text of the draft the user sees in the chat now ("" = "Thinking…"), or None."""
+        draft = self._live_draft(chat_id)
+        return None if draft is None else draft.text
+
+    def draft_history(self, chat_id: int) -> list[Draft]:
+        """Every draft bubble of the chat, oldest first (the last may still be live)."""
+        self._live_draft(chat_id)  # settle expiry
+        return list(self._draft_history.get(chat_id, []))
+
+    def delete_message(self, chat_id: int | str, message_id: int) -> bool:
+        """Delete a message as a user/admin would (later edits: "message to edit not found")."""
+        return self._msgs.get(chat_id, {}).pop(message_id, None) is not None
+
+    def set_latency(self, chat_id: int | str, seconds: float) -> None:
+        """Delay every API call addressed to `chat_id` by `seconds` (0 removes the delay)."""
+        self._latency[_chat_key(chat_id) or ""] = seconds
+
+    def set_group_limit(self, per_window: int | None = 20, window_s: float = 60.0) -> None:
+        """Opt in to Telegram's group limit: > `per_window` sendMessage per group per `window_s`
+        → 429 with retry_after (None turns it off)."""
+        self._group_limit = None if per_window is None else (per_window, window_s)
+        self._group_sends.clear()
 
     def add_file(self, file_id: str, data: bytes) -> None:
         """Make `file_id` available via getFile and the file download URL."""
@@ -623,8 +866,9 @@ class FakeTelegramAPI:
         retry_after: int | None = None,
         description: str | None = None,
         times: int = 1,
+        chat_id: int | str | None = None,
     ) -> None:
-        """Make the next `times` calls of `method` fail with an error answer."""
+        """Make the next `times` calls of `method` (to `chat_id` only, if given) fail."""
         params: JSONDict | None = None
         if status == 429:
             retry_after = 1 if retry_after is None else retry_after
@@ -634,7 +878,7 @@ class FakeTelegramAPI:
         default = {400: "Bad Request", 403: "Forbidden: bot was blocked by the user",
                    409: CONFLICT_POLLING}.get(status, "Internal Server Error")  # fmt: skip
         err = ApiError(status, description or default, params)
-        self._faults.setdefault(method.lower(), []).extend([err] * times)
+        self._faults.setdefault(method.lower(), []).extend([(err, chat_id)] * times)
 
     def conflict_polling(self, enabled: bool = True) -> None:
         """While enabled, getUpdates answers 409 Conflict (another instance polling)."""
@@ -658,6 +902,7 @@ class FakeTelegramAPI:
     async def post_webhook(self, url: str, update: JSONDict, secret_token: str | None = None) -> int:
         """POST an Update to a webhook URL as Telegram would; returns the HTTP status."""
         update.setdefault("update_id", next(self._update_ids))
+        self._mark_delivered([update])
         headers = {"X-Telegram-Bot-Api-Secret-Token": secret_token} if secret_token else {}
         async with ClientSession() as session, session.post(url, json=update, headers=headers) as resp:
             return resp.status
