@@ -20,12 +20,14 @@ def _tag(session_key: str) -> str:
 # --- per session (one slot each) ------------------------------------------------------------
 
 def lease(session_key: str) -> str:
-    """Hash: token, worker, fence. Expires with the lease TTL (Redis server time)."""
+    """Hash: token (`<worker>/<incarnation>`), worker, fence. Expires with the lease TTL (Redis
+    server time). Shared stores apply a session write only while this carries the writer's fence."""
     return f"{PREFIX}:{_tag(session_key)}:lease"
 
 
 def fence(session_key: str) -> str:
-    """Integer, INCR on every acquisition; never expires. Writes carrying an older one are refused."""
+    """Integer, INCR on every acquisition (never below the server clock in ms); expires one lease TTL
+    after the last acquisition, since later fences start from the clock, which has moved on."""
     return f"{PREFIX}:{_tag(session_key)}:fence"
 
 
@@ -81,18 +83,26 @@ def pairing_platforms() -> str:
     return f"{PREFIX}:pairing:platforms"
 
 
+def leased() -> str:
+    """Sorted set: session key -> when its lease runs out (ms, refreshed with every renewal, removed on
+    release). Every live worker scans it for leases that lapsed and adopts their open turns."""
+    return f"{PREFIX}:leased"
+
+
 def workers() -> str:
-    """Hash: worker id -> JSON {seen_at, http, sessions, ingress} heartbeat."""
+    """Hash: worker id -> JSON {seen_at, incarnation, http, sessions (count), ingress} heartbeat."""
     return f"{PREFIX}:workers"
 
 
 def worker_alive(worker_id: str) -> str:
-    """Exists while the worker is alive (SET PX, refreshed with its heartbeat; server-side expiry)."""
+    """The incarnation of the worker alive under this id (SET PX one lease TTL, refreshed with its
+    heartbeat; server-side expiry)."""
     return f"{PREFIX}:alive:{{{worker_id}}}"
 
 
 def worker_sessions(worker_id: str) -> str:
-    """Set of sessions a worker took (SADD on acquisition): survivors adopt them if it dies."""
+    """Set of sessions leased to any incarnation of a worker id (SADD on acquisition, SREM on release
+    or loss): a restarted worker takes its predecessor's over at start."""
     return f"{PREFIX}:owned:{{{worker_id}}}"
 
 

@@ -1,13 +1,19 @@
 """Cross-process session leases in Redis, with fencing numbers.
 
-A lease says which worker owns a session. Acquire, renew and release are Lua compare-and-set
-scripts on the session's own slot; the TTL is kept by the Redis server, so worker clocks do not
-matter. Each acquisition takes a new fencing number that only grows (it never falls below the
-server's clock in ms, so even a Redis that lost its data hands out larger numbers), and every
-write a turn makes carries it: a worker that was paused past its TTL cannot write after waking.
+A lease says which worker *incarnation* owns a session: its token is `<worker id>/<incarnation>`,
+new at every process start, so a restarted worker never mistakes its dead predecessor's leases for
+its own. It takes them over instead — at once, since its own restart proves the predecessor gone —
+through the same path as any acquisition, which hands out a new, larger fencing number.
 
-Locally a lease counts as valid only until `renewed + ttl - margin` by our monotonic clock,
-measured from when the renewal was *sent*, so we give up a lease before Redis does.
+Acquire, renew and release are Lua compare-and-set scripts; the TTL is kept by the Redis server.
+Every acquisition takes a fencing number that only grows (never below the server's clock in ms),
+and the shared stores apply a session write only while the writer's lease carries the writer's
+fence: a worker paused past its TTL can neither write nor — its local check failing first — speak.
+
+Locally a lease counts as valid until `renewed + ttl - margin`, measured from when the renewal
+was *sent*, on CLOCK_BOOTTIME (Linux), which keeps running while the host is suspended — as the
+Redis TTL does. Renewals run in slices that yield to the event loop, so a worker holding 100,000
+leases never blocks for long; concurrent acquisitions share one pipeline.
 """
 
 from __future__ import annotations
@@ -16,10 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -29,14 +34,15 @@ log = logging.getLogger(__name__)
 
 AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
 
+# KEYS: lease, fence counter.  ARGV: token, worker id, ttl ms.
+# Returns {1, fence, replaced token or ''} when the lease is ours now, {0, holder's worker id, pttl}
+# when another worker holds it. A lease held by an earlier incarnation of this worker id (same id,
+# other token) is taken over. Every acquisition gets a new fence, also one we held before: a
+# release still in flight for the old fence then cannot undo it.
 _ACQUIRE = """
-local cur = redis.call('HGET', KEYS[1], 'token')
-if cur and cur ~= ARGV[1] then
-  return {0, redis.call('HGET', KEYS[1], 'worker'), redis.call('PTTL', KEYS[1])}
-end
-if cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence'))}
+local cur = redis.call('HMGET', KEYS[1], 'token', 'worker')
+if cur[1] and cur[1] ~= ARGV[1] and cur[2] ~= ARGV[2] then
+  return {0, cur[2], redis.call('PTTL', KEYS[1])}
 end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -45,28 +51,57 @@ if f < now_ms then
   f = now_ms
   redis.call('SET', KEYS[2], f)
 end
+-- The counter only has to outlive the lease: after it expires the next fence starts from the
+-- server clock, which has moved on by more than the lease TTL since this one.
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'worker', ARGV[2], 'fence', f)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {1, f}
+local replaced = ''
+if cur[1] and cur[1] ~= ARGV[1] then replaced = cur[1] end
+return {1, f, replaced}
 """
 
-# KEYS: lease. ARGV: token, fence, ttl_ms -> 1 renewed, 0 lost
+# KEYS: leases.  ARGV: token, ttl ms, fence of each key in order.  Returns 1 (renewed) or 0 (lost) each.
 _RENEW = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] and redis.call('HGET', KEYS[1], 'fence') == ARGV[2] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
+local out = {}
+for i, key in ipairs(KEYS) do
+  local cur = redis.call('HMGET', key, 'token', 'fence')
+  if cur[1] == ARGV[1] and cur[2] == ARGV[i + 2] then
+    redis.call('PEXPIRE', key, ARGV[2])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
 end
-return 0
+return out
 """
 
-# KEYS: lease. ARGV: token, fence -> 1 released, 0 not ours
+# KEYS: lease.  ARGV: token, fence.  Returns 1 released, 0 not ours (any more).
 _RELEASE = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] and redis.call('HGET', KEYS[1], 'fence') == ARGV[2] then
+local cur = redis.call('HMGET', KEYS[1], 'token', 'fence')
+if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
 """
+
+RENEW_SLICE = 500  # leases per renewal call: small enough that encoding one never blocks for long
+
+
+def _clock() -> Callable[[], float]:
+    """CLOCK_BOOTTIME where there is one: unlike CLOCK_MONOTONIC it runs on while the host sleeps."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is not None:
+        try:
+            time.clock_gettime(boottime)
+            return lambda: time.clock_gettime(boottime)
+        except OSError:
+            pass
+    return time.monotonic
+
+
+now = _clock()
 
 
 @dataclass(slots=True)
@@ -74,34 +109,47 @@ class Lease:
     key: str  # the Redis key of the lease
     name: str  # session key or ingress name
     fence: int
-    renewed_at: float  # monotonic time the last successful renewal was sent
+    renewed_at: float  # `now()` when the last successful renewal (or the acquisition) was sent
 
 
 @dataclass(frozen=True, slots=True)
 class Acquired:
     lease: Lease | None  # ours, or None if someone else holds it
-    owner: str | None = None  # that someone
+    owner: str | None = None  # that someone (a worker id)
     ttl_ms: int = 0
+    replaced: str | None = None  # the token of an earlier incarnation of ours it was taken from
+
+
+class OnLost(Protocol):
+    def __call__(self, name: str, lease: Lease, *, expired: bool) -> None:
+        """`name` is no longer ours: `expired` by our own clock (so maybe still ours in Redis), or
+        refused at renewal (someone else's now, or gone)."""
 
 
 class LeaseManager:
-    """Holds this worker's leases: acquires on demand, renews all in one batch every TTL/3."""
+    """Holds this incarnation's leases: acquires on demand (batched), renews all every TTL/3."""
 
-    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float = 30.0,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(self, redis: AnyRedis, worker_id: str, incarnation: str, *, ttl_s: float = 30.0,
+                 on_lost: OnLost | None = None) -> None:
+        if "/" in worker_id:
+            raise ValueError("a worker id must not contain '/'")
         self.redis = redis
         self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.token = f"{worker_id}/{incarnation}"
         self.ttl_s = ttl_s
         self.margin_s = min(2.0, ttl_s / 10)
-        self.token = f"{worker_id}:{uuid.uuid4().hex}"
         self.on_lost = on_lost
         self.held: dict[str, Lease] = {}
-        self._acquire = redis.register_script(_ACQUIRE)
+        self._acquire_sha: str | None = None
         self._renew_sha: str | None = None
-        self._release = redis.register_script(_RELEASE)
+        self._release_sha: str | None = None
+        self._queued: list[tuple[str, str, str, asyncio.Future[Acquired]]] = []
         self._task: asyncio.Task[None] | None = None
-        self.last_ok: float = time.monotonic()  # last time Redis answered a renewal batch
+        self._cluster = isinstance(redis, RedisCluster)
+        self.last_ok: float = now()  # when Redis last answered a renewal round
         self.acquisitions = self.losses = 0
+        self.longest_slice_s = 0.0  # the longest stretch a renewal round held the event loop
 
     @property
     def ttl_ms(self) -> int:
@@ -112,74 +160,156 @@ class LeaseManager:
         lease = self.held.get(name)
         if lease is None or (fence is not None and lease.fence != fence):
             return False
-        return time.monotonic() - lease.renewed_at < self.ttl_s - self.margin_s
+        return now() - lease.renewed_at < self.ttl_s - self.margin_s
 
     def check_lease(self, name: str) -> bool:
         """State change: drop `name` (reporting it lost) if it can no longer be proven; True if held."""
         if self.holds(name):
             return True
         if name in self.held:
-            self._lose(name)  # e.g. we were paused past the TTL: stop acting on it now
+            self._lose(name, expired=True)  # e.g. we were paused past the TTL: stop acting on it now
         return False
 
+    # --- acquire --------------------------------------------------------------------------
+
     async def acquire(self, name: str, key: str, fence_key: str) -> Acquired:
-        sent = time.monotonic()
-        result = await self._acquire(keys=[key, fence_key], args=[self.token, self.worker_id, self.ttl_ms])
-        if int(result[0]) == 1:
-            fresh = name not in self.held
-            lease = self.held[name] = Lease(key, name, int(result[1]), sent)
-            if fresh:
-                self.acquisitions += 1
-            return Acquired(lease)
-        return Acquired(None, str(result[1]), int(result[2]))
+        """Take `name` if it is free (or an earlier incarnation's). Acquisitions requested in the
+        same event-loop turn go to Redis in one pipeline."""
+        fut: asyncio.Future[Acquired] = asyncio.get_running_loop().create_future()
+        self._queued.append((name, key, fence_key, fut))
+        if len(self._queued) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_acquisitions)
+        return await fut
+
+    def _flush_acquisitions(self) -> None:
+        batch, self._queued = self._queued, []
+        task = asyncio.get_running_loop().create_task(self._acquire_batch(batch))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _acquire_batch(self, batch: list[tuple[str, str, str, asyncio.Future[Acquired]]]) -> None:
+        sent = now()
+        try:
+            results = await self._evalsha_many("_acquire_sha", _ACQUIRE, [
+                ([key, fence_key], [self.token, self.worker_id, self.ttl_ms]) for _, key, fence_key, _ in batch])
+        except BaseException as exc:
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else RedisError("cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (name, key, _, fut), result in zip(batch, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, Exception):
+                fut.set_exception(result)
+            elif int(result[0]) == 1:
+                if name not in self.held:
+                    self.acquisitions += 1
+                lease = self.held[name] = Lease(key, name, int(result[1]), sent)
+                fut.set_result(Acquired(lease, replaced=str(result[2]) or None))
+            else:
+                fut.set_result(Acquired(None, str(result[1]), int(result[2])))
+
+    # --- release --------------------------------------------------------------------------
 
     async def release(self, name: str) -> None:
+        """Give `name` up (our fence only: a newer acquisition of it, even by us, is untouched)."""
         lease = self.held.pop(name, None)
         if lease is None:
             return
         with contextlib.suppress(RedisError, OSError):
-            await self._release(keys=[lease.key], args=[self.token, lease.fence])
+            await self._evalsha_many("_release_sha", _RELEASE, [([lease.key], [self.token, lease.fence])])
+
+    async def release_lost(self, lease: Lease) -> None:
+        """Release a lease already dropped locally, if Redis still has it under our token and fence."""
+        await self._evalsha_many("_release_sha", _RELEASE, [([lease.key], [self.token, lease.fence])])
+
+    # --- renew ----------------------------------------------------------------------------
 
     async def renew_all(self) -> None:
-        """Renew every held lease in one pipeline; report the ones that are gone."""
-        if not self.held:
-            self.last_ok = time.monotonic()
-            return
+        """Renew every held lease, a slice at a time; report the ones that are gone."""
         leases = list(self.held.values())
-        sent = time.monotonic()
-        try:
+        failed = False
+        for start in range(0, len(leases), RENEW_SLICE):
+            began = time.perf_counter()
+            part = leases[start:start + RENEW_SLICE]
+            sent = now()
+            call = self._renew_slice(part)  # encoding happens here, before the first await
+            self.longest_slice_s = max(self.longest_slice_s, time.perf_counter() - began)
             try:
-                results = await self._renew_batch(leases)
-            except NoScriptError:  # Redis restarted without our script: load it and go again
-                results = await self._renew_batch(leases, load=True)
-        except (RedisError, OSError) as exc:
-            log.warning("lease renewal failed (%s); %d lease(s) at risk", type(exc).__name__, len(leases))
+                results = await call
+            except (RedisError, OSError) as exc:
+                if not failed:
+                    log.warning("lease renewal failed (%s); %d lease(s) at risk", type(exc).__name__, len(leases))
+                failed = True
+                continue
+            began = time.perf_counter()
+            for lease, ok in zip(part, results, strict=True):
+                if ok == 1:
+                    lease.renewed_at = sent
+                elif self.held.get(lease.name) is lease:
+                    self._lose(lease.name, expired=False)
+            self.longest_slice_s = max(self.longest_slice_s, time.perf_counter() - began)
+        if failed:
             for lease in leases:
                 self.check_lease(lease.name)  # drops those past their TTL by our clock
-            return
-        self.last_ok = time.monotonic()
-        for lease, ok in zip(leases, results, strict=True):
-            if int(ok) == 1:
-                lease.renewed_at = sent
-            elif self.held.get(lease.name) is lease:
-                self._lose(lease.name)
+        else:
+            self.last_ok = now()
 
-    async def _renew_batch(self, leases: list[Lease], *, load: bool = False) -> list[Any]:
-        """One pipeline of EVALSHAs (split per node by a cluster client)."""
-        if load or self._renew_sha is None:
-            self._renew_sha = str(await self.redis.script_load(_RENEW))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                pipe.evalsha(self._renew_sha, 1, lease.key, self.token, lease.fence, self.ttl_ms)
-            return list(await pipe.execute())
+    def _renew_slice(self, part: list[Lease]) -> Any:
+        if self._cluster:  # every key may live on another node: one call each, pipelined per node
+            return self._evalsha_many("_renew_sha", _RENEW,
+                                      [([lease.key], [self.token, self.ttl_ms, lease.fence]) for lease in part],
+                                      flatten=True)
+        keys = [lease.key for lease in part]
+        args = [self.token, self.ttl_ms, *[lease.fence for lease in part]]
+        return self._evalsha_many("_renew_sha", _RENEW, [(keys, args)], flatten=True)
 
-    def _lose(self, name: str) -> None:
-        if self.held.pop(name, None) is None:
+    async def _evalsha_many(self, attr: str, script: str, calls: list[tuple[list[str], list[Any]]], *,
+                            flatten: bool = False) -> list[Any]:
+        """One pipeline of EVALSHAs; loads the script first (and again after a Redis restart)."""
+        for attempt in range(2):
+            sha = getattr(self, attr)
+            if sha is None or attempt:
+                sha = str(await self.redis.script_load(script))
+                setattr(self, attr, sha)
+            try:
+                if self._cluster:  # redis-py's cluster pipeline refuses scripts: concurrent calls instead
+                    results = list(await asyncio.gather(
+                        *(self.redis.evalsha(sha, len(keys), *keys, *args) for keys, args in calls),
+                        return_exceptions=True))
+                    if any(isinstance(r, BaseException) and not isinstance(r, Exception) for r in results):
+                        raise next(r for r in results if isinstance(r, BaseException))
+                else:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for keys, args in calls:
+                            pipe.evalsha(sha, len(keys), *keys, *args)
+                        results = list(await pipe.execute(raise_on_error=False))
+            except NoScriptError:
+                continue
+            if any(isinstance(r, NoScriptError) for r in results):
+                continue
+            if flatten:
+                out: list[Any] = []
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+                    out += [int(x) for x in r]
+                return out
+            return results
+        raise RedisError("the Lua script could not be loaded")
+
+    def _lose(self, name: str, *, expired: bool) -> None:
+        lease = self.held.pop(name, None)
+        if lease is None:
             return
         self.losses += 1
-        log.warning("lease lost: %s", name)
+        log.warning("lease lost: %s (%s)", name, "not renewed in time" if expired else "refused at renewal")
         if self.on_lost is not None:
-            self.on_lost(name)
+            self.on_lost(name, lease, expired=expired)
+
+    # --- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

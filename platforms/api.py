@@ -33,9 +33,10 @@ WATCH_INTERVAL_S = 0.25
 KEEPALIVE_S = 10.0
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> web.Response:
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status)
+                             status=status, headers=headers)
 
 
 class _ApiReply(Reply):
@@ -118,6 +119,9 @@ class ApiAdapter(Adapter):
             submitted = await self.gateway.submit(msg, self, ephemeral=None if session else history)
             if submitted.outcome is Outcome.COMMAND:
                 return await self._respond_text(request, stream, submitted.detail)
+            if submitted.outcome is Outcome.UNAVAILABLE:
+                return _error(503, submitted.detail, "service_unavailable",
+                              headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
             if submitted.outcome is Outcome.REJECTED:
                 return _error(400, submitted.detail)
             if submitted.run is None:

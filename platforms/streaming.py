@@ -121,7 +121,7 @@ class EditStreamReply(Reply):
                 await asyncio.wait({task})
 
     async def _keep_typing(self) -> None:
-        while not self._shown:
+        while not self._shown and self._run.may_send():  # a chat action is output too: guarded
             with contextlib.suppress(Exception):
                 await self._adapter.typing(self._chat)
             await asyncio.sleep(self.TYPING_EVERY_S)

@@ -31,7 +31,7 @@ from telegram.request import HTTPXRequest
 from gateway.core import commands
 from gateway.core.cancellation import ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Gateway, Health, NoticeKind
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome
 from platforms.base import Adapter, OutboundError, RateLimited
 from platforms.config import TelegramConfig
 from platforms.ingress import IngressLeader
@@ -44,6 +44,7 @@ PLATFORM = "telegram"
 ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 MAX_GATES = 10_000
+UNAVAILABLE_RETRY_S = 2.0
 
 
 @dataclass
@@ -203,7 +204,10 @@ class TelegramAdapter(Adapter):
         for update in updates:
             if self._closing:
                 return  # the rest stays unconfirmed and is fetched again by the next process
-            await self._handle(update)
+            if not await self._handle(update):
+                # Not stored (storage or Redis down): leave it unconfirmed, fetch it again later.
+                await self._waiting(asyncio.sleep(UNAVAILABLE_RETRY_S))
+                return
             self._offset = update.update_id + 1
             if self.leader is not None:
                 await self.leader.save("offset", str(self._offset))
@@ -268,22 +272,26 @@ class TelegramAdapter(Adapter):
         except Exception:
             return web.Response(status=400, text="not a Telegram update")
         async with self._webhook_lock:  # one at a time, in arrival order
-            await self._handle(update)
+            stored = await self._handle(update)
+        if not stored:  # Telegram delivers it again later; the redelivery is de-duplicated
+            return web.Response(status=503, text="not stored; try again later", headers={"Retry-After": "5"})
         return web.Response(text="ok")  # only now: the message is recorded
 
     # --- intake: updates to messages ------------------------------------------------------
 
-    async def _handle(self, update: Update) -> None:
-        """Turn one update into a router submission; never raises (a bad update is skipped)."""
+    async def _handle(self, update: Update) -> bool:
+        """Turn one update into a router submission; never raises (a bad update is skipped).
+        False when it could not be taken now (storage down) and must be delivered again."""
         try:
             m = update.message
             if m is None:
-                return
+                return True
             msg = self._inbound(m)
             if msg is not None:
-                await self.gateway.submit(msg, self)
+                return (await self.gateway.submit(msg, self)).outcome is not Outcome.UNAVAILABLE
         except Exception:
             log.exception("telegram: could not process update %d", update.update_id)
+        return True
 
     def _inbound(self, m: Message) -> InboundMessage | None:
         """The normalized message, or None when it is not for us (bots, other bots' commands,

@@ -235,7 +235,7 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
     from tests.fakes.telegram_api import FakeTelegramAPI
 
     rng = random.Random(3)
-    provider.delay_s, provider.words = 0.02, 100  # about two seconds per answer
+    provider.delay_s, provider.words = 0.02, 200  # about four seconds per answer: a stop lands mid-answer
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **{**WEBHOOK, "EDIT_INTERVAL_S": "0.5"})  # keeps the test process (fakes) unloaded
         trio = [Worker(f"x{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=10, **env) for i in (1, 2, 3)]
@@ -274,7 +274,11 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
                 if all(_closed(rows) and len([r for r in rows if r.role == "user"]) ==
                        len([t for t in sent[chat] if t != "/stop"]) for chat, rows in transcripts.items()):
                     break
-                assert time.monotonic() < deadline, "sessions did not settle"
+                assert time.monotonic() < deadline, ("sessions did not settle", {
+                    chat: ([(r.role, r.content[:20], r.reason) for r in rows], sent[chat])
+                    for chat, rows in transcripts.items()
+                    if not (_closed(rows) and len([r for r in rows if r.role == "user"]) ==
+                            len([t for t in sent[chat] if t != "/stop"]))})
                 await asyncio.sleep(0.25)
             await store.close()
             forwarded = 0.0
@@ -306,12 +310,12 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
             assert requests.get(user.content, 0) <= 1, f"{user.content} reached the model twice"
             if answer.interrupted_by is None:  # answered: the full text reached the chat exactly once
                 shown = [t for t in fake.messages(chat).values() if t.startswith(f"reply to: {user.content} ")]
-                assert len(shown) == 1 and shown[0].rstrip().endswith("w99"), (chat, fake.messages(chat))
+                assert len(shown) == 1 and shown[0].rstrip().endswith("w199"), (chat, fake.messages(chat))
                 outcomes["answered"] += 1
             else:
                 assert answer.reason in ("user sent a new message", "stopped by user (/stop)"), answer
                 outcomes[answer.reason] += 1
-    assert min(outcomes.values()) >= 10, outcomes  # the mix really happened
+    assert min(outcomes.values()) >= 5, outcomes  # the mix really happened
 
 
 async def _webhook_pair(fake: Any, redis: RedisServer, provider: FakeProvider, tmp: Path) -> tuple[Worker, Worker]:
@@ -353,7 +357,8 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
             a.kill()  # and a dies without ever acknowledging it
             died = time.monotonic()
             while not any(t.startswith("reply to: second") for t in fake.messages(42).values()):
-                assert time.monotonic() - died < 4 * TTL + 5, fake.messages(42)
+                # a's liveness lapses within a TTL, its inbox entry is claimed once idle for a TTL
+                assert time.monotonic() - died < 2 * TTL + TTL / 3 + 2, fake.messages(42)
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)
         finally:
@@ -378,8 +383,9 @@ async def test_a_turn_running_on_a_worker_that_dies_is_resumed_without_waiting_f
             a.kill()  # mid-turn, and the user says nothing more
             died = time.monotonic()
             while not any("Your answer was cut off" in t for t in fake.messages(43).values()):
-                assert time.monotonic() - died < 3 * TTL + 5, fake.messages(43)
-                await asyncio.sleep(0.1)
+                # Adopted within TTL + 2 s of the owner's last renewal (which came before the kill).
+                assert time.monotonic() - died < TTL + 2, fake.messages(43)
+                await asyncio.sleep(0.05)
         finally:
             a.kill()
             b.kill()
@@ -409,3 +415,155 @@ async def test_a_worker_stopped_for_a_rolling_restart_hands_its_cut_off_turns_to
     assert status == 200 and content(body2).startswith("reply to: are you back?")
     sent = provider.connections[-1].body["messages"]
     assert sent[1]["content"].endswith("[interrupted by system: gateway restart]")
+
+
+async def test_a_worker_restarted_with_the_same_id_takes_its_sessions_over_at_once_and_alone(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    """systemd's Restart=on-failure: the same worker id back at once. Its previous incarnation's
+    lease is not its own; it takes it over (new fence) without waiting for the TTL, closes and
+    resumes the cut-off turn, and the other worker never answers the session too."""
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    ttl = 10.0  # long, so that "at once" cannot be the TTL running out
+    provider.delay_s, provider.words = 0.05, 400
+    async with FakeTelegramAPI() as fake:
+        env = _telegram_env(fake, **WEBHOOK)
+        a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env) for name in "ab")
+        await asyncio.gather(a.start(), b.start())
+        raw = redis_server.client()
+        try:
+            await _post(fake, a, 51, "tell me a long story")
+            while not fake.messages(51):
+                await asyncio.sleep(0.05)
+            old = raw.hgetall("sb:{s:telegram:dm:51}:lease")
+            provider.delay_s, provider.words = 0.0, 2
+            a.kill()
+            killed = time.monotonic()
+            again = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env)
+            await again.start()
+            while not any("Your answer was cut off" in t for t in fake.messages(51).values()):
+                assert time.monotonic() - killed < ttl - 2, fake.messages(51)
+                await asyncio.sleep(0.05)
+            took_over = time.monotonic() - killed
+            lease = raw.hgetall("sb:{s:telegram:dm:51}:lease")
+            assert lease["worker"] == "a" and lease["token"] != old["token"]  # a new incarnation...
+            assert int(lease["fence"]) > int(old["fence"])  # ...through the fenced takeover path
+            await _post(fake, b, 51, "and then?")  # reaches b: forwarded to the new a, answered once
+            while not any(t.startswith("reply to: and then?") for t in fake.messages(51).values()):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(ttl - (time.monotonic() - killed) + 1)  # past the old lease's TTL
+        finally:
+            for w in (a, b):
+                w.kill()
+            if "again" in locals():
+                again.kill()
+    print(f"taken over {took_over:.2f} s after the kill (TTL {ttl:g} s)")
+    texts = list(fake.messages(51).values())
+    assert texts.count("⏹ interrupted: worker stopped responding; session taken over") == 1
+    assert len([t for t in texts if t.startswith("reply to: and then?")]) == 1
+    assert len(provider.requests_for("and then?")) == 1
+    rows = await _transcript(redis_server, "telegram:dm:51", 6)
+    assert [(role, reason) for role, _, reason in rows] == [
+        ("user", None), ("assistant", "worker stopped responding; session taken over"),
+        ("user", None), ("assistant", None), ("user", None), ("assistant", None)]
+
+
+async def test_an_owner_paused_for_less_than_the_ttl_leaves_no_turn_stalled(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Paused just under the TTL, the owner gives the lease up by its own clock when it wakes; the
+    turn it was running is closed, told and resumed (by whichever worker adopts it) — not left
+    "running" with nobody answering."""
+    from gateway.store.redis import RedisStore
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    ttl = 5.0
+    provider.delay_s, provider.words = 0.05, 400
+    async with FakeTelegramAPI() as fake:
+        env = _telegram_env(fake, **WEBHOOK)
+        a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env) for name in "ab")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            await _post(fake, a, 52, "a long answer please")
+            while not fake.messages(52):
+                await asyncio.sleep(0.05)
+            provider.delay_s, provider.words = 0.0, 2
+            a.signal(signal.SIGSTOP)
+            paused = time.monotonic()
+            await asyncio.sleep(ttl * 0.9)
+            a.signal(signal.SIGCONT)
+            while not any("Your answer was cut off" in t for t in fake.messages(52).values()):
+                assert time.monotonic() - paused < ttl + 2, fake.messages(52)
+                await asyncio.sleep(0.05)
+            store = RedisStore(redis_server.url)
+            await store.open()
+            try:
+                deadline = time.monotonic() + 5
+                while await store.unfinished_inbound("telegram:dm:52"):
+                    assert time.monotonic() < deadline, await store.unfinished_inbound("telegram:dm:52")
+                    await asyncio.sleep(0.1)
+            finally:
+                await store.close()
+        finally:
+            for w in (a, b):
+                w.kill()
+    texts = list(fake.messages(52).values())
+    assert len([t for t in texts if t.startswith("⏹ interrupted:")]) == 1, texts
+    assert len([t for t in texts if t.startswith("reply to: [interrupted by system")]) == 1, texts
+
+
+async def test_while_redis_is_down_clients_are_told_to_retry_and_nothing_is_lost(
+        provider: FakeProvider, tmp_path: Path) -> None:
+    """The API answers 503 with Retry-After (not 400), the Telegram webhook answers non-2xx so
+    Telegram delivers the update again, and the redelivery is answered once Redis is back."""
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    provider.delay_s, provider.words = 0.0, 2
+    redis_server = RedisServer(tmp_path / "redis", persistence=True).start()
+    async with FakeTelegramAPI() as fake:
+        env = _telegram_env(fake, **WEBHOOK)
+        a = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env)
+        await a.start()
+        try:
+            redis_server.stop()
+            async with aiohttp.ClientSession() as http:
+                body = {"messages": [{"role": "user", "content": "anyone there?"}]}
+                async with http.post(a.url + "/v1/chat/completions", json=body,
+                                     headers={"X-Session-Id": "down"}) as resp:
+                    assert resp.status == 503, await resp.text()
+                    assert int(resp.headers["Retry-After"]) > 0
+                    assert (await resp.json())["error"]["type"] == "service_unavailable"
+                update = {"message": fake.user_message(53, user_id=53, text="hello while down")}
+                assert await fake.post_webhook(a.url + "/telegram/webhook", update, WEBHOOK["SECRET_TOKEN"]) >= 500
+                redis_server.start()
+                deadline = time.monotonic() + 10
+                while (status := await fake.post_webhook(a.url + "/telegram/webhook", update,
+                                                         WEBHOOK["SECRET_TOKEN"])) != 200:
+                    assert time.monotonic() < deadline, status  # Telegram keeps redelivering
+                    await asyncio.sleep(0.2)
+                while not any(t.startswith("reply to: hello while down") for t in fake.messages(53).values()):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                # One more redelivery (Telegram may send it twice): de-duplicated, not answered again.
+                assert await fake.post_webhook(a.url + "/telegram/webhook", update, WEBHOOK["SECRET_TOKEN"]) == 200
+                await asyncio.sleep(0.5)
+        finally:
+            a.kill()
+            redis_server.stop()
+    assert len([t for t in fake.messages(53).values() if t.startswith("reply to: hello while down")]) == 1
+    assert len(provider.requests_for("hello while down")) == 1
+
+
+async def test_status_lists_workers_with_their_incarnation_and_sessions(workers: Any, redis_server: RedisServer,
+                                                                       provider: FakeProvider) -> None:
+    import subprocess
+    import sys
+
+    provider.delay_s, provider.words = 0.0, 2
+    (a,) = await workers(1)
+    async with aiohttp.ClientSession() as http:
+        assert (await a.ask(http, "listed", "hi"))[0] == 200
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gateway", "status"],
+                                  env={**a.env}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    incarnation = redis_server.client().get("sb:alive:{w1}")
+    assert f"w1  alive ({incarnation})" in out.stdout and "session  api:dm:listed" in out.stdout, out.stdout

@@ -89,7 +89,8 @@ async def own(store: Store, session: str, worker: str = "contract-test") -> Fenc
     if isinstance(store, SqliteStore):
         return Fence.local(session)
     assert isinstance(store, RedisStore)
-    got = await LeaseManager(store._r, worker, ttl_s=60).acquire(session, keys.lease(session), keys.fence(session))
+    leases = LeaseManager(store._r, worker, "test", ttl_s=60)
+    got = await leases.acquire(session, keys.lease(session), keys.fence(session))
     assert got.lease is not None, f"{session} is leased to {got.owner}"
     return Fence(session, got.lease.fence)
 

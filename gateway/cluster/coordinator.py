@@ -1,9 +1,12 @@
 """Cluster mode: several workers share one Redis; each session has exactly one owner.
 
 A worker that receives a message for a session either owns it (holds its lease, taking it if
-free — and then recovering what a dead owner left open), or forwards the message to the owner's
-inbox stream. Entries a dead worker never acknowledged are claimed by the living, so nothing
-forwarded is lost. Commands forwarded from another worker have their result relayed back.
+free — and then recovering what a previous owner left open), or forwards the message to the
+owner's inbox stream. Every live worker watches for leases that lapsed (`keys.leased`) and adopts
+the sessions behind them, so a turn cut off by a crash, a pause or a partition is closed, told and
+resumed about a TTL after its owner's last renewal, with no user message needed. Entries a dead
+worker never acknowledged are claimed by the living; a restarted worker takes over what its
+previous incarnation held at once, and re-reads what that incarnation read but never acknowledged.
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any, cast
 
 from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
-from agent_cache.leases import AnyRedis, LeaseManager
+from agent_cache.leases import AnyRedis, Lease, LeaseManager
+from agent_cache.leases import now as lease_clock
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Route
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
@@ -29,56 +35,89 @@ from gateway.core.ports import Health, Outcome, Submitted
 log = logging.getLogger(__name__)
 
 REPLY_WAIT_S = 10.0
+SCAN_BATCH = 200  # lapsed leases looked at per scan
+
+
+def new_incarnation() -> str:
+    """A fresh identity for this process: its start time and some randomness."""
+    return f"{int(time.time()):x}-{secrets.token_hex(3)}"
 
 
 class Cluster:
-    """`Ownership` over Redis (see gateway.core.cluster): leases, forwarding, dead workers."""
+    """`Ownership` over Redis (see gateway.core.cluster): leases, forwarding, adoption."""
 
     def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, metrics: Metrics,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, incarnation: str | None = None) -> None:
         self.redis = redis
         self._worker_id = worker_id
+        self.incarnation = incarnation or new_incarnation()
         self.ttl_s = ttl_s
         self.metrics = metrics
         self.info = info or {}
-        self.leases = LeaseManager(redis, worker_id, ttl_s=ttl_s, on_lost=self._lost)
+        self.leases = LeaseManager(redis, worker_id, self.incarnation, ttl_s=ttl_s, on_lost=self._lost)
         self.ingress: dict[str, str] = {}  # ingress leases held: name -> description
         self._events: ClusterEvents | None = None
         self._acquiring: dict[str, asyncio.Future[Route]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._chores: set[asyncio.Task[None]] = set()
         self._inbox = keys.worker_inbox(worker_id)
+        self.adoptions = 0
 
     @property
     def worker_id(self) -> str:
         return self._worker_id
 
+    @property
+    def scan_interval_s(self) -> float:
+        return min(1.0, self.ttl_s / 6)
+
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self, events: ClusterEvents) -> None:
+        """Join: heartbeat, renewals, the inbox. Adoption starts with `adopt()`, once the rest of
+        the daemon can take what it adopts."""
         self._events = events
-        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
-            await self.redis.xgroup_create(self._inbox, keys.GROUP, id="0", mkstream=True)
-        await self._heartbeat()
+        try:
+            with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
+                await self.redis.xgroup_create(self._inbox, keys.GROUP, id="0", mkstream=True)
+            await self._heartbeat()
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"cannot reach Redis ({type(exc).__name__})") from None
         self.leases.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._consume()), loop.create_task(self._background())]
+        log.info("cluster: worker %s, incarnation %s", self.worker_id, self.incarnation)
+
+    async def adopt(self) -> None:
+        """Take over what this worker's previous incarnation held (its restart proves it gone), then
+        keep watching for lapsed leases anywhere."""
+        try:
+            await self._adopt_predecessor()
+        except (RedisError, OSError, ClusterUnavailable) as exc:
+            log.warning("could not take over the previous incarnation's sessions yet: %s", exc)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_lapsed()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._chores]:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
+        if self._tasks or self._chores:
+            await asyncio.wait([*self._tasks, *self._chores])
+        held = list(self.leases.held)
         await self.leases.stop(release=True)
         with contextlib.suppress(RedisError, OSError):
-            # Gone, but still listed: the others adopt our sessions at once (turns cut off by
-            # this restart are resumed there) and then forget us.
-            await self.redis.delete(keys.worker_alive(self.worker_id))
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if held:
+                    pipe.zrem(keys.leased(), *held)
+                    pipe.srem(keys.worker_sessions(self.worker_id), *held)
+                # Gone: the others claim our inbox at once (and adopt the turns we were running).
+                pipe.delete(keys.worker_alive(self.worker_id))
+                await pipe.execute()
         await self.redis.aclose()
 
     def health(self) -> Health:
-        age = time.monotonic() - self.leases.last_ok
+        age = lease_clock() - self.leases.last_ok
         if age < self.ttl_s:
-            return Health(True, f"worker {self.worker_id}, {len(self.leases.held)} lease(s)")
+            return Health(True, f"worker {self.worker_id} ({self.incarnation}), {len(self.leases.held)} lease(s)")
         return Health(False, f"Redis unreachable for {age:.0f} s; leases cannot be proven")
 
     # --- ownership ------------------------------------------------------------------------
@@ -112,11 +151,18 @@ class Cluster:
             if got.lease is None:
                 return Route(owner=got.owner)
             self.metrics.lease_events.labels("acquired").inc()
-            await self.redis.sadd(keys.worker_sessions(self.worker_id), session)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(keys.leased(), {session: self._expiry_ms()})
+                pipe.sadd(keys.worker_sessions(self.worker_id), session)
+                await pipe.execute()
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        if got.replaced:
+            log.info("took %s over from %s (an earlier incarnation of this worker)", session, got.replaced,
+                     extra={"session": session})
         fence = Fence(session, got.lease.fence)
-        await self._recover(session)
+        assert self._events is not None
+        await self._events.adopted(session)  # close and resume what a previous owner left open
         return Route(fence=fence)
 
     def fence_of(self, session: str) -> Fence | None:
@@ -131,15 +177,82 @@ class Cluster:
     def check_lease(self, session: str) -> None:
         self.leases.check_lease(session)
 
-    async def _recover(self, session: str) -> None:
-        """We just took the session: finish what its previous owner left open."""
-        assert self._events is not None
-        await self._events.adopted(session)
+    def _expiry_ms(self) -> int:
+        return int((time.time() + self.ttl_s) * 1000)
 
-    def _lost(self, session: str) -> None:
+    def _lost(self, name: str, lease: Lease, *, expired: bool) -> None:
+        session = name
         self.metrics.lease_events.labels("lost").inc()
-        if self.ingress.pop(session, None) is None and self._events is not None:  # ingress leases stop nothing
+        if self.ingress.pop(session, None) is not None:  # ingress leases stop nothing
+            return
+        if self._events is not None:
             self._events.lease_lost(session)
+        if expired:  # we gave it up by our clock: hand it on now rather than when Redis expires it
+            self._chore(self._hand_on(session, lease))
+
+    async def _hand_on(self, session: str, lease: Lease) -> None:
+        """A lease we can no longer prove: release it (our fence only) and mark it lapsed, so a live
+        worker — maybe this one — adopts the turn it was running right away."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.leases.release_lost(lease)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(keys.leased(), {session: 0}, xx=True)
+                pipe.srem(keys.worker_sessions(self.worker_id), session)
+                await pipe.execute()
+
+    def _chore(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    # --- adoption -------------------------------------------------------------------------
+
+    async def _adopt_predecessor(self) -> None:
+        owned = cast("set[str]", await self.redis.smembers(keys.worker_sessions(self.worker_id)))
+        if owned:
+            log.info("taking over %d session(s) of the previous incarnation", len(owned))
+        for session in owned:
+            if session in self.leases.held:
+                continue
+            route = await self.route(session)
+            if route.fence is None:  # someone else's by now: not ours to list
+                await self.redis.srem(keys.worker_sessions(self.worker_id), session)
+
+    async def _watch_lapsed(self) -> None:
+        while True:
+            await asyncio.sleep(self.scan_interval_s)
+            try:
+                await self.scan_lapsed()
+            except (RedisError, OSError, ClusterUnavailable) as exc:
+                log.debug("lapsed-lease scan failed: %s", exc)
+            except Exception:
+                log.exception("lapsed-lease scan crashed; retrying")
+
+    async def scan_lapsed(self) -> int:
+        """Adopt sessions whose lease ran out with work still open; forget the rest. Returns adoptions."""
+        now_ms = int(time.time() * 1000)
+        due = cast("list[str]", await self.redis.zrangebyscore(keys.leased(), "-inf", now_ms, start=0,
+                                                                num=SCAN_BATCH))
+        if not due:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for session in due:
+                pipe.exists(keys.lease(session))
+                pipe.hlen(keys.inbound(session))
+            found = await pipe.execute()
+        adopted = 0
+        for session, held, open_records in zip(due, found[::2], found[1::2], strict=True):
+            if held or session in self._acquiring:
+                continue  # renewed or taken meanwhile; its owner refreshes the entry
+            if not open_records:
+                await self.redis.zrem(keys.leased(), session)
+                continue
+            route = await self.route(session)
+            if route.fence is not None:
+                adopted += 1
+                self.adoptions += 1
+                log.info("adopted %s: its lease lapsed with a turn open", session, extra={"session": session})
+        return adopted
 
     # --- forwarding -----------------------------------------------------------------------
 
@@ -162,32 +275,37 @@ class Cluster:
         return Submitted(Outcome(result["outcome"]), result["detail"])
 
     async def _consume(self) -> None:
+        backlog = True  # first what an earlier incarnation read and never acknowledged
         while True:
             try:
-                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self._inbox: ">"},
-                                                    count=100, block=1000)
+                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self._inbox: "0" if backlog else ">"},
+                                                    count=100, block=None if backlog else 1000)
             except (RedisError, OSError) as exc:
                 log.warning("reading the inbox failed: %s", type(exc).__name__)
                 await asyncio.sleep(1.0)
                 continue
             streams = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]]", batch or [])
-            for _stream, entries in streams:
-                for entry_id, fields in entries:
-                    await self._handle(self._inbox, entry_id, fields)
+            entries = [e for _stream, part in streams for e in part]
+            if backlog and not entries:
+                backlog = False
+                continue
+            for entry_id, fields in entries:
+                await self._handle(self._inbox, entry_id, fields)
 
     async def _handle(self, stream: str, entry_id: str, fields: dict[str, str]) -> None:
-        try:
-            entry = json.loads(fields["data"])
-            msg = InboundMessage.from_dict(entry["msg"])
-            assert self._events is not None
-            result = await self._events.deliver(msg, entry["session"], int(entry["hops"]))
-            if result is not None and entry.get("reply"):
-                await self._reply(entry["reply"], result)
-        except (ValueError, KeyError, TypeError):
-            log.exception("dropping a malformed inbox entry %s", entry_id)
-        except (RedisError, OSError) as exc:
-            log.warning("handling a forwarded message failed (%s); it stays pending", type(exc).__name__)
-            return
+        if fields:  # an entry deleted meanwhile comes back empty: just acknowledge it
+            try:
+                entry = json.loads(fields["data"])
+                msg = InboundMessage.from_dict(entry["msg"])
+                assert self._events is not None
+                result = await self._events.deliver(msg, entry["session"], int(entry["hops"]))
+                if result is not None and entry.get("reply"):
+                    await self._reply(entry["reply"], result)
+            except (ValueError, KeyError, TypeError):
+                log.exception("dropping a malformed inbox entry %s", entry_id)
+            except (RedisError, OSError) as exc:
+                log.warning("handling a forwarded message failed (%s); it stays pending", type(exc).__name__)
+                return
         with contextlib.suppress(RedisError, OSError):
             await self.redis.xack(stream, keys.GROUP, entry_id)
 
@@ -205,6 +323,7 @@ class Cluster:
             await asyncio.sleep(self.ttl_s / 3)
             try:
                 await self._heartbeat()
+                await self._refresh_leased()
                 await self._release_idle()
                 await self._claim_from_the_dead()
             except (RedisError, OSError, ClusterUnavailable) as exc:
@@ -213,25 +332,37 @@ class Cluster:
                 log.exception("cluster housekeeping crashed; retrying")
 
     async def _heartbeat(self) -> None:
-        beat = {"seen_at": time.time(), "sessions": sorted(self.leases.held), "ingress": self.ingress,
-                **self.info}
+        beat = {"seen_at": time.time(), "incarnation": self.incarnation, "sessions": len(self.leases.held),
+                "ingress": self.ingress, **self.info}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(keys.worker_alive(self.worker_id), 1, px=int(self.ttl_s * 2000))
+            pipe.set(keys.worker_alive(self.worker_id), self.incarnation, px=int(self.ttl_s * 1000))
             pipe.hset(keys.workers(), self.worker_id, json.dumps(beat))
             await pipe.execute()
 
+    async def _refresh_leased(self) -> None:
+        """Move the lapse deadline of every session we hold (in slices: a worker may hold many)."""
+        held = [name for name in self.leases.held if name not in self.ingress]
+        expiry = self._expiry_ms()
+        for start in range(0, len(held), 1000):
+            await self.redis.zadd(keys.leased(), dict.fromkeys(held[start:start + 1000], expiry), xx=True)
+
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""
-        for session in list(self.leases.held):
-            assert self._events is not None
-            if not self._events.in_use(session) \
-                    and session not in self._acquiring and session not in self.ingress:
-                await self.leases.release(session)
-                await self.redis.srem(keys.worker_sessions(self.worker_id), session)
+        assert self._events is not None
+        idle = [s for s in list(self.leases.held)
+                if s not in self._acquiring and s not in self.ingress and not self._events.in_use(s)]
+        for session in idle:
+            await self.leases.release(session)
+        if idle:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(keys.leased(), *idle)
+                pipe.srem(keys.worker_sessions(self.worker_id), *idle)
+                await pipe.execute()
 
     async def _claim_from_the_dead(self) -> None:
         """Take over what dead workers left in their inboxes: entries they read but never
-        acknowledged (XAUTOCLAIM, once idle for a TTL) and entries they never got to read."""
+        acknowledged (XAUTOCLAIM, once idle for a TTL) and entries they never got to read.
+        Their sessions are adopted through their lapsed leases (`scan_lapsed`)."""
         workers = cast("list[str]", await self.redis.hkeys(keys.workers()))  # decode_responses=True
         for worker in workers:
             if worker == self.worker_id or await self.redis.exists(keys.worker_alive(worker)):
@@ -246,23 +377,11 @@ class Cluster:
                 continue
             entries = list(claimed) + [e for _s, batch in cast("list[Any]", unread or []) for e in batch]
             for entry_id, fields in entries:
-                if fields:
-                    log.info("re-routing a message forwarded to dead worker %s", worker)
-                    await self._handle(inbox, entry_id, fields)
+                log.info("re-routing a message forwarded to dead worker %s", worker)
+                await self._handle(inbox, entry_id, fields)
             if entries or (await self.redis.xpending(inbox, keys.GROUP)).get("pending"):
                 continue  # the rest once they have been idle for a TTL
-            await self._adopt_sessions(worker)
-            await self.redis.hdel(keys.workers(), worker)  # gone, and nothing left behind
-
-    async def _adopt_sessions(self, worker: str) -> None:
-        """A dead worker's sessions may hold turns it was running: take each one whose lease has
-        lapsed, which finishes what it left open (a resume, a replay), instead of waiting for the
-        user's next message."""
-        owned = keys.worker_sessions(worker)
-        for session in cast("set[str]", await self.redis.smembers(owned)):
-            if await self.redis.exists(keys.lease(session)):
-                continue  # someone holds it (or the dead worker's lease has not lapsed yet)
-            route = await self.route(session)
-            if route.fence is not None:
-                log.info("adopted %s from dead worker %s", session, worker, extra={"session": session})
-        await self.redis.delete(owned)
+            async with self.redis.pipeline(transaction=False) as pipe:  # gone, and nothing left behind
+                pipe.delete(keys.worker_sessions(worker))
+                pipe.hdel(keys.workers(), worker)
+                await pipe.execute()

@@ -15,10 +15,22 @@ from gateway.cluster.coordinator import Cluster
 log = logging.getLogger(__name__)
 
 
+# KEYS: ingress lease, state key.  ARGV: token, fence, value.  Returns 1 written, 0 not the leader.
+_SAVE = """
+local cur = redis.call('HMGET', KEYS[1], 'token', 'fence')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""
+
+
 class IngressLeader:
+    """`platforms.ingress.IngressLeader` over a Redis lease (one leader per bot token)."""
+
     def __init__(self, cluster: Cluster, name: str) -> None:
         self.cluster = cluster
         self.name = name
+        self._save = cluster.redis.register_script(_SAVE)
 
     def held(self) -> bool:
         return self.cluster.leases.holds(self.name)
@@ -48,5 +60,17 @@ class IngressLeader:
         return None
 
     async def save(self, field: str, value: str) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self.cluster.redis.set(keys.ingress_state(self.name, field), value)
+        """Fenced: written only while this worker's lease is the current one, so a leader that was
+        paused and replaced cannot move the state back."""
+        lease = self.cluster.leases.held.get(self.name)
+        if lease is None:
+            return
+        try:
+            written = await self._save(keys=[lease.key, keys.ingress_state(self.name, field)],
+                                       args=[self.cluster.leases.token, lease.fence, value])
+        except (RedisError, OSError) as exc:
+            log.warning("ingress %s: could not save %s (%s)", self.name, field, type(exc).__name__)
+            return
+        if not written:
+            log.warning("ingress %s: not saving %s: another worker leads now", self.name, field)
+            self.cluster.leases.check_lease(self.name)

@@ -199,7 +199,8 @@ class Outcome(StrEnum):
     ACCEPTED = "accepted"
     QUEUED = "queued"
     DUPLICATE = "duplicate"
-    REJECTED = "rejected"
+    REJECTED = "rejected"  # the message itself was refused (empty, too long, not allowed...)
+    UNAVAILABLE = "unavailable"  # not taken now (storage or Redis down): the same message may come again
     COMMAND = "command"
     FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
 
@@ -209,6 +210,7 @@ class Submitted:
     outcome: Outcome
     detail: str = ""
     run: Run | None = None
+    retry_after_s: float | None = None  # with UNAVAILABLE: when trying again makes sense
 
 
 @dataclass(frozen=True, slots=True)

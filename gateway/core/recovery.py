@@ -12,6 +12,7 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.ports import InboundRecord, InboundStatus, NoticeKind, Outlet, Outlets, Store, StoreError
 from gateway.core.transcript import TurnRecorder
+from gateway.core.turns import Speaker
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,9 @@ def is_resume_prompt(text: str) -> bool:
 class Recovery:
     def __init__(self, store: Store, outlets: Outlets, *, requeue: Requeue,
                  remember: Callable[[InboundMessage], object], fence: Callable[[str], Fence | None],
-                 resume_max_age_s: float) -> None:
+                 speaker: Callable[[Outlet, Fence], Speaker], resume_max_age_s: float) -> None:
         self._store = store
+        self._speaker = speaker
         self._outlets = outlets
         self._requeue = requeue
         self._remember = remember
@@ -79,8 +81,9 @@ class Recovery:
             if rec.status is InboundStatus.RUNNING:  # the process died mid-turn: nobody told the user
                 await self._close_transcript(fence, cut_off)
                 if outlet is not None:
-                    await outlet.notify(rec.message.chat, stop_notice(cut_off), reply_to=rec.message.message_id,
-                                        kind=NoticeKind.INTERRUPTED, reason=cut_off)
+                    await self._speaker(outlet, fence).notify(
+                        rec.message.chat, stop_notice(cut_off), reply_to=rec.message.message_id,
+                        kind=NoticeKind.INTERRUPTED, reason=cut_off)
             await self._resume(rec, fence, outlet, cut_off)
 
     async def _resume(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> None:

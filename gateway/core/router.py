@@ -31,7 +31,7 @@ from gateway.core.cancellation import (
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Ownership, Route
 from gateway.core.commands import STOPPED, Command, parse_command
 from gateway.core.fencing import Fence
-from gateway.core.messages import InboundMessage, session_key
+from gateway.core.messages import ChatRef, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
     Agent,
@@ -47,13 +47,15 @@ from gateway.core.ports import (
 from gateway.core.ratelimit import UserRateLimit
 from gateway.core.recovery import Recovery
 from gateway.core.transcript import ChatMessage
-from gateway.core.turns import Interruptions, LiveConversation, Turn, TurnRunner
+from gateway.core.turns import Interruptions, LiveConversation, Speaker, Turn, TurnRunner
 
 log = logging.getLogger(__name__)
 
 BusyPolicy = Literal["interrupt", "queue"]
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 MEDIA_ONLY = "I can only read text for now."
+UNAVAILABLE_RETRY_S = 5.0
+UNAVAILABLE_NOTICE_EVERY_S = 60.0
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
 
@@ -98,6 +100,7 @@ class Router:
         self._lanes: dict[str, Lane] = {}
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
+        self._unavailable_told: dict[ChatRef, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._rate_limit = UserRateLimit(settings.messages_per_minute)
         self._turns = TurnRunner(store=store, metrics=self.metrics, cache=self.cache,
@@ -105,7 +108,7 @@ class Router:
                                  timeout_s=lambda: self.settings.turn_timeout_s,
                                  check_lease=cluster.check_lease if cluster else None)
         self._recovery = Recovery(store, outlets, requeue=self.resume, remember=self._remember,
-                                  fence=self._fence, resume_max_age_s=resume_max_age_s)
+                                  fence=self._fence, speaker=self._speaker, resume_max_age_s=resume_max_age_s)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
 
     @property
@@ -221,22 +224,24 @@ class Router:
         if self._cluster is not None and ephemeral is None:
             route = await self._owner(key)
             if route is None:
-                return await self._reject(outlet, msg, key, "I can't take messages right now (shared storage "
-                                          "is unavailable). Please try again shortly.")
+                return await self._unavailable(outlet, msg, key, "I can't take messages right now (shared "
+                                               "storage is unavailable). Please try again shortly.")
             if route.fence is None:
                 if self._seen(msg, hops):
                     return Submitted(Outcome.DUPLICATE)
                 assert route.owner is not None
                 return await self._forward(route.owner, cmd, msg, key, outlet, hops)
             fence = route.fence
+        # From here on the core speaks for the session only through its speaker (guarded by the fence).
+        speaker = self._speaker(outlet, fence)
         if cmd is not None:
             if self._seen(msg, hops):
                 return Submitted(Outcome.DUPLICATE)
-            return await self._command(cmd, key, msg, outlet)
+            return await self._command(cmd, key, msg, speaker)
         if ephemeral is None and self._seen(msg, hops):
             return Submitted(Outcome.DUPLICATE)
 
-        turn = Turn(msg, key, outlet, fence, ephemeral)
+        turn = Turn(msg, key, speaker, fence, ephemeral)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
         if busy and self.settings.busy == "interrupt":
@@ -251,25 +256,44 @@ class Router:
             turn.accepted.set_result(False)
             self._forget(msg)
             log.error("could not store an inbound message: %s", exc, extra={"session": key})
-            return await self._reject(outlet, msg, key, "Sorry, I could not save your message (storage error). "
-                                      "Please send it again.")
+            return await self._unavailable(outlet, msg, key, "Sorry, I could not save your message (storage "
+                                           "error). Please send it again.")
         if turn.inbound_id is None:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
         if busy and self.settings.busy == "queue" and ahead:
-            await outlet.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
-                                reply_to=msg.message_id, kind=NoticeKind.QUEUED)
+            await speaker.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
+                                 reply_to=msg.message_id, kind=NoticeKind.QUEUED)
             return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
         return Submitted(Outcome.ACCEPTED, run=turn.run)
 
+    def _speaker(self, outlet: Outlet, fence: Fence) -> Speaker:
+        if self._cluster is None or fence.is_local:
+            return Speaker(outlet)
+        return Speaker(outlet, functools.partial(self._cluster.holds, fence))
+
     async def _reject(self, outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
                       kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
-        """Tell the user why (unless `text` is None: already told recently) and say so in the log."""
+        """Tell the user why (unless `text` is None: already told recently) and say so in the log.
+        Said by whichever worker received the message: it answers the message, not the session."""
         log.info("rejected a message: %s", text or detail, extra={"session": key})
         if text:
             await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
         return Submitted(Outcome.REJECTED, text or detail)
+
+    async def _unavailable(self, outlet: Outlet, msg: InboundMessage, key: str, text: str) -> Submitted:
+        """Not taken because storage or Redis is down. The platform may deliver it again (a webhook
+        answered non-2xx, a client told to retry); the chat is told once a minute at most."""
+        log.warning("could not take a message now: %s", text, extra={"session": key})
+        now = time.monotonic()
+        told = self._unavailable_told.get(msg.chat)
+        if told is None or now - told >= UNAVAILABLE_NOTICE_EVERY_S:
+            self._unavailable_told[msg.chat] = now
+            if len(self._unavailable_told) > 10_000:
+                self._unavailable_told.clear()
+            await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=NoticeKind.ERROR)
+        return Submitted(Outcome.UNAVAILABLE, text, retry_after_s=UNAVAILABLE_RETRY_S)
 
     def _validate(self, text: str) -> str | None:
         if not text.strip():
@@ -288,7 +312,7 @@ class Router:
         fence = self._fence(key)
         if fence is None:  # the session is not ours (any more): its owner recovers it
             return None
-        turn = Turn(msg, key, outlet, fence)
+        turn = Turn(msg, key, self._speaker(outlet, fence), fence)
         self._enqueue(turn)
         try:
             turn.inbound_id = inbound_id or await self.store.accept_inbound(fence, msg)
@@ -326,8 +350,6 @@ class Router:
 
     def _enqueue(self, turn: Turn) -> int:
         """Put a turn in its lane; returns how many turns are ahead of it."""
-        if self._cluster is not None and not turn.fence.is_local:
-            turn.run.guard = functools.partial(self._cluster.holds, turn.fence)
         lane = self._lanes.get(turn.key)
         if lane is None:
             lane = self._lanes[turn.key] = Lane(turn.key)
@@ -404,8 +426,8 @@ class Router:
         except ClusterUnavailable as exc:
             self._forget(msg)
             log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": key})
-            return await self._reject(outlet, msg, key, "I could not pass that on (shared storage is "
-                                      "unavailable). Please try again shortly.")
+            return await self._unavailable(outlet, msg, key, "I could not pass that on (shared storage is "
+                                           "unavailable). Please try again shortly.")
         if not want_reply:
             return Submitted(Outcome.FORWARDED, owner)
         if result is None:
@@ -433,11 +455,11 @@ class Router:
 
     # --- commands (never behind the lane) -------------------------------------------------
 
-    async def _command(self, cmd: Command, key: str, msg: InboundMessage, outlet: Outlet) -> Submitted:
+    async def _command(self, cmd: Command, key: str, msg: InboundMessage, speaker: Speaker) -> Submitted:
         if cmd.spec is None:
-            return await self._reject(outlet, msg, key, f"Unknown command /{cmd.name} — try /help.")
+            return await self._reject(speaker.outlet, msg, key, f"Unknown command /{cmd.name} — try /help.")
         result = await cmd.spec.handler(self, key, cmd.args)
-        await outlet.notify(msg.chat, result.text, reply_to=msg.message_id, kind=result.kind)
+        await speaker.notify(msg.chat, result.text, reply_to=msg.message_id, kind=result.kind)
         return Submitted(Outcome.COMMAND, result.text)
 
     def stop(self, key: str) -> int:

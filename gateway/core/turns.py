@@ -14,10 +14,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
-from gateway.core.cancellation import GATEWAY_RESTART, LEASE_LOST, SESSION_RESET, Run, current_run, timed_out
+from gateway.core.cancellation import (
+    GATEWAY_RESTART,
+    LEASE_LOST,
+    SESSION_RESET,
+    Run,
+    ToolReason,
+    current_run,
+    timed_out,
+)
 from gateway.core.fencing import Fence
 from gateway.core.logs import log_context
-from gateway.core.messages import InboundMessage
+from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Agent, AgentError, InboundStatus, NoticeKind, Outlet, Reply, Store, StoreError
 from gateway.core.transcript import ChatMessage, TextDelta, TurnRecorder
@@ -54,16 +62,43 @@ class Interruptions:
         return self._last.get(key)
 
 
-class Turn:
-    __slots__ = ("accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "outlet", "run")
+class Speaker:
+    """A platform outlet bound to one session's ownership: in cluster mode nothing is said for the
+    session — notice or reply — once this worker cannot prove it still owns it. The core speaks for
+    a session only through one of these."""
 
-    def __init__(self, msg: InboundMessage, key: str, outlet: Outlet, fence: Fence,
+    __slots__ = ("guard", "outlet")
+
+    def __init__(self, outlet: Outlet, guard: Callable[[], bool] | None = None) -> None:
+        self.outlet = outlet
+        self.guard = guard  # None: a single process, which owns every session
+
+    def may_speak(self) -> bool:
+        return self.guard is None or self.guard()
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
+        if not self.may_speak():
+            log.info("not sent (this worker no longer owns the session): %s", text[:60])
+            return
+        await self.outlet.notify(chat, text, reply_to=reply_to, kind=kind, reason=reason)
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
+        """The reply checks `run.may_send()` — which includes this guard — before every send."""
+        return self.outlet.open_reply(msg, run)
+
+
+class Turn:
+    __slots__ = ("accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker")
+
+    def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
         self.msg = msg
         self.key = key
-        self.outlet = outlet
+        self.speaker = speaker
         self.fence = fence
         self.run = Run(key)
+        self.run.guard = speaker.guard
         self.ephemeral = ephemeral
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
@@ -105,7 +140,7 @@ class TurnRunner:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, InboundStatus.REJECTED, str(exc))
             self._metrics.turns.labels("rejected").inc()
-            await turn.outlet.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
+            await turn.speaker.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
                                      "Please try again shortly." if isinstance(exc, CacheFull) else
                                      "Sorry, I could not load this conversation (storage error).",
                                      reply_to=msg.message_id, kind=NoticeKind.ERROR)
@@ -128,7 +163,7 @@ class TurnRunner:
         if agent is not None:
             await self._persist(turn, agent, conversation, [user], remember=False,
                                 status=(InboundStatus.RUNNING, None))
-        reply = turn.outlet.open_reply(msg, run)
+        reply = turn.speaker.open_reply(msg, run)
         ctx = contextvars.copy_context()
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})

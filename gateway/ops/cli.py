@@ -144,7 +144,7 @@ async def _sessions(config: Config, action: str, key: str | None) -> int:
         return 1
 
 
-async def _status(config: Config) -> int:
+async def _status(config: Config, limit: int = 50) -> int:
     import json
     import time
     from typing import cast
@@ -164,13 +164,17 @@ async def _status(config: Config) -> int:
             print("no workers registered")
         for worker, raw in sorted(workers.items()):
             beat = json.loads(raw)
-            alive = bool(await redis.exists(keys.worker_alive(worker)))
-            print(f"{worker}  {'alive' if alive else 'DEAD'}  seen {time.time() - beat['seen_at']:.0f}s ago  "
-                  f"http {beat.get('http', '?')}  {len(beat['sessions'])} session(s)")
+            alive = cast("str | None", await redis.get(keys.worker_alive(worker)))
+            sessions = sorted(cast("set[str]", await redis.smembers(keys.worker_sessions(worker))))
+            state = f"alive ({alive})" if alive else "DEAD"
+            print(f"{worker}  {state}  seen {time.time() - beat['seen_at']:.0f}s ago  "
+                  f"http {beat.get('http', '?')}  {len(sessions)} session(s)")
             for name, what in sorted(beat.get("ingress", {}).items()):
                 print(f"    ingress  {name}: {what}")
-            for session in beat["sessions"]:
+            for session in sessions[:limit]:
                 print(f"    session  {session}")
+            if len(sessions) > limit:
+                print(f"    … and {len(sessions) - limit} more")
         return 0
     except (RedisError, OSError) as exc:
         print(f"switchboard: cannot read cluster state from Redis ({type(exc).__name__})", file=sys.stderr)

@@ -159,6 +159,8 @@ class Daemon:
             await runner.setup()
             self._on_stop(stack, "an HTTP listener", runner.cleanup)  # after the turns it serves ended
         await self.router.start()
+        if self.cluster is not None:
+            await self.cluster.adopt()  # the previous incarnation's sessions, then lapsed leases anywhere
         self._on_stop(stack, "the router", lambda: self.router.shutdown(
             self._stop_reason, drain_s=self.config.daemon.drain_timeout_s,
             grace_s=self.config.daemon.shutdown_grace_s))

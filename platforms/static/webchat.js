@@ -464,8 +464,8 @@ const SB_MD = (() => {
     if (i < 0) return;
     const [e] = outbox.splice(i, 1);
     e.el.classList.remove("pending");
-    if (f.outcome === "rejected" || f.outcome === "command") {  // not part of the conversation
-      e.el.classList.add(f.outcome);
+    if (f.outcome === "rejected" || f.outcome === "unavailable" || f.outcome === "command") {  // not part of the conversation
+      e.el.classList.add(f.outcome === "command" ? "command" : "rejected");
       userCount--;
       for (const later of outbox) if (later.index > e.index) later.index--;
     }

@@ -3,6 +3,9 @@
 (1) cross-worker /stop: a session streams on worker A, /stop arrives at worker B; from the /stop
 request leaving the client to the provider (a separate process) seeing A's connection close.
 (2) takeover: kill -9 the owner of a session; time until another worker answers in it.
+(2b) adoption with no user message: the owner of a running turn is killed, restarted with the same
+id, or paused for 0.9 × TTL; time until the chat (Telegram by webhook) gets the "interrupted"
+notice from the worker that adopted the turn, which then resumes it.
 (3) throughput: echo agent at zero delay over the HTTP API, sessions pinned to workers as a load
 balancer would, with 1 and with 3 workers.
 
@@ -12,6 +15,7 @@ balancer would, with 1 and with 3 workers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import statistics
 import subprocess
@@ -28,6 +32,7 @@ from tests.redis_server import RedisServer
 from tests.workers import Worker
 
 TTL = 3.0
+_chats = itertools.count(1000)
 
 
 async def cross_worker_stop(n: int, tmp: Path, redis: RedisServer) -> list[str]:
@@ -93,6 +98,58 @@ async def takeover(trials: int, tmp: Path, redis: RedisServer, provider_url: str
             f"| max {max(times):.2f} s |")
 
 
+async def adoption(fault: str, trials: int, ttl: float, tmp: Path, redis: RedisServer) -> str:
+    """Seconds from the fault (kill -9, restart with the same id, SIGSTOP) to the takeover notice."""
+    import signal
+
+    from tests.fakes.openai_provider import FakeProvider
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    times: list[float] = []
+    async with FakeProvider(delay_s=0.05, words=400) as provider, FakeTelegramAPI() as fake:
+        env = {f"SWITCHBOARD_TELEGRAM__{k}": v for k, v in {
+            "TOKEN": fake.token, "BASE_URL": fake.base_url, "BASE_FILE_URL": fake.base_file_url, "ACCESS": "open",
+            "EDIT_INTERVAL_S": "0.2", "MODE": "webhook", "WEBHOOK_URL": "https://example.test/tg",
+            "SECRET_TOKEN": "hook-secret-1"}.items()}
+        for trial in range(trials):
+            name = f"{fault}{trial}"
+            a = Worker(f"{name}a", redis.url, provider.base_url, tmp, ttl_s=ttl, **env)
+            b = Worker(f"{name}b", redis.url, provider.base_url, tmp, ttl_s=ttl, **env)
+            await asyncio.gather(a.start(), b.start())
+            again: Worker | None = None
+            chat = next(_chats)  # unique across calls: Redis (and its de-duplication) is shared
+            try:
+                update = {"message": fake.user_message(chat, user_id=chat, text=f"story {name}")}
+                assert await fake.post_webhook(a.url + "/telegram/webhook", update, "hook-secret-1") == 200
+                deadline = time.monotonic() + 30
+                while not fake.messages(chat):
+                    assert time.monotonic() < deadline, "the turn never started"
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(random.random() * ttl / 3)  # anywhere in the renewal cycle
+                started = time.perf_counter()
+                if fault == "pause":
+                    a.signal(signal.SIGSTOP)
+                    await asyncio.sleep(ttl * 0.9)
+                    a.signal(signal.SIGCONT)
+                else:
+                    a.kill()
+                    if fault == "restart":
+                        again = Worker(f"{name}a", redis.url, provider.base_url, tmp, ttl_s=ttl, **env)
+                        await again.start()
+                deadline = time.monotonic() + ttl + 30
+                while not any(t.startswith("⏹ interrupted:") for t in fake.messages(chat).values()):
+                    assert time.monotonic() < deadline, "never taken over"
+                    await asyncio.sleep(0.01)
+                times.append(time.perf_counter() - started)
+            finally:
+                for w in (a, b, again):
+                    if w is not None:
+                        w.kill()
+    label = {"kill": "kill -9", "restart": "kill -9, restarted at once with the same id",
+             "pause": f"SIGSTOP for {0.9 * ttl:g} s"}[fault]
+    return (f"| {label} | TTL {ttl:g} s | {trials} | {statistics.median(times):.2f} s | {max(times):.2f} s |")
+
+
 async def throughput(workers: int, sessions: int, per_session: int, tmp: Path, redis: RedisServer,
                      provider_url: str) -> float:
     pool = [Worker(f"p{workers}-{i}", redis.url, provider_url, tmp, ttl_s=30, SWITCHBOARD_AGENT__KIND="echo",
@@ -124,6 +181,10 @@ async def main() -> None:
             print("\n".join(lines))
             dummy = f"http://127.0.0.1:{free_port()}/v1"  # echo agent: no provider needed
             print(await takeover(3, Path(tmp), redis, dummy))
+            print("| fault | lease TTL | trials | fault → takeover notice, median | max |")
+            print("|---|---|---|---|---|")
+            for fault, ttl in (("kill", 3.0), ("kill", 10.0), ("restart", 10.0), ("pause", 5.0)):
+                print(await adoption(fault, 5, ttl, Path(tmp), redis))
             one = await throughput(1, 300, 10, Path(tmp), redis, dummy)
             three = await throughput(3, 300, 10, Path(tmp), redis, dummy)
             print(f"| throughput, HTTP API, echo | 1 worker {one:,.0f} msg/s | 3 workers {three:,.0f} msg/s |")

@@ -1,0 +1,112 @@
+"""Session leases against a real redis-server: incarnations, fences that only grow, releases that
+cannot undo a newer acquisition, renewals in slices, and a clock that survives suspend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from agent_cache import keys
+from agent_cache.leases import RENEW_SLICE, Lease, LeaseManager, now
+from tests.redis_server import RedisServer
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url, decode_responses=True, client_name="lease-test")
+    yield client
+    await client.aclose()
+
+
+async def take(m: LeaseManager, session: str) -> Lease | None:
+    return (await m.acquire(session, keys.lease(session), keys.fence(session))).lease
+
+
+async def test_a_new_incarnation_takes_over_its_predecessors_leases_with_a_larger_fence(redis: Redis) -> None:
+    old = LeaseManager(redis, "w1", "a", ttl_s=30)
+    other = LeaseManager(redis, "w2", "a", ttl_s=30)
+    first = await take(old, "s")
+    assert first is not None
+    refused = await other.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert refused.lease is None and refused.owner == "w1" and refused.ttl_ms > 25_000
+
+    new = LeaseManager(redis, "w1", "b", ttl_s=30)  # w1 restarted: the lease is not its own...
+    got = await new.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert got.lease is not None and got.replaced == "w1/a"  # ...but it may take it over, at once
+    assert got.lease.fence > first.fence
+    assert await redis.hget(keys.lease("s"), "token") == "w1/b"
+    await old.renew_all()  # the predecessor (were it still alive) finds it gone
+    assert "s" not in old.held
+
+
+async def test_every_acquisition_gets_a_new_fence_and_a_late_release_cannot_undo_it(redis: Redis) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    first = await take(m, "s")
+    assert first is not None
+    m.held.pop("s")  # dropped locally (say, a pause) while Redis still has it
+    second = await take(m, "s")
+    assert second is not None and second.fence > first.fence
+    await m.release_lost(first)  # a release for the old fence, arriving late
+    assert await redis.hget(keys.lease("s"), "fence") == str(second.fence)
+    await m.release("s")
+    assert not await redis.exists(keys.lease("s"))
+
+
+async def test_concurrent_acquisitions_share_one_round_trip(redis: Redis, redis_server: RedisServer) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    got = await asyncio.gather(*(take(m, f"s{i}") for i in range(200)))
+    assert all(lease is not None for lease in got) and len(m.held) == 200
+    # One pipeline on one connection; 200 separate calls would have opened a connection each.
+    clients = [c for c in redis_server.client().client_list() if c.get("name") == "lease-test"]
+    assert len(clients) == 1
+    assert redis_server.client().info("commandstats")["cmdstat_evalsha"]["calls"] == 200
+
+
+async def test_renewals_go_in_slices_and_report_leases_taken_elsewhere(redis: Redis) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    lost: list[tuple[str, bool]] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append((name, expired))
+    n = RENEW_SLICE * 2 + 7
+    await asyncio.gather(*(take(m, f"s{i}") for i in range(n)))
+    await redis.delete(keys.lease("s3"))  # lapsed...
+    thief = LeaseManager(redis, "w2", "a", ttl_s=30)
+    assert await take(thief, "s3") is not None  # ...and taken by another worker
+    before = {name: lease.renewed_at for name, lease in m.held.items()}
+    await m.renew_all()
+    assert lost == [("s3", False)] and len(m.held) == n - 1
+    assert all(m.held[name].renewed_at > before[name] for name in m.held)
+    assert 1_000 < await redis.pttl(keys.lease("s0")) <= 30_000
+
+
+async def test_a_lease_is_given_up_locally_before_redis_expires_it(redis: Redis) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=3)
+    lease = await take(m, "s")
+    assert lease is not None and m.holds("s", lease.fence) and not m.holds("s", lease.fence + 1)
+    lease.renewed_at -= m.ttl_s - m.margin_s  # as if the process had been paused that long
+    assert not m.holds("s") and "s" in m.held  # a question changes nothing
+    lost: list[bool] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append(expired)
+    assert not m.check_lease("s") and lost == [True] and "s" not in m.held
+    assert await redis.pttl(keys.lease("s")) > 0  # Redis still has it: the local view errs early
+
+
+def test_the_lease_clock_keeps_running_through_suspend() -> None:
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("CLOCK_BOOTTIME is Linux-only; elsewhere the monotonic clock is used")
+    boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    assert abs(now() - boot) < 1.0
+
+
+async def test_the_fence_counter_expires_but_fences_still_grow(redis: Redis) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=3)
+    first = await take(m, "s")
+    assert first is not None
+    assert 0 < await redis.pttl(keys.fence("s")) <= 3_000  # nothing per session lives forever
+    await m.release("s")
+    await redis.delete(keys.fence("s"))  # as after the counter expired
+    second = await take(m, "s")
+    assert second is not None and second.fence > first.fence  # from the server clock, which moved on
