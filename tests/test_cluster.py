@@ -565,5 +565,5 @@ async def test_status_lists_workers_with_their_incarnation_and_sessions(workers:
     out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gateway", "status"],
                                   env={**a.env}, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    incarnation = redis_server.client().get("sb:alive:{w1}")
+    incarnation = str(redis_server.client().get("sb:alive:{w1}"))
     assert f"w1  alive ({incarnation})" in out.stdout and "session  api:dm:listed" in out.stdout, out.stdout

@@ -93,7 +93,7 @@ async def leases_at(n: int, url: str, r: Redis) -> str:
             with LoopLag() as lag:
                 stop = asyncio.Event()
 
-                async def first_messages(tag: str) -> None:
+                async def first_messages(tag: str, stop: asyncio.Event) -> None:
                     i = 0
                     while not stop.is_set():  # a new session every 5 ms while the round runs
                         t = time.perf_counter()
@@ -102,7 +102,7 @@ async def leases_at(n: int, url: str, r: Redis) -> str:
                         i += 1
                         await asyncio.sleep(0.005)
 
-                newcomers = asyncio.get_running_loop().create_task(first_messages(f"{n}-{rnd}"))
+                newcomers = asyncio.get_running_loop().create_task(first_messages(f"{n}-{rnd}", stop))
                 await asyncio.sleep(0.05)
                 t, cpu = time.perf_counter(), time.process_time()
                 await cluster.leases.renew_all()
