@@ -84,8 +84,9 @@ def pairing_platforms() -> str:
 
 
 def leased() -> str:
-    """Sorted set: session key -> when its lease runs out (ms, refreshed with every renewal, removed on
-    release). Every live worker scans it for leases that lapsed and adopts their open turns."""
+    """Sorted set: session with work open (a turn queued or running) -> when its owner's lease runs
+    out (ms, moved on with every renewal round; removed when the work is done). Every live worker
+    scans it for leases that lapsed and adopts the turns behind them."""
     return f"{PREFIX}:leased"
 
 

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -86,7 +86,8 @@ end
 return 0
 """
 
-RENEW_SLICE = 500  # leases per renewal call: small enough that encoding one never blocks for long
+RENEW_SLICE = 100  # leases per renewal call: small enough that encoding one never blocks for long
+RENEW_WINDOW = 2  # renewal calls in flight at once: a round of 100,000 leases is 1,000 calls
 
 
 def _clock() -> Callable[[], float]:
@@ -104,12 +105,12 @@ def _clock() -> Callable[[], float]:
 now = _clock()
 
 
-@dataclass(slots=True)
-class Lease:
+class Lease(NamedTuple):
+    """A lease held. A tuple of plain values, so the garbage collector need not track 100,000 of them."""
+
     key: str  # the Redis key of the lease
     name: str  # session key or ingress name
     fence: int
-    renewed_at: float  # `now()` when the last successful renewal (or the acquisition) was sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,7 @@ class LeaseManager:
     """Holds this incarnation's leases: acquires on demand (batched), renews all every TTL/3."""
 
     def __init__(self, redis: AnyRedis, worker_id: str, incarnation: str, *, ttl_s: float = 30.0,
-                 on_lost: OnLost | None = None) -> None:
+                 on_lost: OnLost | None = None, listed_in: str | None = None) -> None:
         if "/" in worker_id:
             raise ValueError("a worker id must not contain '/'")
         self.redis = redis
@@ -140,7 +141,9 @@ class LeaseManager:
         self.ttl_s = ttl_s
         self.margin_s = min(2.0, ttl_s / 10)
         self.on_lost = on_lost
+        self.listed_in = listed_in  # a set every acquired name is added to (one call per batch)
         self.held: dict[str, Lease] = {}
+        self.renewed_at: dict[str, float] = {}  # name -> `now()` when its last renewal (or acquisition) was sent
         self._acquire_sha: str | None = None
         self._renew_sha: str | None = None
         self._release_sha: str | None = None
@@ -149,7 +152,6 @@ class LeaseManager:
         self._cluster = isinstance(redis, RedisCluster)
         self.last_ok: float = now()  # when Redis last answered a renewal round
         self.acquisitions = self.losses = 0
-        self.longest_slice_s = 0.0  # the longest stretch a renewal round held the event loop
 
     @property
     def ttl_ms(self) -> int:
@@ -160,7 +162,7 @@ class LeaseManager:
         lease = self.held.get(name)
         if lease is None or (fence is not None and lease.fence != fence):
             return False
-        return now() - lease.renewed_at < self.ttl_s - self.margin_s
+        return now() - self.renewed_at.get(name, -1e18) < self.ttl_s - self.margin_s
 
     def check_lease(self, name: str) -> bool:
         """State change: drop `name` (reporting it lost) if it can no longer be proven; True if held."""
@@ -183,8 +185,10 @@ class LeaseManager:
 
     def _flush_acquisitions(self) -> None:
         batch, self._queued = self._queued, []
-        task = asyncio.get_running_loop().create_task(self._acquire_batch(batch))
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(batch), RENEW_SLICE):  # a burst goes as several short pipelines
+            task = loop.create_task(self._acquire_batch(batch[start:start + RENEW_SLICE]))
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
     async def _acquire_batch(self, batch: list[tuple[str, str, str, asyncio.Future[Acquired]]]) -> None:
         sent = now()
@@ -198,6 +202,15 @@ class LeaseManager:
             if not isinstance(exc, Exception):
                 raise
             return
+        self.last_ok = now()
+        acquired = [name for (name, *_), result in zip(batch, results, strict=True)
+                    if not isinstance(result, Exception) and int(result[0]) == 1]
+        listing: Exception | None = None
+        if acquired and self.listed_in is not None:
+            try:
+                await self.redis.sadd(self.listed_in, *acquired)
+            except (RedisError, OSError) as exc:
+                listing = exc
         for (name, key, _, fut), result in zip(batch, results, strict=True):
             if fut.done():
                 continue
@@ -206,8 +219,12 @@ class LeaseManager:
             elif int(result[0]) == 1:
                 if name not in self.held:
                     self.acquisitions += 1
-                lease = self.held[name] = Lease(key, name, int(result[1]), sent)
-                fut.set_result(Acquired(lease, replaced=str(result[2]) or None))
+                lease = self.held[name] = Lease(key, name, int(result[1]))
+                self.renewed_at[name] = sent
+                if listing is not None:  # ours, but not listed: say so (the caller may retry)
+                    fut.set_exception(listing)
+                else:
+                    fut.set_result(Acquired(lease, replaced=str(result[2]) or None))
             else:
                 fut.set_result(Acquired(None, str(result[1]), int(result[2])))
 
@@ -216,10 +233,21 @@ class LeaseManager:
     async def release(self, name: str) -> None:
         """Give `name` up (our fence only: a newer acquisition of it, even by us, is untouched)."""
         lease = self.held.pop(name, None)
+        self.renewed_at.pop(name, None)
         if lease is None:
             return
         with contextlib.suppress(RedisError, OSError):
             await self._evalsha_many("_release_sha", _RELEASE, [([lease.key], [self.token, lease.fence])])
+
+    async def release_many(self, names: list[str]) -> None:
+        """Give several up in one round trip."""
+        leases = [lease for name in names if (lease := self.held.pop(name, None)) is not None]
+        for name in names:
+            self.renewed_at.pop(name, None)
+        if leases:
+            with contextlib.suppress(RedisError, OSError):
+                await self._evalsha_many("_release_sha", _RELEASE,
+                                         [([lease.key], [self.token, lease.fence]) for lease in leases])
 
     async def release_lost(self, lease: Lease) -> None:
         """Release a lease already dropped locally, if Redis still has it under our token and fence."""
@@ -228,34 +256,38 @@ class LeaseManager:
     # --- renew ----------------------------------------------------------------------------
 
     async def renew_all(self) -> None:
-        """Renew every held lease, a slice at a time; report the ones that are gone."""
+        """Renew every held lease, a slice per call with a few calls in flight; report the ones that
+        are gone. Encoding one slice is the longest the event loop is held."""
         leases = list(self.held.values())
-        failed = False
-        for start in range(0, len(leases), RENEW_SLICE):
-            began = time.perf_counter()
-            part = leases[start:start + RENEW_SLICE]
-            sent = now()
-            call = self._renew_slice(part)  # encoding happens here, before the first await
-            self.longest_slice_s = max(self.longest_slice_s, time.perf_counter() - began)
-            try:
-                results = await call
-            except (RedisError, OSError) as exc:
-                if not failed:
-                    log.warning("lease renewal failed (%s); %d lease(s) at risk", type(exc).__name__, len(leases))
-                failed = True
-                continue
-            began = time.perf_counter()
-            for lease, ok in zip(part, results, strict=True):
-                if ok == 1:
-                    lease.renewed_at = sent
-                elif self.held.get(lease.name) is lease:
-                    self._lose(lease.name, expired=False)
-            self.longest_slice_s = max(self.longest_slice_s, time.perf_counter() - began)
-        if failed:
+        if not leases:
+            self.last_ok = now()
+            return
+        starts = iter(range(0, len(leases), RENEW_SLICE))
+        failures: list[BaseException] = []
+
+        async def renew() -> None:  # RENEW_WINDOW of these take the slices in turn
+            for start in starts:
+                part = leases[start:start + RENEW_SLICE]
+                sent = now()
+                try:
+                    results = await self._renew_slice(part)
+                except (RedisError, OSError) as exc:
+                    failures.append(exc)
+                    continue
+                self.last_ok = now()
+                for lease, ok in zip(part, results, strict=True):
+                    if ok == 1:
+                        if self.held.get(lease.name) is lease:
+                            self.renewed_at[lease.name] = sent
+                    elif self.held.get(lease.name) is lease:
+                        self._lose(lease.name, expired=False)
+                await asyncio.sleep(0)  # the next slice in a later loop iteration: timers run between
+
+        await asyncio.gather(*(renew() for _ in range(RENEW_WINDOW)))
+        if failures:
+            log.warning("lease renewal failed (%s); %d lease(s) at risk", type(failures[0]).__name__, len(leases))
             for lease in leases:
                 self.check_lease(lease.name)  # drops those past their TTL by our clock
-        else:
-            self.last_ok = now()
 
     def _renew_slice(self, part: list[Lease]) -> Any:
         if self._cluster:  # every key may live on another node: one call each, pipelined per node
@@ -275,7 +307,10 @@ class LeaseManager:
                 sha = str(await self.redis.script_load(script))
                 setattr(self, attr, sha)
             try:
-                if self._cluster:  # redis-py's cluster pipeline refuses scripts: concurrent calls instead
+                if len(calls) == 1 and not self._cluster:  # one call: no pipeline to build
+                    keys, args = calls[0]
+                    results = [await self.redis.evalsha(sha, len(keys), *keys, *args)]
+                elif self._cluster:  # redis-py's cluster pipeline refuses scripts: concurrent calls instead
                     results = list(await asyncio.gather(
                         *(self.redis.evalsha(sha, len(keys), *keys, *args) for keys, args in calls),
                         return_exceptions=True))
@@ -302,6 +337,7 @@ class LeaseManager:
 
     def _lose(self, name: str, *, expired: bool) -> None:
         lease = self.held.pop(name, None)
+        self.renewed_at.pop(name, None)
         if lease is None:
             return
         self.losses += 1

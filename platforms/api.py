@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -33,10 +34,14 @@ WATCH_INTERVAL_S = 0.25
 KEEPALIVE_S = 10.0
 
 
+# Text as text in every body: no \\uXXXX escapes for the languages people write in.
+_dumps = functools.partial(json.dumps, ensure_ascii=False)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
            headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status, headers=headers)
+                             status=status, headers=headers, dumps=_dumps)
 
 
 class _ApiReply(Reply):
@@ -151,7 +156,7 @@ class ApiAdapter(Adapter):
             watcher.cancel()
         if end.get("error"):
             return _error(502, end["error"], "provider_error")
-        return web.json_response(self._completion(reply.text, end))
+        return web.json_response(self._completion(reply.text, end), dumps=_dumps)
 
     async def _stream(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -162,7 +167,7 @@ class ApiAdapter(Adapter):
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-            return f"data: {json.dumps(payload)}\n\n".encode()
+            return f"data: {_dumps(payload)}\n\n".encode()
 
         try:
             await resp.write(chunk({"role": "assistant", "content": ""}))
@@ -190,13 +195,13 @@ class ApiAdapter(Adapter):
 
     async def _respond_text(self, request: web.Request, stream: bool, text: str) -> web.StreamResponse:
         if not stream:
-            return web.json_response(self._completion(text, {"finish_reason": "stop"}))
+            return web.json_response(self._completion(text, {"finish_reason": "stop"}), dumps=_dumps)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         payload = self._completion(text, {"finish_reason": "stop"})
         payload["object"] = "chat.completion.chunk"
         payload["choices"][0]["delta"] = payload["choices"][0].pop("message")
-        await resp.write(f"data: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write(f"data: {_dumps(payload)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -52,6 +53,7 @@ from platforms.streaming import EditStreamReply
 log = logging.getLogger(__name__)
 
 COOKIE = "switchboard_session"
+_dumps = functools.partial(json.dumps, ensure_ascii=False)  # text as text in every frame
 PLATFORM = "webchat"
 RESTARTING = "The gateway is restarting; your message will be sent again when it is back."
 
@@ -97,7 +99,7 @@ class WebchatAdapter(Adapter):
     # --- outbound -------------------------------------------------------------------------
 
     async def _push(self, chat_id: str, frame: dict[str, Any]) -> None:
-        data = json.dumps(frame)
+        data = json.dumps(frame, ensure_ascii=False)
         for ws in list(self._sockets.get(chat_id, ())):
             held = self._held.get(ws)
             if held is not None:
@@ -188,7 +190,7 @@ class WebchatAdapter(Adapter):
         status = self.gateway.status(key)
         await ws.send_json({"type": "hello", "history": [_row(m) for m in history if m.role != "tool"],
                             "running": status.running or status.queued > 0, "queued": status.queued,
-                            "agent": status.agent})
+                            "agent": status.agent}, dumps=_dumps)
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
@@ -202,11 +204,12 @@ class WebchatAdapter(Adapter):
                 raise ValueError(kind)
             client_id = str(frame.get("id") or f"c{next(self._ids)}")[:64]
         except (ValueError, KeyError, TypeError):
-            await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."})
+            await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
+                               dumps=_dumps)
             return
         if self._closing:  # no ack: the page keeps a message and resends it after reconnecting
             text = RESTARTING if kind == "message" else "The gateway is restarting; try again in a moment."
-            await ws.send_json({"type": "notice", "kind": "restart", "text": text})
+            await ws.send_json({"type": "notice", "kind": "restart", "text": text}, dumps=_dumps)
             return
         msg = InboundMessage(platform=PLATFORM, chat_id=sid, chat_type=ChatType.DM, user_id=sid,
                              user_name="web user", message_id=client_id, text=body)
@@ -220,10 +223,10 @@ class WebchatAdapter(Adapter):
         if result.outcome is Outcome.REJECTED and self._closing:
             return  # rejected because we are going down: unacked, so the page sends it again
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value})
+            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)
         if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
             # Other tabs of this session show it too (a tab still connecting sees it in its history later).
-            data = json.dumps({"type": "user", "id": msg.message_id, "text": msg.text})
+            data = json.dumps({"type": "user", "id": msg.message_id, "text": msg.text}, ensure_ascii=False)
             for other in list(self._sockets.get(msg.chat_id, ())):
                 if other is not ws and other not in self._held:
                     with contextlib.suppress(ConnectionError, RuntimeError):

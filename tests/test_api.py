@@ -154,3 +154,41 @@ async def test_stop_through_the_api_stops_the_sessions_run(
         answer = await asyncio.wait_for(pending, 2)
     assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert answer["choices"][0]["message"]["content"].startswith("reply to:")  # the partial answer
+
+
+async def test_text_that_cannot_be_stored_is_refused_before_it_is_acknowledged(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """A lone surrogate is valid JSON but not valid text: a clear 400, nothing stored, no replay."""
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    raw = '{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}'
+    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), data=raw.encode(),
+                         headers=_auth(**{"Content-Type": "application/json", "X-Session-Id": "poison"})) as resp:
+        assert resp.status == 400
+        assert "not valid text" in (await resp.json())["error"]["message"]
+    assert provider.connections == []
+    assert await daemon.store.unfinished_inbound() == []
+    assert await daemon.store.conversation("api:dm:poison") == (1, [])
+
+
+async def test_model_output_that_is_not_valid_text_is_stored_with_a_replacement_character(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.by_text["odd"] = Script(text="broken \ud800 char")
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    body = {"messages": [{"role": "user", "content": "odd"}]}
+    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                         headers=_auth(**{"X-Session-Id": "odd"})) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["message"]["content"] == "broken \ufffd char "
+    _conv, rows = await daemon.store.conversation("api:dm:odd")
+    assert [r.content for r in rows] == ["odd", "broken \ufffd char "]
+    assert await daemon.store.unfinished_inbound() == []
+
+
+async def test_text_travels_as_text_not_as_escapes(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.by_text["Привет"] = Script(text="Здравствуйте")
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    body = {"messages": [{"role": "user", "content": "Привет"}], "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                         headers=_auth(**{"X-Session-Id": "ru"})) as resp:
+        raw = await resp.read()
+    assert "Здравствуйте".encode() in raw and b"\\u04" not in raw

@@ -425,3 +425,17 @@ def test_redis_server_helper_restarts_on_the_same_port(tmp_path: Path) -> None:
         assert server.client().ping()
     finally:
         server.stop()
+
+
+async def test_text_is_stored_as_text_and_old_escaped_rows_still_read(redis_store: RedisStore,
+                                                                     redis_server: RedisServer) -> None:
+    fence = await own(redis_store, S1)
+    await redis_store.append(fence, 1, [ChatMessage("user", "Привет, мир — 你好", created_at=1.0)])
+    raw = redis_server.client()
+    stored = raw.lrange(keys.messages(S1, 1), 0, -1)
+    assert "Привет, мир — 你好" in stored[0] and "\\u" not in stored[0]
+    escaped = json.dumps({"role": "assistant", "content": "Ответ", "tool_calls": None, "tool_call_id": None,
+                          "interrupted_by": None, "reason": None, "created_at": 2.0})  # as rows were written before
+    assert "\\u041e" in escaped
+    raw.rpush(keys.messages(S1, 1), escaped)
+    assert [m.content for m in (await redis_store.conversation(S1))[1]] == ["Привет, мир — 你好", "Ответ"]

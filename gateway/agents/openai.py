@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,12 @@ from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str) -> str:
+    """Model output as storable text: a lone surrogate (valid JSON escape, invalid UTF-8) becomes U+FFFD."""
+    return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +58,12 @@ class _Round:
         slot = self.calls.setdefault(int(delta.get("index", len(self.calls))),
                                      {"id": "", "name": "", "arguments": ""})
         if delta.get("id"):
-            slot["id"] = delta["id"]
+            slot["id"] = _text(str(delta["id"]))
         fn = delta.get("function") or {}
         if fn.get("name"):
-            slot["name"] += fn["name"]
+            slot["name"] += _text(str(fn["name"]))
         if fn.get("arguments"):
-            slot["arguments"] += fn["arguments"]
+            slot["arguments"] += _text(str(fn["arguments"]))
 
     def tool_calls(self) -> tuple[ToolCall, ...]:
         return tuple(ToolCall(c["id"] or f"call_{i}", c["name"], c["arguments"] or "{}")
@@ -156,9 +163,10 @@ class OpenAIAgent:
                             delta = choice.get("delta") or {}
                             for tc in delta.get("tool_calls") or []:
                                 rnd.add_tool_delta(tc)
-                            if delta.get("content"):
-                                rnd.text.append(delta["content"])
-                                yield TextDelta(delta["content"])
+                            if content := delta.get("content"):
+                                content = _text(str(content))
+                                rnd.text.append(content)
+                                yield TextDelta(content)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise AgentError(f"the model provider connection broke ({type(exc).__name__})") from exc
 
@@ -170,9 +178,10 @@ async def _from_message(payload: dict[str, Any], rnd: _Round) -> AsyncIterator[T
         raise AgentError("the model provider returned an unexpected response") from exc
     for i, tc in enumerate(msg.get("tool_calls") or []):
         rnd.add_tool_delta({"index": i, **tc})
-    if msg.get("content"):
-        rnd.text.append(msg["content"])
-        yield TextDelta(msg["content"])
+    if content := msg.get("content"):
+        content = _text(str(content))
+        rnd.text.append(content)
+        yield TextDelta(content)
 
 
 def _json(text: str) -> dict[str, Any]:

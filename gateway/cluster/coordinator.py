@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 REPLY_WAIT_S = 10.0
 SCAN_BATCH = 200  # lapsed leases looked at per scan
+SLICE = 250  # sessions per Redis call in per-lease sweeps, so none holds the event loop for long
 
 
 def new_incarnation() -> str:
@@ -54,12 +55,16 @@ class Cluster:
         self.ttl_s = ttl_s
         self.metrics = metrics
         self.info = info or {}
-        self.leases = LeaseManager(redis, worker_id, self.incarnation, ttl_s=ttl_s, on_lost=self._lost)
+        self.leases = LeaseManager(redis, worker_id, self.incarnation, ttl_s=ttl_s, on_lost=self._lost,
+                                   listed_in=keys.worker_sessions(worker_id))
         self.ingress: dict[str, str] = {}  # ingress leases held: name -> description
         self._events: ClusterEvents | None = None
         self._acquiring: dict[str, asyncio.Future[Route]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._chores: set[asyncio.Task[None]] = set()
+        self._watched: set[str] = set()  # sessions with work open, listed in keys.leased()
+        self._watching: dict[str, asyncio.Future[None]] = {}
+        self._unwatching: dict[str, asyncio.Task[None]] = {}
         self._inbox = keys.worker_inbox(worker_id)
         self.adoptions = 0
 
@@ -98,18 +103,21 @@ class Cluster:
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_lapsed()))
 
     async def stop(self) -> None:
+        """Leave: release every lease; sessions with work still open (turns this stop cut off) are
+        marked lapsed, so the others adopt and resume them at once."""
         for task in [*self._tasks, *self._chores]:
             task.cancel()
         if self._tasks or self._chores:
             await asyncio.wait([*self._tasks, *self._chores])
-        held = list(self.leases.held)
+        held, open_work = list(self.leases.held), [s for s in self._watched if s in self.leases.held]
         await self.leases.stop(release=True)
         with contextlib.suppress(RedisError, OSError):
             async with self.redis.pipeline(transaction=False) as pipe:
+                if open_work:
+                    pipe.zadd(keys.leased(), dict.fromkeys(open_work, 0))
                 if held:
-                    pipe.zrem(keys.leased(), *held)
                     pipe.srem(keys.worker_sessions(self.worker_id), *held)
-                # Gone: the others claim our inbox at once (and adopt the turns we were running).
+                # Gone: the others claim our inbox at once.
                 pipe.delete(keys.worker_alive(self.worker_id))
                 await pipe.execute()
         await self.redis.aclose()
@@ -151,10 +159,6 @@ class Cluster:
             if got.lease is None:
                 return Route(owner=got.owner)
             self.metrics.lease_events.labels("acquired").inc()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(keys.leased(), {session: self._expiry_ms()})
-                pipe.sadd(keys.worker_sessions(self.worker_id), session)
-                await pipe.execute()
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
         if got.replaced:
@@ -177,6 +181,47 @@ class Cluster:
     def check_lease(self, session: str) -> None:
         self.leases.check_lease(session)
 
+    async def watch(self, session: str) -> None:
+        """`session` has work open (a turn queued or running): list it with its lease deadline, so
+        that if this worker stops renewing, a live one adopts the turn. Callers for one session
+        resume in the order they called (messages keep their order)."""
+        pending = self._watching.get(session)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return
+        if session in self._watched:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watching[session] = fut
+        try:
+            if (unlisting := self._unwatching.get(session)) is not None:
+                await asyncio.wait({unlisting})  # its ZREM must not land after our ZADD
+            await self.redis.zadd(keys.leased(), {session: self._expiry_ms()})
+            self._watched.add(session)
+            fut.set_result(None)
+        except (RedisError, OSError) as exc:
+            fut.set_exception(ClusterUnavailable(f"Redis failed: {type(exc).__name__}"))
+            fut.exception()  # retrieved: no warning if nobody else waits
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        finally:
+            self._watching.pop(session, None)
+
+    def unwatch(self, session: str) -> None:
+        """`session` has no work open any more. Only while it is still provably ours: a session
+        whose lease was lost stays listed, for whoever adopts it."""
+        if session not in self._watched or self.fence_of(session) is None:
+            return
+        self._watched.discard(session)
+        task = asyncio.get_running_loop().create_task(self._zrem(session))
+        self._unwatching[session] = task
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+        task.add_done_callback(lambda t: self._unwatching.pop(session) if self._unwatching.get(session) is t else None)
+
+    async def _zrem(self, session: str) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.zrem(keys.leased(), session)
+
     def _expiry_ms(self) -> int:
         return int((time.time() + self.ttl_s) * 1000)
 
@@ -193,10 +238,11 @@ class Cluster:
     async def _hand_on(self, session: str, lease: Lease) -> None:
         """A lease we can no longer prove: release it (our fence only) and mark it lapsed, so a live
         worker — maybe this one — adopts the turn it was running right away."""
+        self._watched.discard(session)
         with contextlib.suppress(RedisError, OSError):
             await self.leases.release_lost(lease)
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(keys.leased(), {session: 0}, xx=True)
+                pipe.zadd(keys.leased(), {session: 0})
                 pipe.srem(keys.worker_sessions(self.worker_id), session)
                 await pipe.execute()
 
@@ -263,7 +309,7 @@ class Cluster:
         entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
                  "from": self.worker_id}
         try:
-            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry)})
+            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
             if not want_reply:
                 return None
             got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
@@ -312,7 +358,7 @@ class Cluster:
     async def _reply(self, request: str, result: Submitted) -> None:
         key = keys.forward_reply(request)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(key, json.dumps({"outcome": result.outcome.value, "detail": result.detail}))
+            pipe.lpush(key, json.dumps({"outcome": result.outcome.value, "detail": result.detail}, ensure_ascii=False))
             pipe.expire(key, 60)
             await pipe.execute()
 
@@ -325,6 +371,7 @@ class Cluster:
                 await self._heartbeat()
                 await self._refresh_leased()
                 await self._release_idle()
+                await self._reclaim_own()
                 await self._claim_from_the_dead()
             except (RedisError, OSError, ClusterUnavailable) as exc:
                 log.warning("cluster housekeeping failed: %s", exc or type(exc).__name__)
@@ -340,24 +387,36 @@ class Cluster:
             await pipe.execute()
 
     async def _refresh_leased(self) -> None:
-        """Move the lapse deadline of every session we hold (in slices: a worker may hold many)."""
-        held = [name for name in self.leases.held if name not in self.ingress]
+        """Move the lapse deadline of every session with work open (few, next to the leases held)."""
+        watched = [s for s in self._watched if s in self.leases.held]
         expiry = self._expiry_ms()
-        for start in range(0, len(held), 1000):
-            await self.redis.zadd(keys.leased(), dict.fromkeys(held[start:start + 1000], expiry), xx=True)
+        for start in range(0, len(watched), SLICE):
+            await self.redis.zadd(keys.leased(), dict.fromkeys(watched[start:start + SLICE], expiry), xx=True)
 
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""
         assert self._events is not None
-        idle = [s for s in list(self.leases.held)
-                if s not in self._acquiring and s not in self.ingress and not self._events.in_use(s)]
-        for session in idle:
-            await self.leases.release(session)
-        if idle:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(keys.leased(), *idle)
-                pipe.srem(keys.worker_sessions(self.worker_id), *idle)
-                await pipe.execute()
+        held = list(self.leases.held)
+        for start in range(0, len(held), SLICE):  # a slice at a time: a worker may hold many
+            idle = [s for s in held[start:start + SLICE]
+                    if s not in self._acquiring and s not in self.ingress and not self._events.in_use(s)]
+            if idle:
+                await self.leases.release_many(idle)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zrem(keys.leased(), *idle)
+                    pipe.srem(keys.worker_sessions(self.worker_id), *idle)
+                    await pipe.execute()
+                self._watched.difference_update(idle)
+            await asyncio.sleep(0)
+
+    async def _reclaim_own(self) -> None:
+        """Entries delivered to this worker but never handled — a blocking read answered while the
+        process was paused and then lost with its connection — are handled now, once idle a TTL."""
+        _next, claimed, *_ = await self.redis.xautoclaim(self._inbox, keys.GROUP, self.worker_id,
+                                                         min_idle_time=int(self.ttl_s * 1000), count=100)
+        for entry_id, fields in claimed:
+            log.info("handling an inbox entry delivered earlier but never handled")
+            await self._handle(self._inbox, entry_id, fields)
 
     async def _claim_from_the_dead(self) -> None:
         """Take over what dead workers left in their inboxes: entries they read but never

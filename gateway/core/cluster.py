@@ -72,3 +72,10 @@ class Ownership(Protocol):
     def check_lease(self, session: str) -> None:
         """State change: if the lease can no longer be proven, drop it (and say so via
         `ClusterEvents.lease_lost`)."""
+
+    async def watch(self, session: str) -> None:
+        """`session` has work open: if this worker stops renewing its lease, another adopts the work.
+        Raises ClusterUnavailable."""
+
+    def unwatch(self, session: str) -> None:
+        """`session` has no work open any more."""

@@ -78,6 +78,17 @@ class Lane:
     worker: asyncio.Task[None] | None = None
 
 
+def _encodable(*texts: str | None) -> bool:
+    """Can every text be written as UTF-8 (no lone surrogates)?"""
+    for text in texts:
+        if text and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+    return True
+
+
 class Router:
     """The core's `Gateway`: platforms submit here; the router owns lanes, turns and recovery."""
 
@@ -203,6 +214,12 @@ class Router:
                      key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
         media_only = msg.media and not msg.text.strip()
+        if not _encodable(key, msg.text, msg.chat_id, msg.user_id, msg.user_name, msg.message_id,
+                          msg.thread_id, msg.user_handle, msg.reply_to):
+            # Lone surrogates (e.g. "\ud800" in JSON) cannot be stored or sent on: refuse them now,
+            # before anything is acknowledged, rather than poison the store.
+            return await self._reject(outlet, msg, key, "That message contains characters that are not valid "
+                                      "text; please send it again.")
         if not media_only and (problem := self._validate(msg.text)) is not None:
             return await self._reject(outlet, msg, key, problem)
         cmd = parse_command(msg.text, outlet.bot_username)
@@ -251,8 +268,10 @@ class Router:
             turn.accepted.set_result(True)
             return Submitted(Outcome.ACCEPTED, run=turn.run)
         try:
+            if self._cluster is not None:  # before the message is stored: then someone always finishes it
+                await self._cluster.watch(key)
             turn.inbound_id = await self.store.accept_inbound(fence, msg)
-        except StoreError as exc:
+        except (StoreError, ClusterUnavailable) as exc:
             turn.accepted.set_result(False)
             self._forget(msg)
             log.error("could not store an inbound message: %s", exc, extra={"session": key})
@@ -315,8 +334,10 @@ class Router:
         turn = Turn(msg, key, self._speaker(outlet, fence), fence)
         self._enqueue(turn)
         try:
+            if self._cluster is not None:
+                await self._cluster.watch(key)
             turn.inbound_id = inbound_id or await self.store.accept_inbound(fence, msg)
-        except StoreError:
+        except (StoreError, ClusterUnavailable):  # it stays open in the store: recovered with the session later
             turn.inbound_id = None
         turn.accepted.set_result(turn.inbound_id is not None)
         return turn.run if turn.inbound_id is not None else None
@@ -505,6 +526,8 @@ class Router:
             lane.worker = None
             if not lane.pending and self._lanes.get(lane.key) is lane:
                 del self._lanes[lane.key]
+                if self._cluster is not None and not self._closing:  # stopping: left for adoption
+                    self._cluster.unwatch(lane.key)
 
     async def _run_turn(self, turn: Turn) -> None:
         try:

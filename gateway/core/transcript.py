@@ -51,7 +51,7 @@ class ChatMessage:
         return out
 
     def tool_calls_json(self) -> str | None:
-        return json.dumps([c.to_dict() for c in self.tool_calls]) if self.tool_calls else None
+        return json.dumps([c.to_dict() for c in self.tool_calls], ensure_ascii=False) if self.tool_calls else None
 
     @staticmethod
     def tool_calls_from_json(text: str | None) -> tuple[ToolCall, ...]:

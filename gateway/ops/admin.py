@@ -31,7 +31,7 @@ COOKIE = "switchboard_admin"
 _PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login")}
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Strict JSON: the console parses it with JSON.parse, which has no Infinity.
-_json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False))
+_json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False, ensure_ascii=False))
 
 
 def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
@@ -91,7 +91,7 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def sessions(_request: web.Request) -> web.Response:
-        return web.json_response({"sessions": await session_table(router, store)})
+        return _json({"sessions": await session_table(router, store)})
 
     async def stop(request: web.Request) -> web.Response:
         try:

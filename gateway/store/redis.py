@@ -150,7 +150,8 @@ def connect(url: str, **opts: Any) -> aioredis.Redis | RedisCluster:
     plain, cluster = _parse(url)
     if cluster:
         return RedisCluster.from_url(plain, **opts)
-    return aioredis.Redis.from_pool(blocking_pool(plain, **opts))
+    # Pooled connections die with a Redis restart: the first use of each is retried once.
+    return aioredis.Redis.from_pool(blocking_pool(plain, **{"retry": _RETRY, **opts}))
 
 
 def blocking_pool(url: str, **opts: Any) -> aioredis.BlockingConnectionPool:
@@ -383,7 +384,8 @@ def _token() -> str:
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    """Compact, and text as text: no \\uXXXX for every non-ASCII character (a quarter of the size)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _fenced(fence: Fence) -> str:

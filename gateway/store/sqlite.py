@@ -174,7 +174,7 @@ class SqliteStore:
             return False
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        session_key, payload = fence.session_key, json.dumps(msg.to_dict())
+        session_key, payload = fence.session_key, json.dumps(msg.to_dict(), ensure_ascii=False)
 
         def op(c: sqlite3.Connection) -> int | None:
             cur = c.execute(
