@@ -12,9 +12,9 @@ Definitions (see KINDS for the violation names):
   partial answer marked stopped, or a notice of its own. Attribution: the stream tag in the text,
   else the user message the reply quotes, else the latest streamed output in the chat before it.
   (API): a 200 whose `switchboard` says interrupted.
-- *superseded*: nothing at all was shown for it, the user's next message went out before any
-  outcome, and its transcript row says interrupted — a turn the user's own next message replaced
-  before it showed anything gets no notice by design.
+- *superseded*: nothing at all was shown for it and the user's next message went out before any
+  outcome — a turn the user's own next message replaced before it showed anything gets no notice
+  by design (its transcript must still close it: see check_transcripts).
 - Every accepted Telegram message ends answered (once), interrupted with notice, or superseded;
   every partial answer shown for it is followed by an answer or a notice for it; and the first
   answer or notice comes within a bound: answer time + 3 s, plus for each fault touching that
@@ -456,8 +456,8 @@ class _Checker:
             outcome = "answered"
         elif notices:
             outcome = "interrupted"
-        elif not partials and m.next_sent_at is not None and row is not None and row.interrupted_by:
-            outcome = "superseded"
+        elif not partials and m.next_sent_at is not None:
+            outcome = "superseded"  # (whether its turn was closed properly is check_transcripts' business)
         else:
             outcome = "no outcome"
         self.counts[f"tg {outcome}"] += 1

@@ -176,6 +176,9 @@ def test_a_message_the_user_replaced_before_anything_showed_needs_no_notice() ->
     stream(rec, second, 1, "w1.1", 1.6, 5.0)
     report = check(rec)
     assert report.ok and report.counts["superseded"] == 1, report.text()
+    # ...but its turn must still be closed in the transcript (here: cut off after its tool ran)
+    rec.transcripts["g01"][1:2] = [Row("assistant", "", None, None, tool_calls=True), Row("tool", "ok", None, None)]
+    assert kinds(check(rec)) == {"transcript-unanswered": 1}
 
 
 def test_tool_rows_belong_to_their_turn() -> None:
