@@ -3,6 +3,7 @@ a fresh cluster (3 real workers, a real redis-server); prints every run's report
 summed over all runs.
 
     python -m tests.bench.chaos --minutes 10 [--seed 1] [--workers 3] [--run-s 60] [--ttl 3]
+    python -m tests.bench.chaos --recheck chaos-1.json   # the checker again, on a run's saved records
 
 Exit status 1 if any run found a violation. Each run's records and report are kept under
 --out (default: a temporary directory, printed at the end).
@@ -18,7 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.chaos.scenario import Settings, run_scenario, save
+from tests.chaos.checker import check
+from tests.chaos.scenario import Settings, load, run_scenario, save
 
 
 async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: float, out: Path) -> int:
@@ -57,7 +59,12 @@ def main() -> None:
     parser.add_argument("--run-s", type=float, default=60.0, help="traffic and faults per run (seconds)")
     parser.add_argument("--ttl", type=float, default=3.0, help="lease TTL (seconds, at least 3)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--recheck", type=Path, default=None, help="check a run's saved records (chaos-<seed>.json)")
     args = parser.parse_args()
+    if args.recheck:
+        report = check(load(args.recheck))
+        print(report.text(limit=10_000))
+        sys.exit(0 if report.ok else 1)
     out = args.out or Path(tempfile.mkdtemp(prefix="switchboard-chaos-"))
     sys.exit(asyncio.run(soak(args.minutes, args.seed, args.workers, args.run_s, args.ttl, out)))
 

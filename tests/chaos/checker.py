@@ -135,6 +135,8 @@ class Report:
             out.append(f"- ... and {len(self.violations) - limit} more")
         for t in self.tolerated:
             out.append(f"tolerated: {t}")
+        for kind in self.by_kind():
+            out.append(f"({kind}: {KINDS.get(kind, '?')})")
         return "\n".join(out)
 
 
@@ -356,7 +358,8 @@ class _Checker:
                 if s.after_tool:
                     outputs.append((s.opened_at, s.via or "?", "provider request", self.turn_start(s),
                                     f"c{s.number} after its tool"))
-            zombies: dict[tuple[str, float, str], list[tuple[float, str, str]]] = defaultdict(list)
+            # per (incarnation, the acquisition its output came from): what it sent after being superseded
+            zombies: dict[tuple[str, float | None], list[tuple[float, str, str, float, str]]] = defaultdict(list)
             for at, via, what, origin, sample in sorted(outputs):
                 newer = [(t, who) for t, who in acq if who != via and (origin is None or t > origin) and t < at]
                 if not newer:
@@ -367,14 +370,16 @@ class _Checker:
                     self.tolerated.append(f"{session}: {what} by {via} at {self.t(at)}, "
                                           f"{(at - woke[0]) * 1000:.0f} ms after SIGCONT (in flight when stopped)")
                     continue
-                zombies[(via, *newer[-1])].append((at, what, sample))
-            for (via, t_new, who_new), found in zombies.items():
-                kinds = Counter(what for _at, what, _sample in found)
-                sample = next((x for _at, _what, x in found if x), "")
+                zombies[(via, origin)].append((at, what, sample, *newer[0]))
+            for (via, origin), found in zombies.items():
+                kinds = Counter(what for _at, what, _sample, _t, _who in found)
+                sample = next((x for _at, _what, x, _t, _who in found if x), "")
+                _at, _what, _sample, t_new, who_new = found[0]
                 self.add("zombie-output", session,
                          f"{len(found)} call(s) by {via} ({', '.join(f'{k} {n}' for k, n in kinds.items())}) "
-                         f"at {self.t(found[0][0])}-{self.t(found[-1][0])}, after {who_new} took the session up "
-                         f"at {self.t(t_new)}" + (f"; e.g. {sample!r}" if sample else "") + self.fault_before(t_new))
+                         f"at {self.t(found[0][0])}-{self.t(found[-1][0])} for its turn begun at {self.t(origin)}, "
+                         f"after {who_new} had taken the session up at {self.t(t_new)}"
+                         + (f"; e.g. {sample!r}" if sample else "") + self.fault_before(t_new))
 
     # (b) every accepted message: answered, or interrupted with notice, exactly once; in time
 

@@ -22,13 +22,17 @@ from tests.chaos import faults
 from tests.chaos.checker import Report, check
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.records import (
+    ApiMessage,
+    Attempt,
     BotMessage,
     FaultRecord,
+    Incarnation,
     OpenInbound,
     Records,
     Row,
     Stream,
     TgCall,
+    TgMessage,
     chat_of,
     message_tag,
 )
@@ -223,6 +227,27 @@ def _read_store(redis: RedisServer, sessions: list[str], worker_ids: list[str]
 def _stream_id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def load(path: Path) -> Records:
+    """Records written by `save` (to run the checker again, e.g. after changing it)."""
+    d = json.loads(path.read_text())
+
+    def with_attempts(m: dict[str, Any]) -> dict[str, Any]:
+        return {**m, "attempts": [Attempt(**a) for a in m["attempts"]]}
+
+    return Records(
+        **{k: d[k] for k in ("seed", "ttl_s", "answer_s", "t0", "traffic_end", "collected_at", "inbox",
+                             "harness_errors", "log_tails", "crashed")},
+        incarnations={k: Incarnation(**{**v, "stopped": [tuple(s) for s in v["stopped"]]})
+                      for k, v in d["incarnations"].items()},
+        faults=[FaultRecord(**f) for f in d["faults"]],
+        telegram=[TgMessage(**with_attempts(m)) for m in d["telegram"]],
+        api=[ApiMessage(**with_attempts(m)) for m in d["api"]],
+        streams=[Stream(**s) for s in d["streams"]], calls=[TgCall(**c) for c in d["calls"]],
+        bot_messages=[BotMessage(**b) for b in d["bot_messages"]],
+        transcripts={k: [Row(**r) for r in v] for k, v in d["transcripts"].items()},
+        open_inbound=[OpenInbound(**o) for o in d["open_inbound"]])
 
 
 def save(records: Records, report: Report, directory: Path) -> Path:

@@ -3,6 +3,8 @@ chaos test hunts for is reported (no processes; fast)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.chaos.checker import Report, check
 from tests.chaos.records import (
     ApiMessage,
@@ -18,6 +20,7 @@ from tests.chaos.records import (
     TgMessage,
     answer_tag,
 )
+from tests.chaos.scenario import load, save
 
 TAKEOVER = "⏹ interrupted: worker stopped responding; session taken over"
 
@@ -207,3 +210,13 @@ def test_api_refusals_and_unrecorded_answers_are_reported() -> None:
     rec.transcripts["a01"] = [Row("user", "[a01 m1 t2] question", None, None)]
     assert kinds(check(rec)) == {"api-400-for-unavailable": 1, "api-answer-not-recorded": 1,
                                  "transcript-unanswered": 1}
+
+
+def test_saved_records_check_the_same_after_loading(tmp_path: Path) -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    stream(rec, msg, 1, "w1.1", 1.1, 2.0, whole=False, record=False)
+    rec.incarnations["w1.1"].stopped.append((1.5, 2.5))
+    report = check(rec)
+    save(rec, report, tmp_path)
+    assert check(load(tmp_path / "chaos-7.json")).text() == report.text()
