@@ -1,41 +1,56 @@
-"""The invariants a cluster must keep under faults, judged only from the records of a run.
+"""The invariants a cluster must keep under faults, judged only from the records of a run (the
+fake provider's connections, the fake Telegram's calls and final messages, the Redis store read at
+the end, the traffic generator's log, the fault log). See KINDS for the violation names.
 
-Definitions (see KINDS for the violation names):
+Definitions:
 
-- *accepted*: a Telegram message is accepted once any webhook POST of its update got a 2xx (or
-  its user row is in the transcript); an HTTP API attempt is accepted if it got a 200 or its user
-  row is in the transcript. A message never accepted before the client gave up is *refused*.
-- *answered* (Telegram): a bot message whose final text is a whole answer for it: it starts with
+- *accepted*: a Telegram message is accepted once any webhook POST of its update got a 2xx (or its
+  user row is in the transcript); an HTTP API attempt is accepted if it got a 200 or its user row
+  is in the transcript. A message never accepted before the client gave up is *refused* (counted,
+  not a violation; an API 400 for a transient failure is one, see api-400-for-unavailable).
+- *answered* (Telegram): a bot message whose final text is a whole answer for it — it starts with
   a stream tag of the message ("[g03_m2_c17]", also from an automatic resume of it) and ends with
-  END, without a stop mark. (API): a 200 whose content ends with END, without `switchboard`.
+  END, without a stop mark. (API): a 200 whose content is the whole tagged answer.
 - *interrupted with notice* (Telegram): a bot message attributed to it that carries "⏹" — a
   partial answer marked stopped, or a notice of its own. Attribution: the stream tag in the text,
   else the user message the reply quotes, else the latest streamed output in the chat before it.
   (API): a 200 whose `switchboard` says interrupted.
 - *superseded*: nothing at all was shown for it and the user's next message went out before any
   outcome — a turn the user's own next message replaced before it showed anything gets no notice
-  by design (its transcript must still close it: see check_transcripts).
-- Every accepted Telegram message ends answered (once), interrupted with notice, or superseded;
-  every partial answer shown for it is followed by an answer or a notice for it; and the first
-  answer or notice comes within a bound: answer time + 3 s, plus for each fault touching that
-  window its length + TTL + 2 s.
-- A *stream* is one provider request; it is *active* from its start until it completed or its
-  connection closed — a stream that asked for a tool stays active while the tool runs, until its
-  worker's next stream for the session (at most TOOL_WINDOW_S) — except while its worker process
-  was stopped (and WAKE_GRACE_S after SIGCONT, to notice the lost lease) or after it died. No two
-  streams of one session may be active at once (tolerance OVERLAP_TOLERANCE_S).
-- *Acquisitions* of a session: each stream's start (by its incarnation) and each takeover notice.
-  A Telegram call that belongs to an earlier acquisition of another incarnation (its stream's
-  output; or typing / a stop notice of an incarnation whose own last acquisition is older) must not
-  reach Telegram after a newer acquisition. One call arriving within INFLIGHT_S of its process'
-  SIGCONT was already on its way when it was stopped: tolerated and listed.
-- After a kill, a restart, or a pause that lasts past TTL + 2 s, each Telegram session with a
-  stream in flight on that process must show a sign of a new owner (any output, or a stream, from
-  another incarnation) within TTL + 2 s of the fault.
-- The final transcript alternates user row / assistant row (an answer or an interruption row):
-  no user row without its assistant row, no assistant row without its user row, no message twice.
-- After settling, no inbound record is still open (accepted / running / restart) for a session
-  with no stream running.
+  by design (its transcript must still close it).
+
+Invariants:
+
+(a) A *stream* is one provider request; it is *active* from its start until it completed or its
+    connection closed — a stream that asked for a tool stays active while the tool runs, until
+    its worker's next stream for the session (at most TOOL_WINDOW_S) — except while its worker
+    process was stopped (and WAKE_GRACE_S after SIGCONT, to notice the lost lease) or after it
+    died. No two streams of one session are active at once (tolerance OVERLAP_TOLERANCE_S).
+(b) Every accepted Telegram message ends answered (exactly once), interrupted with notice, or
+    superseded; it is in the transcript (a webhook 2xx is a promise to keep it); every partial
+    answer shown for it is followed by an answer or a notice for it; no takeover notice follows
+    its whole answer; its first answer or notice comes within a bound (records.outcome_bound:
+    answer time + 3 s, plus for each fault that can hold it up its length + TTL + 2 s); a turn
+    streaming when a pause or a Redis restart began shows something within TTL + 2 s after the
+    fault ended; a turn streaming on a process that is killed, restarted, or stopped past TTL +
+    2 s is taken over (a notice or a stream for it from another incarnation) within TTL + 2 s.
+(c) *Acquisitions* of a session: each turn's first stream (by its incarnation) and each takeover
+    notice. Output of a turn (its Telegram sends and edits, a stop notice, "typing", and provider
+    requests that continue it after a tool) must not happen after another incarnation's later
+    acquisition. A call arriving within INFLIGHT_S after its process' SIGCONT was on its way when
+    the process was stopped: tolerated and listed.
+(d) The final transcript: each user row is followed, before the next user row, by exactly one
+    assistant row without tool calls (the answer or the interruption) as the last row of the
+    turn — or by an interrupted tool result, if the turn was cut off while a tool ran; no message
+    is recorded twice; an API answer given as whole is recorded as whole.
+(e) After settling, no inbound record is still open (accepted / running / restart) for a session
+    with nothing running; no tool process of a killed worker outlives it by 0.5 s;
+    no worker process exits unless killed.
+
+Tolerances for at-least-once: a second whole answer, or a takeover notice after a whole answer,
+or an API answer recorded as interrupted, is tolerated (and listed) when the first answer came at
+most AT_FAULT_S before a fault of its worker (or of Redis): sending and recording cannot be one
+atomic step.
 """
 
 from __future__ import annotations
@@ -72,7 +87,8 @@ REFUSALS_400 = ("storage", "unavailable", "could not save", "could not pass")
 
 KINDS = {
     "concurrent-streams": "two provider streams (or a stream's tool run) of one session active at the same time",
-    "zombie-output": "a Telegram call from an incarnation after another one acquired the session",
+    "zombie-output": "a turn's output (Telegram call, or provider request after its tool) after another "
+                     "incarnation took the session up",
     "foreign-stream-output": "a Telegram call carrying a stream tag of another incarnation",
     "double-takeover": "two incarnations each sent a takeover notice for the same message",
     "answered-twice": "two whole answers shown for one message",
@@ -177,10 +193,12 @@ class _Checker:
             if s.session:
                 self.streams_by_session[s.session].append(s)
         self.bots_by_tag: dict[str, list[BotMessage]] = defaultdict(list)
+        self.tag_of_bot: dict[tuple[int, int], str] = {}
         for bm in records.bot_messages:
             tag = self._attribute(bm)
             if tag is not None:
                 self.bots_by_tag[tag].append(bm)
+                self.tag_of_bot[(bm.chat_id, bm.message_id)] = tag
         self.counts: Counter[str] = Counter()
 
     # --- helpers ----------------------------------------------------------------------------
@@ -423,7 +441,8 @@ class _Checker:
             first = min(answers, key=lambda b: b.changed_at)
             stream = self.streams.get(stream_number(first.text) or 0)
             at_fault = stream is not None and any(
-                f.target == stream.via and 0 <= f.started_at - first.changed_at <= AT_FAULT_S for f in self.r.faults)
+                f.target in (stream.via, "redis") and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
+                for f in self.r.faults)
             shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
             if at_fault:
                 self.tolerated.append(f"{m.session}: [{m.tag}] answered twice ({shown}); the first just before a fault")
@@ -554,6 +573,8 @@ class _Checker:
         """Is this Telegram call (text, not typing) about message m?"""
         if call.method == "sendChatAction":
             return False
+        if call.message_id is not None and (call.chat_id, call.message_id) in self.tag_of_bot:
+            return self.tag_of_bot[(call.chat_id, call.message_id)] == m.tag
         n = stream_number(call.text)
         if n is not None:
             stream = self.streams.get(n)
