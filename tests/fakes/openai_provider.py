@@ -29,6 +29,7 @@ class Script:
     garbage: bool = False
     json_only: bool = False  # answer with a plain JSON completion despite stream=true
     echo_key: bool = False  # answer 401 quoting the API key it was sent, as some providers do
+    think_s: float = 0.0  # silence before the first token (a model thinking)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Connection:
     closed_at: float | None = None
     completed: bool = False  # the provider sent the whole answer
     completed_at: float | None = None
+    via: str | None = None  # the path prefix the client used (`/<via>/v1/...`): which client it was
 
     @property
     def ended_at(self) -> float | None:
@@ -58,6 +60,11 @@ class FakeProvider:
         self.scripts: deque[Script] = deque()
         self.by_text: dict[str, Script] = {}
         self.connections: list[Connection] = []
+        # Optional: the default streamed text for a connection (instead of "reply to: ..."), e.g.
+        # to put a tag in every answer that names the request it came from.
+        self.text_for: Callable[[Connection], str] | None = None
+        # Optional: the script for a request that has no queued or by-text script (None: the default).
+        self.script_for: Callable[[Connection], Script | None] | None = None
         self._runner: web.AppRunner | None = None
         self._closed = asyncio.Condition()
         self.port = 0
@@ -72,6 +79,8 @@ class FakeProvider:
     async def start_on(self, port: int) -> FakeProvider:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._completions)
+        # The same endpoint under a per-client prefix (base URL `.../<via>/v1`), recorded as `via`.
+        app.router.add_post("/{via}/v1/chat/completions", self._completions)
         app.router.add_get("/_connections", self._stats)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -107,10 +116,11 @@ class FakeProvider:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        conn = Connection(time.perf_counter(), body)
+        conn = Connection(time.perf_counter(), body, via=request.match_info.get("via"))
         self.connections.append(conn)
         self._hook_close(request, conn)
-        script = self.scripts.popleft() if self.scripts else self.for_text(conn.last_user)
+        script = self.scripts.popleft() if self.scripts else self.by_text.get(conn.last_user) or (
+            self.script_for(conn) if self.script_for is not None else None) or Script()
         if script.echo_key:
             conn.completed = True
             key = request.headers.get("Authorization", "").removeprefix("Bearer ")
@@ -126,9 +136,14 @@ class FakeProvider:
                 "role": "assistant", "content": script.text or f"reply to: {conn.last_user}"},
                 "finish_reason": "stop"}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionError:  # the client is gone already (e.g. killed right after asking)
+            return resp
         delay = self.delay_s if script.delay_s is None else script.delay_s
         try:
+            if script.think_s > 0:
+                await asyncio.sleep(script.think_s)
             if script.garbage:
                 await resp.write(b"data: {this is not json\n\n")
             elif script.tool_calls:
@@ -139,7 +154,8 @@ class FakeProvider:
                     await resp.write(_sse({"choices": [{"index": 0, "delta": delta}]}))
                 await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
             else:
-                text = script.text if script.text is not None else self._default_text(conn.last_user)
+                text = script.text if script.text is not None else (
+                    self.text_for(conn) if self.text_for is not None else self._default_text(conn.last_user))
                 for word in text.split(" "):
                     await asyncio.sleep(delay)
                     await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": word + " "}}]}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import json
@@ -57,6 +58,8 @@ EDIT_TOO_LONG = "Bad Request: MESSAGE_TOO_LONG"
 SEND_TOO_LONG = "Bad Request: message is too long"
 BUTTON_DATA_INVALID = "Bad Request: BUTTON_DATA_INVALID"  # callback_data outside 1-64 bytes
 _COMMAND_RE = re.compile(r"/[A-Za-z0-9_]+(?:@[A-Za-z0-9_]+)?")
+# The path prefix of the request being handled (`/<via>/bot<token>/<method>`), for the records.
+_VIA: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_telegram_via", default=None)
 
 
 class ApiError(Exception):
@@ -80,6 +83,7 @@ class SentRecord:
     message_id: int | None
     time: float  # fake.clock() (time.monotonic() unless a test swaps it)
     params: JSONDict = field(default_factory=dict)
+    via: str | None = None  # the client's path prefix, if it used one (see `base_url_via`)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class CallRecord:
     params: JSONDict
     status: int
     time: float
+    via: str | None = None
 
 
 @dataclass
@@ -262,6 +267,8 @@ class FakeTelegramAPI:
         self._closing = False
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/bot{token}/{method}", self._dispatch)
+        # The same API under a per-client prefix, so records say which client made each call.
+        app.router.add_route("*", "/{via}/bot{token}/{method}", self._dispatch)
         app.router.add_get("/file/bot{token}/{path:.+}", self._serve_file)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
@@ -289,6 +296,10 @@ class FakeTelegramAPI:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/bot"
+
+    def base_url_via(self, via: str) -> str:
+        """A base URL whose calls are recorded with `via` (one per client, e.g. per worker process)."""
+        return f"http://127.0.0.1:{self.port}/{via}/bot"
 
     @property
     def base_file_url(self) -> str:
@@ -331,6 +342,7 @@ class FakeTelegramAPI:
         if entry is None:
             return _error(404, "Not Found")
         method, handler = entry
+        _VIA.set(request.match_info.get("via"))
         params = await self._read_params(request)
         delay = self._latency.get(_chat_key(params.get("chat_id")) or "")
         if delay:
@@ -365,13 +377,13 @@ class FakeTelegramAPI:
                 raise err
 
     def _record_call(self, method: str, params: JSONDict, status: int) -> None:
-        self.calls.append(CallRecord(method, params, status, self.clock()))
+        self.calls.append(CallRecord(method, params, status, self.clock(), _VIA.get()))
         self._wake()
 
     def _record(self, method: str, p: JSONDict, chat_id: Any, text: Any, msg_id: Any) -> None:
         rec = SentRecord(
             method, chat_id, _opt_int(p.get("message_thread_id")), text, p.get("parse_mode"),
-            msg_id, self.clock(), p,
+            msg_id, self.clock(), p, _VIA.get(),
         )  # fmt: skip
         self.sent.append(rec)
 

@@ -1,0 +1,222 @@
+"""The chaos checker on hand-made records: a healthy history passes, and each kind of fault the
+chaos test hunts for is reported (no processes; fast)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.chaos.checker import Report, check
+from tests.chaos.records import (
+    ApiMessage,
+    Attempt,
+    BotMessage,
+    FaultRecord,
+    Incarnation,
+    OpenInbound,
+    Records,
+    Row,
+    Stream,
+    TgCall,
+    TgMessage,
+    answer_tag,
+)
+from tests.chaos.scenario import load, save
+
+TAKEOVER = "⏹ interrupted: worker stopped responding; session taken over"
+
+
+def records() -> Records:
+    incs = {name: Incarnation(name, name.split(".")[0], pid=1, started_at=0.0, ready_at=0.0)
+            for name in ("w1.1", "w2.1")}
+    return Records(seed=7, ttl_s=3.0, answer_s=4.0, t0=0.0, traffic_end=50.0, collected_at=60.0, incarnations=incs,
+                   faults=[], telegram=[], api=[], streams=[], calls=[], bot_messages=[], transcripts={},
+                   open_inbound=[])
+
+
+def message(rec: Records, session: str, n: int, at: float) -> TgMessage:
+    tag = f"{session} m{n}"
+    msg = TgMessage(tag, session, -100 - int(session[1:]), 100 + n, f"[{tag}] question", at, accepted_at=at,
+                    attempts=[Attempt(at, "w1.1", 200, at)])
+    rec.telegram.append(msg)
+    rec.transcripts.setdefault(session, []).append(Row("user", msg.text, None, None))
+    return msg
+
+
+def stream(rec: Records, msg: TgMessage, number: int, via: str, start: float, end: float | None, *,
+           whole: bool = True, record: bool = True, shown_until: float | None = None,
+           after_tool: bool = False) -> BotMessage:
+    """A provider stream for `msg` shown in the chat by `via`: whole (ends with END) or partial,
+    its last edit just before `end` (or at `shown_until`)."""
+    rec.streams.append(Stream(number, via, start, end, whole, msg.tag, resume=False, after_tool=after_tool))
+    head = answer_tag(msg.tag, number)
+    text = f"{head} w0 w1 w2 END" if whole else f"{head} w0 w1"
+    bot = BotMessage(msg.chat_id, 1000 + number, via, start + 0.1, text, msg.message_id,
+                     shown_until or (end or start + 1.0) - 0.05)
+    rec.calls += [TgCall(bot.sent_at, via, "sendMessage", msg.chat_id, bot.message_id, head + " ", msg.message_id),
+                  TgCall(bot.changed_at, via, "editMessageText", msg.chat_id, bot.message_id, text, None)]
+    rec.bot_messages.append(bot)
+    if record:
+        rec.transcripts[msg.session].append(Row("assistant", text, None, None))
+    return bot
+
+
+def notice(rec: Records, msg: TgMessage, via: str, at: float, text: str = TAKEOVER, mid: int = 5000) -> None:
+    rec.calls.append(TgCall(at, via, "sendMessage", msg.chat_id, mid, text, msg.message_id))
+    rec.bot_messages.append(BotMessage(msg.chat_id, mid, via, at, text, msg.message_id, at))
+
+
+def kinds(report: Report) -> dict[str, int]:
+    return report.by_kind()
+
+
+def test_a_healthy_history_passes() -> None:
+    rec = records()
+    for session, via in (("g01", "w1.1"), ("g02", "w2.1")):
+        first = message(rec, session, 1, 1.0)
+        stream(rec, first, 1 if via == "w1.1" else 3, via, 1.1, 4.5)
+        second = message(rec, session, 2, 6.0)
+        stream(rec, second, 2 if via == "w1.1" else 4, via, 6.1, 9.5)
+    report = check(rec)
+    assert report.ok, report.text()
+    assert report.counts["answered"] == 4
+
+
+def test_a_kill_taken_over_in_time_passes_and_a_late_one_is_reported() -> None:
+    for takeover_at, late in ((4.5, False), (7.5, True)):
+        rec = records()
+        rec.incarnations["w1.1"].ended_at = 2.0
+        rec.faults.append(FaultRecord("kill", "w1.1", 2.0, ended_at=12.0, replacement="w1.2"))
+        msg = message(rec, "g01", 1, 1.0)
+        stream(rec, msg, 1, "w1.1", 1.1, 2.0, whole=False, record=False)
+        notice(rec, msg, "w2.1", takeover_at)
+        rec.transcripts["g01"].append(Row("assistant", "", "system", "worker stopped responding; session taken over"))
+        report = check(rec)
+        assert kinds(report) == ({"slow-takeover": 1} if late else {}), report.text()
+        assert report.counts["interrupted with notice"] == 1
+
+
+def test_split_brain_shows_as_concurrent_streams_zombie_output_and_two_answers() -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    stream(rec, msg, 1, "w1.1", 1.1, 6.0)  # the old owner goes on...
+    stream(rec, msg, 2, "w2.1", 3.0, 7.0)  # ...while another worker answers the same message
+    report = check(rec)
+    found = kinds(report)
+    assert found.get("concurrent-streams") == 1 and found.get("answered-twice") == 1, report.text()
+    assert found.get("zombie-output") == 1 and found.get("transcript-extra-assistant") == 1, report.text()
+    assert "seed=7" in report.text()
+
+
+def test_a_tool_run_counts_as_part_of_its_stream() -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    rec.streams.append(Stream(1, "w2.1", 1.1, 1.2, True, msg.tag, resume=False, tool_call=True))
+    rec.transcripts["g01"] += [Row("assistant", "", None, None, tool_calls=True), Row("tool", "ok", None, None)]
+    stream(rec, msg, 2, "w2.1", 4.0, 6.0, after_tool=True)
+    assert check(rec).ok
+    rec.streams.append(Stream(4, "w1.1", 2.0, 3.0, False, msg.tag, resume=False))  # during the tool
+    report = check(rec)
+    assert kinds(report).get("concurrent-streams") == 1, report.text()
+    assert "tool run" in report.text()
+
+
+def test_a_stopped_worker_that_closes_its_stream_on_waking_is_not_concurrent() -> None:
+    rec = records()
+    rec.incarnations["w1.1"].stopped.append((2.0, 9.0))
+    rec.faults.append(FaultRecord("pause_long", "w1.1", 2.0, ended_at=9.0))
+    msg = message(rec, "g01", 1, 1.0)
+    stream(rec, msg, 1, "w1.1", 1.1, 9.3, whole=False, record=False, shown_until=1.9)  # closed 0.3 s after SIGCONT
+    notice(rec, msg, "w2.1", 4.8)
+    rec.transcripts["g01"].append(Row("assistant", "", "system", "worker stopped responding; session taken over"))
+    rec.streams.append(Stream(2, "w2.1", 4.9, 8.0, True, msg.tag, resume=True))
+    report = check(rec)
+    assert report.ok, report.text()
+    # ...but its first call after waking, if it was not already on its way, is a zombie's
+    rec.calls.append(TgCall(9.2, "w1.1", "sendChatAction", msg.chat_id, None, "typing", None))
+    assert kinds(check(rec)) == {"zombie-output": 1}
+    rec.calls[-1].at = 9.01  # within INFLIGHT_S of SIGCONT: it was sent before the stop
+    report = check(rec)
+    assert report.ok and report.tolerated, report.text()
+
+
+def test_a_worker_that_wakes_and_goes_on_with_its_turn_after_a_takeover_is_a_zombie() -> None:
+    rec = records()
+    rec.incarnations["w1.1"].stopped.append((2.0, 9.0))
+    msg = message(rec, "g01", 1, 1.0)
+    rec.streams.append(Stream(1, "w1.1", 1.1, 1.2, True, msg.tag, resume=False, tool_call=True))
+    notice(rec, msg, "w2.1", 5.0)  # w2.1 takes the session over while w1.1 sleeps
+    rec.transcripts["g01"].append(Row("assistant", "", "system", "worker stopped responding; session taken over"))
+    rec.streams.append(Stream(2, "w1.1", 9.2, 9.4, False, msg.tag, resume=False, after_tool=True))
+    report = check(rec)
+    assert kinds(report) == {"zombie-output": 1}, report.text()
+    assert "provider request" in report.text()
+
+
+def test_a_frozen_half_answer_and_the_record_left_open_are_reported() -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    stream(rec, msg, 1, "w1.1", 1.1, 2.0, whole=False, record=False)
+    rec.open_inbound.append(OpenInbound("telegram:group:-101", "9", "running", msg.text, None, -2))
+    assert kinds(check(rec)) == {"frozen-half-answer": 1, "transcript-unanswered": 1, "open-inbound": 1}
+
+
+def test_a_message_acknowledged_but_never_stored_is_reported() -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    rec.transcripts.pop("g01")
+    rec.bot_messages.append(BotMessage(msg.chat_id, 7, "w1.1", 1.1, "I can't take messages right now", 101, 1.1))
+    report = check(rec)
+    assert kinds(report) == {"accepted-not-stored": 1}
+    assert "I can't take messages" in report.text()
+
+
+def test_a_message_the_user_replaced_before_anything_showed_needs_no_notice() -> None:
+    rec = records()
+    first = message(rec, "g01", 1, 1.0)
+    rec.transcripts["g01"].append(Row("assistant", "", "user", "user sent a new message"))
+    first.next_sent_at, first.early = 1.5, True
+    second = message(rec, "g01", 2, 1.5)
+    stream(rec, second, 1, "w1.1", 1.6, 5.0)
+    report = check(rec)
+    assert report.ok and report.counts["superseded"] == 1, report.text()
+    # ...but its turn must still be closed in the transcript (here: cut off after its tool ran)
+    rec.transcripts["g01"][1:2] = [Row("assistant", "", None, None, tool_calls=True), Row("tool", "ok", None, None)]
+    assert kinds(check(rec)) == {"transcript-unanswered": 1}
+
+
+def test_tool_rows_belong_to_their_turn() -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    rec.transcripts["g01"] += [Row("assistant", "", None, None, tool_calls=True), Row("tool", "ok", None, None)]
+    stream(rec, msg, 1, "w1.1", 3.0, 6.0)
+    cut = message(rec, "g01", 2, 8.0)
+    rec.transcripts["g01"] += [Row("assistant", "", None, None, tool_calls=True),
+                               Row("tool", "[interrupted by user: stopped by user (/stop)]", "user",
+                                   "stopped by user (/stop)")]
+    notice(rec, cut, "w1.1", 9.0, "⏹ stopped")
+    assert check(rec).ok
+    rec.transcripts["g01"].append(Row("assistant", "late", None, None))
+    assert kinds(check(rec)) == {"transcript-extra-assistant": 1}
+
+
+def test_api_refusals_and_unrecorded_answers_are_reported() -> None:
+    rec = records()
+    api = ApiMessage("a01 m1", "a01", outcome="answered")
+    api.attempts = [Attempt(1.0, "w1.1", 400, 1.1, error="I can't take messages right now (shared storage is "
+                                                         "unavailable). Please try again shortly."),
+                    Attempt(2.0, "w1.1", 200, 6.0, body=f"{answer_tag('a01 m1 t2', 1)} w0 END")]
+    rec.api.append(api)
+    rec.streams.append(Stream(1, "w1.1", 2.1, 5.9, True, "a01 m1 t2", resume=False))
+    rec.transcripts["a01"] = [Row("user", "[a01 m1 t2] question", None, None)]
+    assert kinds(check(rec)) == {"api-400-for-unavailable": 1, "api-answer-not-recorded": 1,
+                                 "transcript-unanswered": 1}
+
+
+def test_saved_records_check_the_same_after_loading(tmp_path: Path) -> None:
+    rec = records()
+    msg = message(rec, "g01", 1, 1.0)
+    stream(rec, msg, 1, "w1.1", 1.1, 2.0, whole=False, record=False)
+    rec.incarnations["w1.1"].stopped.append((1.5, 2.5))
+    report = check(rec)
+    save(rec, report, tmp_path)
+    assert check(load(tmp_path / "chaos-7.json")).text() == report.text()
