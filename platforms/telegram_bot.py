@@ -267,9 +267,17 @@ class TelegramAdapter(Adapter):
             update = Update.de_json(await request.json(), self.bot)
         except Exception:
             return web.Response(status=400, text="not a Telegram update")
+        # A task of its own: if Telegram hangs up (the request is cancelled), the submission
+        # still completes, and the update is simply delivered again (a duplicate, dropped).
+        task = asyncio.get_running_loop().create_task(self._handle_in_order(update))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await asyncio.shield(task)
+        return web.Response(text="ok")  # only now: the message is recorded
+
+    async def _handle_in_order(self, update: Update) -> None:
         async with self._webhook_lock:  # one at a time, in arrival order
             await self._handle(update)
-        return web.Response(text="ok")  # only now: the message is recorded
 
     # --- intake: updates to messages ------------------------------------------------------
 

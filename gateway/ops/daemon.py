@@ -147,7 +147,9 @@ class Daemon:
             await adapter.start(self.router)
             self._on_stop(stack, f"the {name} client", adapter.close)
         app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
-        runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0)]
+        # handler_cancellation: a client's disconnect cancels its request's handler at once, which
+        # is how the HTTP API stops a run whose client has gone (streaming or not).
+        runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
         admin = self.config.admin
         if admin.enabled:
             runners.append(web.AppRunner(
