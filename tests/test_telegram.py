@@ -339,9 +339,11 @@ async def test_restart_between_fetch_and_processing_loses_nothing(
     first, _ = await start(router={"busy": "queue"})
     fake.push_text(12, "A", user_id=12)
     await shown(fake, 12, lambda t: t.startswith("reply to: A"))
+    # The poll after B is stored and the confirm on stop fail: a crash, in effect. (Set before B
+    # arrives: intake does not wait for B's "Queued" notice, so the next poll follows at once.)
+    fake.fail_next("getUpdates", 502, times=3)
     b_update = fake.push_text(12, "B", user_id=12)
     await shown(fake, 12, lambda t: t.startswith("Queued"))
-    fake.fail_next("getUpdates", 502, times=2)  # the next poll and the confirm on stop: a crash, in effect
     await first.stop()
     assert b_update in [u["update_id"] for u in fake.pending_updates]
     assert provider.requests_for("B") == []
