@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from enum import IntEnum
 from typing import Any, Generic, TypeVar
 
-from platforms.errors import RateLimited
+from platforms.errors import OutboundError, RateLimited
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,7 +129,7 @@ class Outbox:
         tags the job for `withdraw`."""
         job: Job[T] = Job(call, priority, kind, max(1, attempts), owner, next(self._seq))
         if self._closed:
-            job._finish(None, RuntimeError(f"the {self.name} outbox is closed"))
+            job._finish(None, OutboundError(f"the {self.name} outbox is closed"))
             return job
         state = self._chat(chat)
         state.jobs.append(job)
@@ -287,4 +287,4 @@ class Outbox:
         finally:
             state.worker = None
             for job in state.jobs if self._closed else ():
-                job._finish(None, RuntimeError(f"the {self.name} outbox is closed"))
+                job._finish(None, OutboundError(f"the {self.name} outbox is closed"))

@@ -150,8 +150,7 @@ class EditStreamReply(Reply):
             # asyncio.wait, not `await task` under suppress(CancelledError): that would also
             # swallow a cancel aimed at *this* task (a /stop landing right now).
             await asyncio.wait(tasks)
-        for job in self._jobs:
-            job.withdraw()
+        self._outbox.withdraw(self._key, self)  # queued edits and typing: never sent now
         for job in self._jobs:
             if job.running:
                 await job.landed()

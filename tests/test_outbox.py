@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from platforms.errors import RateLimited
+from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Outbox, Priority, Withdrawn
 
 
@@ -115,5 +115,5 @@ async def test_close_delivers_what_is_queued_then_refuses_more() -> None:
     await box.close(1.0)
     assert all(j.done for j in jobs) and wire.labels() == ["j0", "j1", "j2"]
     late = box.put("a", wire.call("a", "late"))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(OutboundError):
         await late.wait()

@@ -268,6 +268,11 @@ class Daemon:
             self.router.use_agent(self.agent)
         if "router" in changed:
             self.router.apply_settings(new.router)
+            from platforms.webchat import WebchatAdapter
+
+            webchat = self.adapters.get("webchat")
+            if isinstance(webchat, WebchatAdapter):  # the page learns the limit from its next hello
+                webchat.max_message_chars = new.router.max_message_chars
         if "log" in changed:
             logging.getLogger().setLevel(new.log.level.upper())
         self.access.set_policies(access_policies(new))  # access lists apply in place, always
