@@ -89,6 +89,10 @@ class Adapter(ABC):
         """How long the platform counts `text` to be (its limit is `capabilities.max_message_len`)."""
         return utf16_len(text) if self.capabilities.length_unit == "utf16" else len(text)
 
+    def measure_bound(self) -> Callable[[str], int] | None:
+        """If `measure` is costly: a cheap function never below it (used to measure less)."""
+        return None
+
     def outbox_key(self, chat: ChatRef) -> str:
         """The outbox queue `chat` belongs to: whatever the platform rate-limits on."""
         return chat.chat_id

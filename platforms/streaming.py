@@ -23,7 +23,7 @@ from gateway.core.messages import ChatRef
 from gateway.core.ports import NoticeKind, Reply
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
 from platforms.outbox import Job, Priority, Withdrawn
-from platforms.splitting import Part, open_fence, split_parts
+from platforms.splitting import Part, SplitMemo, iter_parts, open_fence
 
 if TYPE_CHECKING:
     from platforms.base import Adapter
@@ -74,6 +74,8 @@ class EditStreamReply(Reply):
         top = self._caps.max_message_len
         self._limit = top - min(48, top // 16)  # room for a stop mark on a full part
         self._min_limit = min(self.MIN_LIMIT, self._limit)
+        self._bound = adapter.measure_bound()
+        self._memo = SplitMemo()  # streaming re-splits a growing text: measure only its new tail
         self._sent_any = False
         self._dead: str | None = None  # the chat refuses everything we send: why
         self._losses = 0
@@ -253,18 +255,20 @@ class EditStreamReply(Reply):
         """Bring the chat up to date with the text: edit the parts that changed, send new ones."""
         while self._dead is None:
             window, origin, prefix = self._window()
-            parts = split_parts(window, self._limit, self._adapter.measure)
-            at = 0
+            parts = iter_parts(window, self._limit, self._adapter.measure, bound=self._bound, memo=self._memo)
+            at, part = 0, None
             try:
                 for at, part in enumerate(parts):
                     await self._put(at, part.text, _source(part.end, origin, prefix), final=final)
+                    await asyncio.sleep(0)  # measuring a long answer's parts must not hold up the loop
                 return
             except Withdrawn:
                 return
             except MessageGone:
                 self._continue_after_deleted(at)
             except Refused as exc:
-                await self._refused(parts[at], at, origin, prefix, str(exc))
+                assert part is not None
+                await self._refused(part, at, origin, prefix, str(exc))
             except OutboundError as exc:  # about the chat (blocked, no rights…): nothing more will get through
                 self._dead = str(exc)
                 log.warning("%s: %s failed: %s (chat %s; the rest of this reply is not sent)", self._adapter.name,
@@ -346,6 +350,7 @@ class EditStreamReply(Reply):
         self._frozen += self._parts[:keep]
         self._parts = self._parts[keep:]
         self._base = base
+        self._memo = SplitMemo()
 
     def _last_message(self) -> _Message | None:
         messages = [*self._frozen, *self._parts]

@@ -382,6 +382,9 @@ class TelegramAdapter(Adapter):
         """What Telegram counts: the visible text of our HTML rendering, in UTF-16 units."""
         return utf16_len(visible_text(to_html(text)))
 
+    def measure_bound(self) -> Callable[[str], int]:
+        return utf16_len  # the rendering only ever drops characters (markup) from the source
+
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
         """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends."""
