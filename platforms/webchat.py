@@ -10,7 +10,8 @@ Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": 
   is carried onto the assistant row that called it. `max_chars` is the longest message the
   gateway takes (the page keeps a longer draft in the composer instead of sending it).
 - `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
-  `body` (the text without the appended notice) and `interrupted` {by, reason, kind}.
+  `body` (the text without the appended notice: exactly what the transcript stores) and
+  `interrupted` {by, reason, kind}.
 - `notice` {text, kind, reply_to}: kind is stopped | restart | interrupted | queued | error | info;
   interruption notices also carry `interrupted`.
 - `state` {running}, `typing`.
