@@ -3,8 +3,10 @@
 With a session (the `user` field or an `X-Session-Id` header) the daemon keeps the history and
 the request's last user message is the new input; commands such as `/stop` work the same way.
 Without one, the request is stateless, as in OpenAI's API. A client that goes away while its
-turn runs (noticed within about 0.25 s by watching the transport) has the run hard_cancelled
-with the system reason "client disconnected".
+turn runs has the run hard_cancelled with the system reason "client disconnected" at once,
+streaming or silent (a tool running): the daemon's HTTP server runs with aiohttp's
+`handler_cancellation`, so the connection's loss cancels the request's handler, and the handler
+cancels the run.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from aiohttp import web
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Outcome, Reply
+from gateway.core.ports import Outcome, Reply, Submitted
 from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "api"
-WATCH_INTERVAL_S = 0.25
 KEEPALIVE_S = 10.0
 
 
@@ -120,8 +121,15 @@ class ApiAdapter(Adapter):
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
                              user_name=chat_id, message_id=mid, text=text)
         reply = self._replies[mid] = _ApiReply()
+        # The submission is not cancelled with the request (a half-routed message would never
+        # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
+        submit = asyncio.ensure_future(self.gateway.submit(msg, self, ephemeral=None if session else history))
         try:
-            submitted = await self.gateway.submit(msg, self, ephemeral=None if session else history)
+            try:
+                submitted = await asyncio.shield(submit)
+            except asyncio.CancelledError:
+                submit.add_done_callback(_client_gone)
+                raise
             if submitted.outcome is Outcome.COMMAND:
                 return await self._respond_text(request, stream, submitted.detail)
             if submitted.outcome is Outcome.UNAVAILABLE:
@@ -131,29 +139,20 @@ class ApiAdapter(Adapter):
                 return _error(400, submitted.detail)
             if submitted.run is None:
                 return _error(409, "Duplicate request.")
-            if stream:
-                return await self._stream(request, submitted.run, reply)
-            return await self._complete(request, submitted.run, reply)
+            try:
+                if stream:
+                    return await self._stream(request, submitted.run, reply)
+                return await self._complete(submitted.run, reply)
+            except asyncio.CancelledError:  # the connection is gone (handler_cancellation)
+                submitted.run.cancel(CLIENT_DISCONNECTED)
+                raise
         finally:
             self._replies.pop(mid, None)
 
-    async def _watch(self, request: web.Request, run: Run) -> None:
-        """Cancel `run` as soon as the client's connection is gone, even if nothing is being sent."""
-        while True:
-            transport = request.transport
-            if transport is None or transport.is_closing():
-                run.cancel(CLIENT_DISCONNECTED)
-                return
-            await asyncio.sleep(WATCH_INTERVAL_S)
-
-    async def _complete(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
-        watcher = asyncio.get_running_loop().create_task(self._watch(request, run))
-        try:
+    async def _complete(self, run: Run, reply: _ApiReply) -> web.StreamResponse:
+        kind, end = await reply.queue.get()
+        while kind != "end":
             kind, end = await reply.queue.get()
-            while kind != "end":
-                kind, end = await reply.queue.get()
-        finally:
-            watcher.cancel()
         if end.get("error"):
             return _error(502, end["error"], "provider_error")
         return web.json_response(self._completion(reply.text, end), dumps=_dumps)
@@ -162,7 +161,6 @@ class ApiAdapter(Adapter):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        watcher = asyncio.get_running_loop().create_task(self._watch(request, run))
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -187,8 +185,6 @@ class ApiAdapter(Adapter):
                 break
         except (ConnectionError, RuntimeError):
             run.cancel(CLIENT_DISCONNECTED)
-        finally:
-            watcher.cancel()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp
@@ -216,6 +212,13 @@ class ApiAdapter(Adapter):
         if "interrupted_by" in end:
             out["switchboard"] = {"interrupted_by": end["interrupted_by"], "reason": end["reason"]}
         return out
+
+
+def _client_gone(submit: asyncio.Future[Submitted]) -> None:
+    """The client left while its message was being routed: stop the run it got, if any."""
+    run = submit.result().run if not submit.cancelled() and submit.exception() is None else None
+    if run is not None:
+        run.cancel(CLIENT_DISCONNECTED)
 
 
 def _parse(body: Any) -> tuple[list[ChatMessage], str, bool] | web.Response:

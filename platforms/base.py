@@ -1,22 +1,32 @@
 """What every platform adapter implements: the core's `Outlet` (replies and notices) built on
-three outbound operations — send, edit, typing — plus intake started with the core's `Gateway`."""
+three outbound operations — send, edit, typing — plus intake started with the core's `Gateway`.
+
+Outbound calls go through the adapter's `Outbox` (one queue and worker per chat, see
+`platforms/outbox.py`); `send`, `edit` and `typing` are the raw calls its jobs make."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Reply
-from platforms.errors import OutboundError, RateLimited
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from platforms.outbox import Job, Outbox, Priority
+from platforms.splitting import utf16_len
 from platforms.streaming import EditStreamReply
 
-__all__ = ["Adapter", "OutboundError", "RateLimited"]
+__all__ = ["Adapter", "MessageGone", "OutboundError", "RateLimited", "Refused"]
 
 log = logging.getLogger(__name__)
+
+NOTICE_ATTEMPTS = 5  # a notice is retried through this many 429s before it is given up (and logged)
+URGENT_NOTICES = frozenset({NoticeKind.STOPPED, NoticeKind.INTERRUPTED, NoticeKind.RESTART})
 
 
 class Adapter(ABC):
@@ -26,12 +36,20 @@ class Adapter(ABC):
     capabilities: Capabilities
     pushes_anywhere: bool = False  # see `Outlet.pushes_anywhere`
     _gateway: Gateway | None = None
+    _outbox: Outbox | None = None
 
     @property
     def gateway(self) -> Gateway:
         if self._gateway is None:
             raise RuntimeError(f"the {self.name} adapter has not been started")
         return self._gateway
+
+    @property
+    def outbox(self) -> Outbox:
+        """This adapter's per-chat outbound queues (made on first use)."""
+        if self._outbox is None:
+            self._outbox = Outbox(self.name, on_rate_limited=lambda: self.count("429"))
+        return self._outbox
 
     @property
     def bot_username(self) -> str | None:
@@ -56,14 +74,28 @@ class Adapter(ABC):
 
     @abstractmethod
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
-        """Send a message; returns its platform message id."""
+        """Send a message; returns its platform message id. Raises `RateLimited`, `Refused`
+        (this content), or `OutboundError` (this chat)."""
 
     @abstractmethod
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
-        """Replace the text of a message this adapter sent."""
+        """Replace the text of a message this adapter sent. Raises as `send` does, and
+        `MessageGone` if the message no longer exists."""
 
     async def typing(self, chat: ChatRef) -> None:
         """Show a typing indicator, if the platform has one."""
+
+    def measure(self, text: str) -> int:
+        """How long the platform counts `text` to be (its limit is `capabilities.max_message_len`)."""
+        return utf16_len(text) if self.capabilities.length_unit == "utf16" else len(text)
+
+    def measure_bound(self) -> Callable[[str], int] | None:
+        """If `measure` is costly: a cheap function never below it (used to measure less)."""
+        return None
+
+    def outbox_key(self, chat: ChatRef) -> str:
+        """The outbox queue `chat` belongs to: whatever the platform rate-limits on."""
+        return chat.chat_id
 
     def count(self, kind: str) -> None:
         """Metrics: one outbound `send`/`edit`/`notice`, or a `429` from the platform."""
@@ -72,12 +104,35 @@ class Adapter(ABC):
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
-        """Send a short notice (command replies, acks, rejections); never raises."""
-        try:
-            await self.send(chat, text, reply_to=reply_to)
+        """Send a short notice (command replies, acks, rejections); never raises. It goes through
+        the chat's outbox (a stop's notice ahead of streaming edits) and is awaited."""
+        with contextlib.suppress(Exception):
+            await self.outbox.run(self.outbox_key(chat), self._notice_call(chat, text, reply_to),
+                                  priority=_priority(kind), attempts=NOTICE_ATTEMPTS)
+
+    def queue_notice(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO) -> Job[None]:
+        """Queue a notice without waiting for it (what an adapter whose intake must never wait on
+        outbound calls uses for `notify`). Failures are logged."""
+        return self.outbox.put(self.outbox_key(chat), self._notice_call(chat, text, reply_to),
+                               priority=_priority(kind), attempts=NOTICE_ATTEMPTS)
+
+    def _notice_call(self, chat: ChatRef, text: str, reply_to: str | None) -> Callable[[], Awaitable[None]]:
+        async def deliver() -> None:
+            try:
+                await self.send(chat, text, reply_to=reply_to)
+            except RateLimited:
+                raise  # the outbox waits it out and tries again
+            except Exception as exc:
+                log.warning("%s: could not deliver a notice to chat %s: %s", self.name, chat.chat_id, exc)
+                return
             self.count("notice")
-        except Exception as exc:
-            log.warning("%s: could not deliver a notice: %s", self.name, exc)
+
+        return deliver
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return EditStreamReply(self, msg.chat, run, reply_to=msg.message_id)
+
+
+def _priority(kind: NoticeKind) -> Priority:
+    return Priority.URGENT if kind in URGENT_NOTICES else Priority.NOTICE

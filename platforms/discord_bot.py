@@ -2,8 +2,10 @@
 
 discord.py owns the gateway (heartbeats, RESUME, re-IDENTIFY) and paces REST calls; this adapter
 turns messages and interactions into router input, and maps every discord.py failure on the way
-out to `RateLimited` / `OutboundError` so a turn never crashes on an `HTTPException`. Its own
-state lives on the adapter, not in discord.py's caches, which a re-IDENTIFY clears.
+out to `RateLimited` / `MessageGone` / `Refused` / `OutboundError` so a turn never crashes on an
+`HTTPException` and the streaming engine can continue after a deleted message or split a refused
+part smaller. Outbound calls queue on the adapter's per-channel outbox. Its own state lives on the
+adapter, not in discord.py's caches, which a re-IDENTIFY clears.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gateway.core import commands
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
-from platforms.base import Adapter, OutboundError, RateLimited
+from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import DiscordConfig
 from platforms.ingress import IngressLeader
 from platforms.streaming import EditStreamReply
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 
 PLATFORM = "discord"
 MAX_LEN = 2000
+UNKNOWN_MESSAGE = 10008  # Discord's code for a message that does not exist (deleted)
+CLOSE_FLUSH_S = 5.0
 _TRANSIENT = (aiohttp.ClientError, OSError, TimeoutError)
 _USER_MESSAGES = (discord.MessageType.default, discord.MessageType.reply)
 T = TypeVar("T")
@@ -242,6 +246,7 @@ class DiscordAdapter(Adapter):
         timer, task = self._close_timer, self._task
         if timer is not None and timer is not asyncio.current_task():
             timer.cancel()
+        await self.outbox.close(CLOSE_FLUSH_S)  # what replies queued last (stop marks) still goes out
         if task is not None and not self.client.is_ready():
             task.cancel()  # still logging in or connecting: nothing to wind down
         await self.client.close()
@@ -380,7 +385,7 @@ class DiscordAdapter(Adapter):
     # --- outbound -------------------------------------------------------------------------
 
     def _target(self, chat: ChatRef) -> discord.PartialMessageable:
-        if self._closed or self.client.is_closed():
+        if self.client.is_closed():
             raise OutboundError("the Discord client is closed")
         return self.client.get_partial_messageable(int(chat.thread_id or chat.chat_id))
 
@@ -393,6 +398,10 @@ class DiscordAdapter(Adapter):
         except discord.HTTPException as exc:
             if exc.status == 429 and exc.response.headers.get("Via"):  # discord.py gave up retrying
                 raise RateLimited(float(exc.response.headers.get("Retry-After") or 1.0)) from None
+            if exc.code == UNKNOWN_MESSAGE:
+                raise MessageGone(_describe(exc)) from None
+            if exc.status == 400:  # Invalid Form Body (too long, empty…): this content, not the channel
+                raise Refused(_describe(exc)) from None
             raise OutboundError(_describe(exc)) from None
         except _TRANSIENT as exc:
             if idempotent:  # an edit can simply be repeated; a repeated send could post twice
@@ -415,6 +424,9 @@ class DiscordAdapter(Adapter):
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
         partial = self._target(chat).get_partial_message(int(message_id))
         await self._call(lambda: partial.edit(content=text), idempotent=True)
+
+    def outbox_key(self, chat: ChatRef) -> str:
+        return chat.thread_id or chat.chat_id  # Discord rate-limits per channel; a thread is one
 
     async def typing(self, chat: ChatRef) -> None:
         channel = self._target(chat)

@@ -1,4 +1,4 @@
-"""What outbound calls raise, whatever the platform: the streaming engine acts on these two."""
+"""What outbound calls raise, whatever the platform: the streaming engine acts on these."""
 
 from __future__ import annotations
 
@@ -12,4 +12,14 @@ class RateLimited(Exception):
 
 
 class OutboundError(Exception):
-    """A send or edit failed for a reason retrying will not fix."""
+    """A send or edit failed for a reason retrying will not fix (the bot was blocked, no rights…)."""
+
+
+class Refused(OutboundError):
+    """The platform refused this content (its length, its markup, an empty text…): the same text
+    will be refused again, a smaller or plainer one may not."""
+
+
+class MessageGone(OutboundError):
+    """The message to edit no longer exists (deleted by a user or a moderator) or can no longer
+    be edited: continue in a new message."""

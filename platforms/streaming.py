@@ -1,5 +1,12 @@
 """The streaming engine: a run's token stream becomes throttled edits of one message, split into
-parts when it grows past the platform's limit."""
+parts when it grows past the platform's limit.
+
+Every call goes through the adapter's outbox (`platforms/outbox.py`): intermediate states queue
+as STREAM jobs, which the reply withdraws when it ends; final states and stop marks queue as
+URGENT jobs, ahead of anything else waiting for the chat. Nothing is dropped silently on the way
+out: a refused part is resent as plain text (by the adapter), then split smaller; a deleted
+message is continued in a new one; a part that still cannot be sent is replaced by a notice.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +14,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gateway.core.cancellation import Run, ToolReason, stop_notice
-from gateway.core.messages import Capabilities, ChatRef
+from gateway.core.messages import ChatRef
 from gateway.core.ports import NoticeKind, Reply
-from platforms.errors import OutboundError, RateLimited
-from platforms.splitting import split_text, utf16_len
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from platforms.outbox import Job, Priority, Withdrawn
+from platforms.splitting import Part, SplitMemo, iter_parts, open_fence
 
 if TYPE_CHECKING:
     from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
+
+UNDELIVERED = "⚠️ part of this answer could not be delivered: {reason}"
+
+
+@dataclass(slots=True)
+class _Message:
+    """One message of a reply as the chat shows it."""
+
+    mid: str
+    text: str  # what it shows (a stop mark aside)
+    end: int  # it carries the reply's text up to this offset
+    gone: bool = False  # deleted on the platform
 
 
 class EditStreamReply(Reply):
@@ -26,11 +48,15 @@ class EditStreamReply(Reply):
 
     A background pump coalesces deltas, so a slow platform skips intermediate states rather
     than slowing the agent; unchanged text is never re-sent; the final text is always sent.
+    Parts are measured as the platform counts them (`Adapter.measure`).
     """
 
     TYPING_AFTER_S = 0.2
     TYPING_EVERY_S = 4.0
-    FINAL_RETRIES = 5
+    FINAL_ATTEMPTS = 10  # a final state is retried through this many 429s
+    SETTLE_S = 2.0  # how long finish/failed/interrupted wait for delivery; it carries on after
+    MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
+    MAX_LOSS_NOTICES = 3
 
     def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None) -> None:
         self._adapter = adapter
@@ -38,8 +64,23 @@ class EditStreamReply(Reply):
         self._run = run
         self._reply_to = reply_to
         self._caps = adapter.capabilities
+        self._outbox = adapter.outbox
+        self._key = adapter.outbox_key(chat)
         self._text = ""
-        self._shown: list[tuple[str, str]] = []  # (message id, text) per part
+        # Messages before the window are final (or deleted); the window is edited as text grows.
+        self._base = 0  # where the window starts in `_text`
+        self._frozen: list[_Message] = []
+        self._parts: list[_Message] = []
+        top = self._caps.max_message_len
+        self._limit = top - min(48, top // 16)  # room for a stop mark on a full part
+        self._min_limit = min(self.MIN_LIMIT, self._limit)
+        self._bound = adapter.measure_bound()
+        self._memo = SplitMemo()  # streaming re-splits a growing text: measure only its new tail
+        self._sent_any = False
+        self._dead: str | None = None  # the chat refuses everything we send: why
+        self._losses = 0
+        self._jobs: list[Job[None]] = []
+        self._final: asyncio.Task[None] | None = None  # delivery of the final state or stop mark
         self._dirty = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         # Typing starts after a moment, so a quick answer costs no extra call.
@@ -49,7 +90,8 @@ class EditStreamReply(Reply):
         self._ended = False
         self._notice_shown = False
         self._pump_scheduled = False
-        self._pump_rendering = False  # the pump is inside _render (a send may be in flight)
+
+    # --- the Reply port -------------------------------------------------------------------
 
     async def delta(self, text: str) -> None:
         if self._ended or not self._run.may_send():
@@ -65,35 +107,110 @@ class EditStreamReply(Reply):
         if self._ended or not self._run.may_send():
             return
         await self._end()
-        self._text = text
-        await self._render(text or "(no answer)", final=True)
+        self._text = self._final_text(text)
+        await self._settle(self._deliver_final())
 
     async def interrupted(self, reason: ToolReason) -> None:
         if self._notice_shown:
             return
         self._notice_shown = True
-        await self._end()
+        await self._end()  # what the chat shows is settled from here on
         if self._run.guard is not None and not self._run.guard():
             return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
-        if self._shown and self._caps.can_edit:
-            mid, shown = self._shown[-1]
-            try:
-                await self._adapter.edit(self._chat, mid, _with_notice(shown, notice, self._caps))
-            except Exception as exc:
-                log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+        target = self._last_message()
+        if target is not None and not target.gone and self._caps.can_edit:
+            await self._settle(self._mark(target, notice, reason))
         elif reason.kind == "system":
-            # Nothing visible yet, and the user did not ask for this: say so.
-            await self._adapter.notify(self._chat, notice, reply_to=self._reply_to, kind=NoticeKind.INTERRUPTED,
-                                       reason=reason)
-
+            # Nothing visible to mark, and the user did not ask for this: say so.
+            await self._settle(self._adapter.notify(self._chat, notice, reply_to=self._reply_to,
+                                                    kind=NoticeKind.INTERRUPTED, reason=reason))
 
     async def failed(self, text: str) -> None:
         if self._ended or not self._run.may_send():
             return
         await self._end()
-        body = f"{self._text}\n\n⚠️ {text}" if self._text else f"⚠️ {text}"
-        await self._render(body, final=True)
+        self._text = f"{self._text}\n\n⚠️ {text}" if self._text.strip() else f"⚠️ {text}"
+        await self._settle(self._deliver_final())
+
+    def shown_text(self) -> str | None:
+        """The reply's text up to what its messages show (deleted ones included: they were seen)."""
+        return self._text[:max((m.end for m in (*self._frozen, *self._parts)), default=0)]
+
+    # --- ending ---------------------------------------------------------------------------
+
+    async def _end(self) -> None:
+        """Stop streaming: withdraw queued intermediate states, let a call on the wire land (so
+        what the chat shows is known), and stop typing."""
+        self._ended = True
+        if self._typing_timer is not None:
+            self._typing_timer.cancel()
+        tasks = [t for t in (self._pump, self._typing, self._final) if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # asyncio.wait, not `await task` under suppress(CancelledError): that would also
+            # swallow a cancel aimed at *this* task (a /stop landing right now).
+            await asyncio.wait(tasks)
+        self._outbox.withdraw(self._key, self)  # queued edits and typing: never sent now
+        for job in self._jobs:
+            if job.running:
+                await job.landed()
+        self._jobs = []
+
+    async def _settle(self, delivery: Coroutine[Any, Any, None]) -> None:
+        """Deliver in the background; wait for it only so long (a 429 must not hold up the turn)."""
+        self._final = task = self._outbox.adopt(delivery)
+        await asyncio.wait({task}, timeout=self.SETTLE_S)
+
+    async def _drain(self, within_s: float) -> None:
+        """Wait (up to `within_s`) until the final state or stop mark has been delivered."""
+        if self._final is not None and not self._final.done():
+            await asyncio.wait({self._final}, timeout=within_s)
+
+    def _final_text(self, text: str) -> str:
+        if self._base and not text.startswith(self._text[:self._base]):
+            # Part of the answer is in messages that no longer change (deleted, or given up).
+            return self._text if text and self._text.endswith(text) else self._text[:self._base] + text
+        return text if text.strip() else "(no answer)"
+
+    async def _deliver_final(self) -> None:
+        try:
+            await self._render(final=True)
+        except RateLimited:
+            log.warning("%s: gave up on the final text of a reply in chat %s: still rate limited",
+                        self._adapter.name, self._chat.chat_id)
+        except Exception:
+            log.exception("%s: delivering the final text of a reply failed", self._adapter.name)
+
+    async def _mark(self, target: _Message, notice: str, reason: ToolReason) -> None:
+        """Mark the last message stopped (the notice goes in a message of its own if it does not
+        fit, or if the message has been deleted meanwhile)."""
+        marked = f"{target.text}\n\n{notice}"
+
+        async def call() -> None:
+            if self._adapter.measure(marked) <= self._caps.max_message_len:
+                try:
+                    await self._edit_marked(target.mid, marked, target.text, reason)
+                    self._adapter.count("edit")
+                    return
+                except (MessageGone, Refused) as exc:
+                    log.info("%s: could not mark a reply stopped (%s); saying so below", self._adapter.name, exc)
+            await self._adapter.send(self._chat, notice)
+            self._adapter.count("send")
+
+        job: Job[None] = self._outbox.put(self._key, call, priority=Priority.URGENT, kind="edit",
+                                          attempts=self.FINAL_ATTEMPTS, owner=self)
+        try:
+            await job.wait()
+        except (OutboundError, RateLimited) as exc:
+            log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+
+    async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:
+        """Edit a message to `text`: its `body` with the stop notice for `reason` appended."""
+        await self._adapter.edit(self._chat, message_id, text)
+
+    # --- streaming ------------------------------------------------------------------------
 
     def _start_pump(self) -> None:
         if not self._ended:
@@ -101,30 +218,20 @@ class EditStreamReply(Reply):
 
     def _start_typing(self) -> None:
         self._typing_timer = None
-        if not self._ended and not self._shown:
+        if not self._ended and not self._sent_any:
             self._typing = asyncio.get_running_loop().create_task(self._keep_typing())
 
-    async def _end(self) -> None:
-        self._ended = True
-        if self._typing_timer is not None:
-            self._typing_timer.cancel()
-        if self._pump is not None and self._pump_rendering:
-            # Let an in-flight send land and be recorded: cancelled, its message would exist
-            # without our knowing its id, and the final text would go out as a second message.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._pump)
-        for task in (self._pump, self._typing):
-            if task is not None and not task.done():
-                task.cancel()
-                # asyncio.wait, not `await task` under suppress(CancelledError): that would also
-                # swallow a cancel aimed at *this* task (a /stop landing right now).
-                await asyncio.wait({task})
-
     async def _keep_typing(self) -> None:
-        while not self._shown and self._run.may_send():  # a chat action is output too: guarded
-            with contextlib.suppress(Exception):
-                await self._adapter.typing(self._chat)
+        while not self._sent_any and not self._ended and self._run.may_send():
+            if not self._outbox.busy(self._key):  # cosmetic: never queued behind output or into a 429
+                self._outbox.put(self._key, self._type, priority=Priority.TYPING, kind="typing", owner=self)
             await asyncio.sleep(self.TYPING_EVERY_S)
+
+    async def _type(self) -> None:
+        if not self._run.may_send():  # a chat action is output too: guarded when it runs, not when queued
+            return
+        with contextlib.suppress(Exception):
+            await self._adapter.typing(self._chat)
 
     async def _pump_edits(self) -> None:
         last = 0.0
@@ -135,54 +242,123 @@ class EditStreamReply(Reply):
                 await asyncio.sleep(wait)
             self._dirty.clear()
             last = time.monotonic()
-            self._pump_rendering = True
             try:
-                await self._render(self._text, final=False)
+                await self._render(final=False)
             except RateLimited as exc:  # skip intermediate states until the platform is ready
                 last = time.monotonic() + exc.retry_after
                 self._dirty.set()
-            finally:
-                self._pump_rendering = False
-
-    async def _render(self, text: str, *, final: bool) -> None:
-        measure = utf16_len if self._caps.length_unit == "utf16" else len
-        for i, part in enumerate(split_text(text, self._caps.max_message_len, measure)):
-            await self._put(i, part, final=final)
-
-    async def _put(self, index: int, text: str, *, final: bool) -> None:
-        for attempt in range(self.FINAL_RETRIES if final else 1):
-            if not self._run.may_send():
+            except Exception:
+                log.exception("%s: streaming a reply failed", self._adapter.name)
                 return
+
+    # --- rendering ------------------------------------------------------------------------
+
+    async def _render(self, *, final: bool) -> None:
+        """Bring the chat up to date with the text: edit the parts that changed, send new ones."""
+        while self._dead is None:
+            window, origin, prefix = self._window()
+            parts = iter_parts(window, self._limit, self._adapter.measure, bound=self._bound, memo=self._memo)
+            at, part = 0, None
             try:
-                if index < len(self._shown):
-                    mid, shown = self._shown[index]
-                    if shown != text and self._caps.can_edit:
-                        await self._adapter.edit(self._chat, mid, text)
-                        self._shown[index] = (mid, text)
-                        self._adapter.count("edit")
-                else:
-                    mid = await self._adapter.send(self._chat, text,
-                                                   reply_to=self._reply_to if index == 0 else None)
-                    self._shown.append((mid, text))
-                    self._adapter.count("send")
+                for at, part in enumerate(parts):
+                    await self._put(at, part.text, _source(part.end, origin, prefix), final=final)
+                    await asyncio.sleep(0)  # measuring a long answer's parts must not hold up the loop
                 return
-            except RateLimited as exc:
-                self._adapter.count("429")
-                if not final or attempt == self.FINAL_RETRIES - 1:
-                    raise
-                await asyncio.sleep(exc.retry_after)
-            except OutboundError as exc:
-                log.warning("%s: %s failed: %s", self._adapter.name,
-                            "edit" if index < len(self._shown) else "send", exc)
+            except Withdrawn:
                 return
+            except MessageGone:
+                self._continue_after_deleted(at)
+            except Refused as exc:
+                assert part is not None
+                await self._refused(part, at, origin, prefix, str(exc))
+            except OutboundError as exc:  # about the chat (blocked, no rights…): nothing more will get through
+                self._dead = str(exc)
+                log.warning("%s: %s failed: %s (chat %s; the rest of this reply is not sent)", self._adapter.name,
+                            "edit" if at < len(self._parts) else "send", exc, self._chat.chat_id)
+
+    def _window(self) -> tuple[str, int, int]:
+        """The text still open to edits: (text, where it starts in `_text`, length of the fence
+        line reopening a code block it starts inside)."""
+        if self._base == 0:
+            return self._text, 0, 0
+        reopen = open_fence(self._text[:self._base]) or ""
+        rest = self._text[self._base:]
+        body = rest.lstrip("\n") if reopen else rest.lstrip()
+        return reopen + body, self._base + len(rest) - len(body), len(reopen)
+
+    async def _put(self, index: int, text: str, end: int, *, final: bool) -> None:
+        if index < len(self._parts):
+            message = self._parts[index]
+            if message.text == text:
+                message.end = end
+                return
+            if not self._caps.can_edit:
+                return
+            kind = "edit"
+        else:
+            kind = "send"
+        job: Job[None] = self._outbox.put(
+            self._key, lambda: self._call(index, text, end), kind=kind, owner=self,
+            priority=Priority.URGENT if final else Priority.STREAM, attempts=self.FINAL_ATTEMPTS if final else 1)
+        self._jobs = [j for j in self._jobs if not j.done]
+        self._jobs.append(job)
+        await job.wait()
+
+    async def _call(self, index: int, text: str, end: int) -> None:
+        """One send or edit, made by the chat's outbox worker (so its outcome is recorded even if
+        the reply stops waiting for it)."""
+        if not self._run.may_send():
+            return
+        if index < len(self._parts):
+            message = self._parts[index]
+            await self._adapter.edit(self._chat, message.mid, text)
+            message.text, message.end = text, end
+            self._adapter.count("edit")
+        else:
+            mid = await self._adapter.send(self._chat, text, reply_to=None if self._sent_any else self._reply_to)
+            self._sent_any = True
+            self._parts.append(_Message(mid, text, end))
+            self._adapter.count("send")
+
+    def _continue_after_deleted(self, index: int) -> None:
+        """The message at `index` was deleted: the rest of the answer continues in a new one."""
+        gone = self._parts[index]
+        gone.gone = True
+        log.info("%s: a reply's message in chat %s was deleted; continuing in a new message",
+                 self._adapter.name, self._chat.chat_id)
+        self._rebase(index + 1, max(self._base, gone.end))
+
+    async def _refused(self, part: Part, index: int, origin: int, prefix: int, reason: str) -> None:
+        """The platform refused a part even as plain text: split it smaller, and at the smallest
+        size give it up — with a notice in the chat and the reason in the log."""
+        if self._limit > self._min_limit:
+            self._limit = max(self._min_limit, self._limit // 2)
+            log.info("%s: a part of %d was refused (%s); splitting at %d", self._adapter.name,
+                     self._adapter.measure(part.text), reason, self._limit)
+            self._rebase(index, _source(part.start, origin, prefix))
+            return
+        log.warning("%s: part of an answer could not be delivered to chat %s: %s", self._adapter.name,
+                    self._chat.chat_id, reason)
+        if self._losses < self.MAX_LOSS_NOTICES:
+            self._losses += 1
+            self._outbox.adopt(self._adapter.notify(self._chat, UNDELIVERED.format(reason=reason),
+                                                    kind=NoticeKind.ERROR))
+        end = _source(part.end, origin, prefix)
+        self._rebase(min(index + 1, len(self._parts)), end if end > self._base else len(self._text))
+
+    def _rebase(self, keep: int, base: int) -> None:
+        """Freeze the window's messages before `keep`; the window restarts at `base`, reusing
+        the messages from `keep` on."""
+        self._frozen += self._parts[:keep]
+        self._parts = self._parts[keep:]
+        self._base = base
+        self._memo = SplitMemo()
+
+    def _last_message(self) -> _Message | None:
+        messages = [*self._frozen, *self._parts]
+        return max(messages, key=lambda m: m.end) if messages else None
 
 
-def _with_notice(text: str, notice: str, caps: Capabilities) -> str:
-    measure = utf16_len if caps.length_unit == "utf16" else len
-    joined = f"{text}\n\n{notice}"
-    if measure(joined) <= caps.max_message_len:
-        return joined
-    room = caps.max_message_len - measure(notice) - 3
-    while measure(text) > room:  # trim from the end until the notice fits (UTF-16 aware)
-        text = text[: max(0, len(text) - max(1, measure(text) - room))]
-    return text + "…\n\n" + notice
+def _source(pos: int, origin: int, prefix: int) -> int:
+    """A window offset as an offset in the reply's text."""
+    return origin + max(0, pos - prefix)

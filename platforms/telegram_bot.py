@@ -3,7 +3,13 @@
 Polling is our own loop over getUpdates rather than PTB's Updater: each update is handed to
 `Router.submit` (which records the message durably and de-duplicates it) *before* the next
 getUpdates confirms it through its offset, so a crash neither loses nor double-processes a
-message. Outbound calls go through one gate per chat: serialized, 429s remembered per chat.
+message. Submitting never waits on a chat's sends: notices and replies queue on the adapter's
+per-chat outbox (`platforms/outbox.py`), so one slow or rate-limited chat delays no other chat's
+intake, `/stop` included.
+
+Parts are measured by what Telegram counts: the visible text after our Markdown is rendered as
+HTML (UTF-16 units). A part Telegram refuses as HTML is resent as plain text; `MessageGone` and
+`Refused` tell the streaming engine to continue in a new message or to split smaller.
 """
 
 from __future__ import annotations
@@ -14,27 +20,25 @@ import datetime as dt
 import hmac
 import logging
 import random
-import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
 from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
 from telegram.constants import ChatAction, ParseMode
 from telegram.constants import ChatType as TgChatType
-from telegram.error import BadRequest, Conflict, InvalidToken, NetworkError, RetryAfter, TelegramError
+from telegram.error import BadRequest, Conflict, Forbidden, InvalidToken, NetworkError, RetryAfter, TelegramError
 from telegram.request import HTTPXRequest
 
 from gateway.core import commands
 from gateway.core.cancellation import ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome
-from platforms.base import Adapter, OutboundError, RateLimited
+from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import TelegramConfig
 from platforms.ingress import IngressLeader
+from platforms.splitting import utf16_len
 from platforms.telegram_format import to_html, visible_text
 
 log = logging.getLogger(__name__)
@@ -43,16 +47,12 @@ T = TypeVar("T")
 PLATFORM = "telegram"
 ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
-MAX_GATES = 10_000
 UNAVAILABLE_RETRY_S = 2.0
-
-
-@dataclass
-class _Gate:
-    """One chat's outbound gate: calls are serialized; `not_before` holds a 429's deadline."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    not_before: float = 0.0
+CLOSE_FLUSH_S = 5.0  # on close, how long queued replies and notices may still take
+# Bad Requests about the message rather than its text: retrying with other text will not help.
+_GONE = ("message to edit not found", "message_id_invalid", "message can't be edited")
+_CHAT = ("chat not found", "not enough rights", "have no rights", "chat_write_forbidden", "bot is not a member",
+         "topic_closed", "topic_deleted", "message thread not found", "peer_id_invalid", "group chat was upgraded")
 
 
 class _Backoff:
@@ -97,9 +97,8 @@ class TelegramAdapter(Adapter):
         self._interruptible = False  # the loop is waiting (long poll, backoff), not submitting
         self._closing = False
         self._closed = False
-        self._gates: OrderedDict[str, _Gate] = OrderedDict()
         self._webhook_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
         self.leader = leader
 
@@ -136,6 +135,7 @@ class TelegramAdapter(Adapter):
         if self._closed:
             return
         self._closed = True
+        await self.outbox.close(CLOSE_FLUSH_S)  # stop marks and last notices still go out
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*(r.shutdown() for r in self._requests), return_exceptions=True)
@@ -271,16 +271,24 @@ class TelegramAdapter(Adapter):
             update = Update.de_json(await request.json(), self.bot)
         except Exception:
             return web.Response(status=400, text="not a Telegram update")
-        async with self._webhook_lock:  # one at a time, in arrival order
-            stored = await self._handle(update)
-        if not stored:  # Telegram delivers it again later; the redelivery is de-duplicated
+        # A task of its own: if Telegram hangs up (the request is cancelled), the submission
+        # still completes, and the update is simply delivered again (a duplicate, dropped).
+        task = asyncio.get_running_loop().create_task(self._handle_in_order(update))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if not await asyncio.shield(task):  # Telegram delivers it again later; the redelivery is de-duplicated
             return web.Response(status=503, text="not stored; try again later", headers={"Retry-After": "5"})
         return web.Response(text="ok")  # only now: the message is recorded
+
+    async def _handle_in_order(self, update: Update) -> bool:
+        async with self._webhook_lock:  # one at a time, in arrival order
+            return await self._handle(update)
 
     # --- intake: updates to messages ------------------------------------------------------
 
     async def _handle(self, update: Update) -> bool:
         """Turn one update into a router submission; never raises (a bad update is skipped).
+        Returns once the router has stored the message: it never waits on outbound calls.
         False when it could not be taken now (storage down) and must be delivered again."""
         try:
             m = update.message
@@ -359,7 +367,7 @@ class TelegramAdapter(Adapter):
             return await self.bot.send_message(int(chat.chat_id), body, parse_mode=mode,
                                                message_thread_id=_thread(chat), reply_parameters=quote)
 
-        sent = await self._deliver(chat, text, call)
+        sent = await self._deliver(text, call)
         return str(sent.message_id)
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
@@ -371,82 +379,51 @@ class TelegramAdapter(Adapter):
                 if "not modified" not in str(exc).lower():  # same text again: already shown
                     raise
 
-        await self._deliver(chat, text, call)
+        await self._deliver(text, call)
 
     async def typing(self, chat: ChatRef) -> None:
-        gate = self._gate(chat.chat_id)
-        if gate.lock.locked() or gate.not_before > time.monotonic():
-            return  # cosmetic: never queue it behind real output or into a 429
-        async with gate.lock:
-            with contextlib.suppress(TelegramError):
-                await self.bot.send_chat_action(int(chat.chat_id), ChatAction.TYPING,
-                                                message_thread_id=_thread(chat))
+        with contextlib.suppress(TelegramError):  # cosmetic
+            await self.bot.send_chat_action(int(chat.chat_id), ChatAction.TYPING, message_thread_id=_thread(chat))
+
+    def measure(self, text: str) -> int:
+        """What Telegram counts: the visible text of our HTML rendering, in UTF-16 units."""
+        return utf16_len(visible_text(to_html(text)))
+
+    def measure_bound(self) -> Callable[[str], int]:
+        return utf16_len  # the rendering only ever drops characters (markup) from the source
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
+        """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends."""
+        self.queue_notice(chat, text, reply_to=reply_to, kind=kind)
+
+    async def _deliver(self, text: str, call: Callable[[str, str | None], Awaitable[T]]) -> T:
+        """A send or edit: HTML first, plain text if Telegram refuses the HTML part. Raises
+        RateLimited (a 429, or a transient network failure: try again later), MessageGone,
+        Refused (this text, even plain) or OutboundError (this chat)."""
         try:
-            await self.send(chat, text, reply_to=reply_to)
-            self.count("notice")
-        except RateLimited as exc:  # deliver it once the chat's 429 is over, without waiting here
-            self._spawn(self._notify_later(chat, text, reply_to, exc.retry_after))
-        except Exception as exc:
-            log.warning("telegram: could not deliver a notice to chat %s: %s", chat.chat_id, self._scrub(str(exc)))
-
-    async def _notify_later(self, chat: ChatRef, text: str, reply_to: str | None, delay: float) -> None:
-        for _attempt in range(3):
-            await asyncio.sleep(delay)
-            try:
-                await self.send(chat, text, reply_to=reply_to)
-                self.count("notice")
-                return
-            except RateLimited as exc:
-                delay = exc.retry_after
-            except Exception as exc:
-                log.warning("telegram: could not deliver a notice: %s", self._scrub(str(exc)))
-                return
-        log.warning("telegram: gave up on a notice to chat %s (rate limited)", chat.chat_id)
-
-    async def _deliver(self, chat: ChatRef, text: str, call: Callable[[str, str | None], Awaitable[T]]) -> T:
-        """Run a send or edit through the chat's gate: HTML first, plain text if Telegram rejects
-        the entities. Raises RateLimited (429, or a transient network failure: try again
-        later) or OutboundError (retrying will not help)."""
-        gate = self._gate(chat.chat_id)
-        async with gate.lock:
-            wait = gate.not_before - time.monotonic()
-            if wait > 0:
-                raise RateLimited(wait)
-            try:
-                rendered = to_html(text)
-                if visible_text(rendered).strip():
-                    try:
-                        return await call(rendered, ParseMode.HTML)
-                    except BadRequest as exc:
-                        if "can't parse entities" not in str(exc).lower():
-                            raise
-                        log.info("telegram: HTML rejected (%s); sending plain text", self._scrub(str(exc)))
-                return await call(text, None)
-            except RetryAfter as exc:
-                delay = _retry_after_s(exc)
-                gate.not_before = time.monotonic() + delay
-                raise RateLimited(delay) from None
-            except BadRequest as exc:  # a NetworkError subclass in PTB: must come first
-                raise OutboundError(self._scrub(str(exc))) from None
-            except NetworkError as exc:
-                raise RateLimited(1.0) from exc
-            except TelegramError as exc:
-                raise OutboundError(self._scrub(str(exc))) from None
-
-    def _gate(self, chat_id: str) -> _Gate:
-        gate = self._gates.get(chat_id)
-        if gate is None:
-            gate = self._gates[chat_id] = _Gate()
-            if len(self._gates) > MAX_GATES:  # forget idle chats, least recent first
-                now = time.monotonic()
-                idle = [k for k, g in self._gates.items() if not g.lock.locked() and g.not_before < now]
-                for key in idle[: len(self._gates) - MAX_GATES]:
-                    del self._gates[key]
-        self._gates.move_to_end(chat_id)
-        return gate
+            rendered = to_html(text)
+            if visible_text(rendered).strip():
+                try:
+                    return await call(rendered, ParseMode.HTML)
+                except BadRequest as exc:
+                    if _kind(exc) != "refused":
+                        raise
+                    log.info("telegram: HTML refused (%s); sending plain text", self._scrub(str(exc)))
+            return await call(text, None)
+        except RetryAfter as exc:
+            raise RateLimited(_retry_after_s(exc)) from None
+        except BadRequest as exc:  # a NetworkError subclass in PTB: must come first
+            detail = self._scrub(str(exc))
+            kind = _kind(exc)
+            raise (MessageGone(detail) if kind == "gone" else Refused(detail) if kind == "refused"
+                   else OutboundError(detail)) from None
+        except Forbidden as exc:
+            raise OutboundError(self._scrub(str(exc))) from None
+        except NetworkError as exc:
+            raise RateLimited(1.0) from exc
+        except TelegramError as exc:
+            raise OutboundError(self._scrub(str(exc))) from None
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -472,6 +449,16 @@ def _strip_spans(text: str, spans: list[tuple[int, int]]) -> str:
     for piece in pieces[1:]:
         out += piece[1:] if out.endswith((" ", "\n")) and piece.startswith(" ") else piece
     return out.strip().lstrip(",:").strip()
+
+
+def _kind(exc: BadRequest) -> str:
+    """A Bad Request about the message to edit ("gone"), the chat ("chat"), or the text ("refused")."""
+    text = str(exc).lower()
+    if any(k in text for k in _GONE):
+        return "gone"
+    if any(k in text for k in _CHAT):
+        return "chat"
+    return "refused"
 
 
 def _thread(chat: ChatRef) -> int | None:

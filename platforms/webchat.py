@@ -3,12 +3,15 @@
 Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ...}`,
 `{"type": "command", "name": "stop" | "new"}`. To the browser:
 
-- `hello` {history, running, queued, agent}: the whole current conversation; the page replaces its
-  view with it on every (re)connect. History rows: {role, text, at, interrupted_by, reason,
-  interruption (kind, below), tools (names called), resume (true on the gateway's own "continue"
-  message after a restart)}.
+- `hello` {history, running, queued, agent, max_chars}: the whole current conversation; the page
+  replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
+  reason, interruption (kind, below), tools (names called), resume (true on the gateway's own
+  "continue" message after a restart)}. Tool rows are not sent; a stop that cut a tool call short
+  is carried onto the assistant row that called it. `max_chars` is the longest message the
+  gateway takes (the page keeps a longer draft in the composer instead of sending it).
 - `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
-  `body` (the text without the appended notice) and `interrupted` {by, reason, kind}.
+  `body` (the text without the appended notice: exactly what the transcript stores) and
+  `interrupted` {by, reason, kind}.
 - `notice` {text, kind, reply_to}: kind is stopped | restart | interrupted | queued | error | info;
   interruption notices also carry `interrupted`.
 - `state` {running}, `typing`.
@@ -67,13 +70,13 @@ class WebchatAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=64_000, can_edit=True, can_stream=True, edit_interval_s=0.05)
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_message_chars: int | None = None) -> None:
+        self.max_message_chars = max_message_chars
         self._sockets: dict[str, set[web.WebSocketResponse]] = {}
         self._ids = itertools.count(1)
         # Bot message ids stay unique across restarts, so a page never confuses two daemons' ids.
         self._boot = secrets.token_hex(3)
         self._closing = False
-        self._marks: dict[str, tuple[ToolReason, str]] = {}  # message id -> why it is being marked stopped
         # Frames for a socket whose hello is not out yet: sent right after it, never lost or reordered.
         self._held: dict[web.WebSocketResponse, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -114,13 +117,12 @@ class WebchatAdapter(Adapter):
         return mid
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
-        frame: dict[str, Any] = {"type": "edit", "id": message_id, "text": text}
-        mark = self._marks.pop(message_id, None)
-        if mark is not None:
-            reason, body = mark
-            frame["body"] = body
-            frame["interrupted"] = interruption(reason.kind, reason.text)
-        await self._push(chat.chat_id, frame)
+        await self._push(chat.chat_id, {"type": "edit", "id": message_id, "text": text})
+
+    async def edit_marked(self, chat: ChatRef, message_id: str, text: str, body: str, reason: ToolReason) -> None:
+        """The edit that marks a stopped turn: `body` is exactly what the transcript stores."""
+        await self._push(chat.chat_id, {"type": "edit", "id": message_id, "text": text, "body": body,
+                                        "interrupted": interruption(reason.kind, reason.text)})
 
     async def typing(self, chat: ChatRef) -> None:
         await self._push(chat.chat_id, {"type": "typing"})
@@ -188,9 +190,9 @@ class WebchatAdapter(Adapter):
         key = _key(sid)
         history = await self.gateway.history(key)
         status = self.gateway.status(key)
-        await ws.send_json({"type": "hello", "history": [_row(m) for m in history if m.role != "tool"],
+        await ws.send_json({"type": "hello", "history": _rows(history),
                             "running": status.running or status.queued > 0, "queued": status.queued,
-                            "agent": status.agent}, dumps=_dumps)
+                            "agent": status.agent, "max_chars": self.max_message_chars}, dumps=_dumps)
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
@@ -248,18 +250,11 @@ class _WebReply(EditStreamReply):
         if self._web._closing:
             await self._web._close_session(self._chat_id)
 
-    async def interrupted(self, reason: ToolReason) -> None:
-        await self._end()  # first, so no streaming edit of the same message can take the mark below
-        mid = self._shown[-1][0] if self._shown else None
-        if mid is not None:
-            self._web._marks[mid] = (reason, self._shown[-1][1])
-        try:
-            await super().interrupted(reason)
-        finally:
-            if mid is not None:
-                self._web._marks.pop(mid, None)
+    async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:
+        await self._web.edit_marked(self._chat, message_id, text, body, reason)
 
     async def settled(self) -> None:
+        await self._drain(5.0)  # the final state first, then idle
         await self._idle()  # idle only once recorded: a reload right now shows the whole turn
 
 
@@ -276,6 +271,19 @@ def interruption(by: str, reason: str) -> dict[str, str]:
 
 def _key(sid: str) -> str:
     return f"{PLATFORM}:{ChatType.DM.value}:{sid}"
+
+
+def _rows(history: list[ChatMessage]) -> list[dict[str, Any]]:
+    """History as the page shows it: no tool rows, but a stop that cut a tool call short marks the
+    assistant row that called it (it would otherwise be lost on reload)."""
+    rows: list[dict[str, Any]] = []
+    for m in history:
+        if m.role != "tool":
+            rows.append(_row(m))
+        elif m.interrupted_by and rows and rows[-1]["role"] == "assistant" and not rows[-1]["interruption"]:
+            rows[-1].update(interrupted_by=m.interrupted_by, reason=m.reason,
+                            interruption=interruption(m.interrupted_by, m.reason or ""))
+    return rows
 
 
 def _row(m: ChatMessage) -> dict[str, Any]:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED
 from tests.conftest import DaemonFactory
@@ -192,3 +198,111 @@ async def test_text_travels_as_text_not_as_escapes(make_daemon: DaemonFactory, p
                          headers=_auth(**{"X-Session-Id": "ru"})) as resp:
         raw = await resp.read()
     assert "Здравствуйте".encode() in raw and b"\\u04" not in raw
+
+
+# --- a client that closes its socket stops its run at once --------------------------------------
+
+TERM_SPY = """
+import pathlib, signal, sys, time
+ready = pathlib.Path(sys.argv[1])
+def term(*_):
+    ready.with_suffix(".term").write_text(repr(time.perf_counter()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+ready.write_text("ready")
+time.sleep(60)
+"""
+DISCONNECT_LIMIT_S = 0.05
+TRIALS = 3
+
+
+def _idle(daemon: Any, session: str) -> bool:
+    return not daemon.router.status(f"api:dm:{session}").running
+
+
+def _written(path: Path) -> bool:
+    return path.exists() and bool(path.read_text())
+
+
+async def _eventually(probe: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def _raw_request(port: int, session: str, body: dict[str, Any]) -> tuple[asyncio.StreamReader,
+                                                                               asyncio.StreamWriter]:
+    """A client on a plain socket, so the test decides the moment it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nX-Session-Id: {session}\r\nContent-Length: {len(payload)}\r\n\r\n")
+    writer.write(head.encode() + payload)
+    await writer.drain()
+    return reader, writer
+
+
+async def _hang_up(writer: asyncio.StreamWriter) -> float:
+    """Close the client's socket; returns when (perf_counter) it was closed."""
+    closed_at = time.perf_counter()
+    writer.close()
+    await writer.wait_closed()
+    return closed_at
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "plain"])
+async def test_a_client_closing_its_socket_mid_stream_closes_the_provider_within_50_ms(
+        make_daemon: DaemonFactory, provider: FakeProvider, stream: bool) -> None:
+    provider.delay_s, provider.words = 0.02, 2000
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    port = daemon.config.http.port
+    latencies = []
+    for trial in range(TRIALS):
+        session, text = f"s{trial}-{stream}", f"long one {trial}"
+        reader, writer = await _raw_request(port, session, {"messages": [{"role": "user", "content": text}],
+                                                            "stream": stream})
+        if stream:
+            await asyncio.wait_for(reader.readuntil(b"w3 "), 5)  # the answer is streaming to the client
+        else:
+            await _eventually(functools.partial(provider.requests_for, text), 5, "the provider request")
+            await asyncio.sleep(0.1)  # the provider is streaming; the client hears nothing yet
+        (conn,) = provider.requests_for(text)
+        gone_at = await _hang_up(writer)
+        closed_at = await provider.wait_closed(conn, timeout=2)
+        assert not conn.completed
+        latencies.append(closed_at - gone_at)
+        await _eventually(functools.partial(_idle, daemon, session), 2, "the turn to end")
+        _, history = await daemon.store.conversation(f"api:dm:{session}")
+        assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
+    figures = [f"{x * 1000:.1f} ms" for x in latencies]
+    print(f"disconnect mid-stream ({'sse' if stream else 'plain'}): provider closed {figures} after the client")
+    assert max(latencies) < DISCONNECT_LIMIT_S, f"provider closed {figures} after the client"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "plain"])
+async def test_a_client_closing_its_socket_mid_tool_signals_the_tool_group_within_50_ms(
+        make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path, stream: bool) -> None:
+    script = tmp_path / "spy.py"
+    script.write_text(TERM_SPY)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, tools={"shell": True})
+    port = daemon.config.http.port
+    latencies = []
+    for trial in range(TRIALS):
+        ready = tmp_path / f"ready{trial}"
+        provider.then(Script(tool_calls=[("shell", {"command": f"{sys.executable} {script} {ready}"})]))
+        session = f"tool{trial}-{stream}"
+        _reader, writer = await _raw_request(port, session, {"messages": [{"role": "user", "content": "run it"}],
+                                                             "stream": stream})
+        await _eventually(functools.partial(_written, ready), 10, "the tool to start")
+        gone_at = await _hang_up(writer)  # nothing is streaming: the tool is running
+        term = ready.with_suffix(".term")
+        await _eventually(functools.partial(_written, term), 5, "SIGTERM to reach the tool")
+        latencies.append(float(term.read_text()) - gone_at)
+        await _eventually(functools.partial(_idle, daemon, session), 2, "the turn to end")
+        _, history = await daemon.store.conversation(f"api:dm:{session}")
+        assert history[-1].role == "tool" and history[-1].content == CLIENT_DISCONNECTED.marker
+    figures = [f"{x * 1000:.1f} ms" for x in latencies]
+    print(f"disconnect mid-tool ({'sse' if stream else 'plain'}): tool group signalled {figures} after the client")
+    assert max(latencies) < DISCONNECT_LIMIT_S, f"tool group signalled {figures} after the client"

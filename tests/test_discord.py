@@ -443,3 +443,33 @@ async def test_token_absent_from_error_logs(start: Start, fake: FakeDiscord, pro
     await eventually(lambda: any("send failed: HTTP 403" in line for line in logs.formatted), what="the error log")
     everything = json.dumps([logs.raw, logs.formatted])
     assert SECRET_TOKEN not in everything
+
+
+async def test_a_message_deleted_mid_stream_is_continued_in_a_new_one(
+        start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.02, 60
+    await start()
+    dm = fake.dm_channel_id(ALICE_ID)
+    await fake.dispatch_message(dm, "go on", author_id=ALICE_ID)
+    first = await eventually(lambda: next((m for m in bot_messages(fake, dm) if "w5" in m["content"]), None),
+                             what="the stream")
+    assert await fake.delete_message(int(first["id"]))
+    last = await reply_with(fake, dm, answer("go on", 60)[len(first["content"]):])  # the rest, no more
+    assert [m["id"] for m in bot_messages(fake, dm)] == [last["id"]] and last["id"] != first["id"]
+    assert [c.status for c in fake.sent if c.method == "PATCH" and c.status == 404]  # 10008 was seen
+
+
+async def test_a_refused_part_is_split_smaller_and_everything_arrives(
+        start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
+    lines = [f"line {i:03d} " + "x" * 60 for i in range(80)]  # about 5,500 characters
+    provider.then(Script(text="\n".join(lines), delay_s=0.0))
+    await start()
+    fake.fail_next("POST", "/channels/*/messages", status=400, times=2)  # Invalid Form Body, twice
+    dm = fake.dm_channel_id(ALICE_ID)
+    await fake.dispatch_message(dm, "write a lot", author_id=ALICE_ID)
+    await eventually(lambda: any(lines[-1] in m["content"] for m in bot_messages(fake, dm)), 5, "the last line")
+    parts = [m["content"] for m in bot_messages(fake, dm)]
+    seen = [line.rstrip() for part in parts for line in part.split("\n") if line.startswith("line ")]
+    assert seen == lines and all(len(p) <= 2000 for p in parts)
+    assert [c.status for c in fake.sent if c.method == "POST" and "/messages" in c.path][:2] == [400, 400]
+    assert not [p for p in parts if "could not be delivered" in p]

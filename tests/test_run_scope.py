@@ -108,3 +108,24 @@ def test_the_recorder_marks_partial_text_and_in_flight_tools() -> None:
                                    "tool_call_id": "c1"}
     assert ChatMessage("assistant", "", interrupted_by="user", reason="x").model_content() == \
         "[interrupted by user: x]"
+
+
+def test_a_stopped_turn_keeps_exactly_the_text_the_user_was_shown() -> None:
+    def recorder() -> TurnRecorder:
+        rec = TurnRecorder()
+        call = ToolCall("c1", "sleep", "{}")
+        for event in (TextDelta("Let me "), ToolCallsRequested("Let me ", (call,)), ToolResult("c1", "slept"),
+                      TextDelta("The answer "), TextDelta("is 42")):
+            rec.feed(event)
+        return rec
+
+    reason = ToolReason.user("stopped by user (/stop)")
+    # The reply showed the turn's text up to "The answer " (deltas are shown across rounds).
+    rows = recorder().interrupted(reason, shown="Let me The answer ")
+    assert [(r.role, r.content) for r in rows] == [("assistant", "Let me "), ("tool", "slept"),
+                                                   ("assistant", "The answer ")]
+    assert rows[-1].model_content() == "The answer \n\n[interrupted by user: stopped by user (/stop)]"
+    # Nothing of this round was shown yet: the row is kept (it carries the mark), empty.
+    assert recorder().interrupted(reason, shown="Let")[-1].content == ""
+    # A platform that shows everything it is given (None) keeps the whole partial text.
+    assert recorder().interrupted(reason)[-1].content == "The answer is 42"

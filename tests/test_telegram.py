@@ -25,7 +25,7 @@ from platforms.splitting import utf16_len
 from platforms.telegram_bot import TelegramAdapter
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.fakes.telegram_api import FakeTelegramAPI, SentRecord
+from tests.fakes.telegram_api import ApiError, FakeTelegramAPI, SentRecord
 
 TOKEN = "123456:TEST-TOKEN-never-in-logs"
 BOT = "switchboard_bot"
@@ -339,9 +339,11 @@ async def test_restart_between_fetch_and_processing_loses_nothing(
     first, _ = await start(router={"busy": "queue"})
     fake.push_text(12, "A", user_id=12)
     await shown(fake, 12, lambda t: t.startswith("reply to: A"))
+    # The poll after B is stored and the confirm on stop fail: a crash, in effect. (Set before B
+    # arrives: intake does not wait for B's "Queued" notice, so the next poll follows at once.)
+    fake.fail_next("getUpdates", 502, times=3)
     b_update = fake.push_text(12, "B", user_id=12)
     await shown(fake, 12, lambda t: t.startswith("Queued"))
-    fake.fail_next("getUpdates", 502, times=2)  # the next poll and the confirm on stop: a crash, in effect
     await first.stop()
     assert b_update in [u["update_id"] for u in fake.pending_updates]
     assert provider.requests_for("B") == []
@@ -402,3 +404,154 @@ async def test_stopping_during_a_long_poll_is_prompt(start: Start, fake: FakeTel
     began = time.monotonic()
     await daemon.stop()
     assert time.monotonic() - began < 2
+
+
+# --- intake never waits on outbound; stops jump the queue --------------------------------------
+
+
+async def test_a_slow_chat_never_delays_another_chats_stop(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """Sends to chat A take 3 s; /stop in chat A, then in other chats: each handled at once."""
+    provider.delay_s, provider.words = 0.02, 1000
+    daemon, _ = await start()
+    slow, others = 601, [602, 603, 604]
+    fake.set_latency(slow, 3.0)
+    fake.push_text(slow, "slow one", user_id=slow)
+    for chat in others:
+        fake.push_text(chat, f"quick {chat}", user_id=chat)
+    for chat in others:
+        await shown(fake, chat, lambda t: "w3" in t)
+    (slow_conn,) = provider.requests_for("slow one")
+    assert fake.messages(slow) == {}, "A's first send is still on the wire"
+    fake.push_text(slow, "/stop", user_id=slow)  # its "Stopped." waits behind A's send, not intake
+    latencies = []
+    for chat in others:
+        (conn,) = provider.requests_for(f"quick {chat}")
+        pushed = time.perf_counter()
+        fake.push_text(chat, "/stop", user_id=chat)
+        latencies.append(await provider.wait_closed(conn, timeout=2) - pushed)
+        await shown(fake, chat, lambda t: t == "Stopped.")
+    print(f"/stop beside a 3 s chat: provider closed {[f'{x * 1000:.1f} ms' for x in latencies]} after the update")
+    assert max(latencies) < 0.1
+    await provider.wait_closed(slow_conn, timeout=2)
+    # Chat A is told too, once its own calls get through: "Stopped.", and its message marked.
+    await shown(fake, slow, lambda t: t == "Stopped.", timeout=15)
+    marked = await shown(fake, slow, lambda t: t.endswith("\n\n⏹ stopped"), timeout=15)
+    fake.set_latency(slow, 0)
+    await settled(daemon)
+    _, history = await daemon.store.conversation(f"telegram:dm:{slow}")
+    assert history[-1].content + "\n\n⏹ stopped" == fake.messages(slow)[marked]  # as shown, no more
+
+
+@pytest.mark.filterwarnings("ignore:.*retry_after.*")  # PTB 22 warns when it builds RetryAfter
+async def test_a_stop_under_the_group_limit_goes_out_next_and_the_transcript_is_what_was_shown(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    fake.clock = time.perf_counter  # the provider's clock: a stop and the chat's calls compare
+    group, window = -100700, 3.0
+    fake.set_group_limit(4, window_s=window)
+    provider.delay_s, provider.words = 0.02, 1000
+    for i in range(3):
+        provider.by_text[f"short {i}"] = Script(text=f"short answer {i}", delay_s=0.0)
+    daemon, _ = await start(groups="all")
+    for i in range(3):  # three sends of the four the window allows
+        fake.push_text(group, f"short {i}", user_id=7)
+        await shown(fake, group, f"short answer {i} ".__eq__)
+    fake.push_text(group, "long one", user_id=7)  # the fourth: the window is full from here on
+    mid = await shown(fake, group, lambda t: "w10" in t)
+    (conn,) = provider.requests_for("long one")
+    fake.push_text(group, "/stop", user_id=7)
+    stop_at = await provider.wait_closed(conn, timeout=2)
+    notice = await fake.wait_for(lambda r: r.chat_id == group and r.text == "Stopped.", timeout=window + 3)
+    mark = await fake.wait_for(lambda r: r.message_id == mid and (r.text or "").endswith("⏹ stopped"))
+    assert [c for c in fake.calls if c.method == "sendMessage" and c.status == 429 and c.time > stop_at], \
+        "the stop notice met the group limit"
+    sends = sorted(r.time for r in fake.sent if r.chat_id == group and r.method == "sendMessage" and r.time < stop_at)
+    allowed_at = sends[-4] + window  # the window frees up then (Telegram's retry_after: whole seconds)
+    after = [r for r in fake.sent if r.chat_id == group and r.time > stop_at and r.method != "sendChatAction"]
+    late = [r for r in after if r not in (notice, mark)]
+    assert all(r.method == "editMessageText" and r.time - stop_at < 0.05 for r in late), \
+        f"only an edit already on the wire may land after the stop: {late}"
+    assert after.index(mark) <= len(late) and after.index(notice) <= len(late) + 1
+    print(f"stop under the group limit: mark {1000 * (mark.time - stop_at):.0f} ms, "
+          f"'Stopped.' {1000 * (notice.time - stop_at):.0f} ms after the stop "
+          f"(the group's window allowed a send {1000 * (allowed_at - stop_at):.0f} ms after it)")
+    assert mark.time - stop_at < 0.5 and allowed_at <= notice.time < allowed_at + 1.2
+    await settled(daemon, timeout=5)
+    _, history = await daemon.store.conversation(f"telegram:group:{group}")
+    final = fake.messages(group)[mid]
+    assert history[-1].content + "\n\n⏹ stopped" == final  # stored = what the chat shows
+
+
+def _tokens(n: int) -> tuple[str, list[str]]:
+    """A long answer whose raw HTML is much longer than its visible text (&, <, > escape)."""
+    words = [f"t{i:04d}&<x>" for i in range(n)]
+    lines = [" ".join(words[i:i + 12]) for i in range(0, n, 12)]
+    code = "```python\n" + "\n".join(f"if a<b and c>d: print('{i}&')" for i in range(40)) + "\n```"
+    text = "\n\n".join(lines[: len(lines) // 2]) + "\n\n" + code + "\n\n" + "\n\n".join(lines[len(lines) // 2:])
+    return text, words
+
+
+async def test_every_character_of_a_long_answer_arrives_when_telegram_counts_raw_html(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    fake.count_raw_html = True  # stricter than Telegram: the 4096 limit on the HTML as sent
+    text, words = _tokens(900)
+    assert len(text) > 10_000
+    provider.then(Script(text=text, delay_s=0.0005))
+    daemon, _ = await start()
+    fake.push_text(9, "write it", user_id=9)
+    await shown(fake, 9, lambda t: t.startswith(words[0]))
+    await settled(daemon, timeout=30)
+    parts = [fake.messages(9)[mid] for mid in sorted(fake.messages(9))]
+    seen = [w for part in parts for w in re.findall(r"t\d{4}&<x>", part)]
+    assert seen == words  # every word, once, in order
+    code = [line for part in parts for line in part.split("\n") if line.startswith("if a<b")]
+    assert code == [f"if a<b and c>d: print('{i}&')" for i in range(40)]
+    assert any(c.status == 400 for c in fake.calls), "the old failure was reproduced"
+    assert not [t for t in parts if "could not be delivered" in t]
+
+
+async def test_a_part_that_cannot_be_sent_is_replaced_by_a_notice_and_the_rest_arrives(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(method: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+        def handler(p: dict[str, Any]) -> Any:
+            if "☠" in str(p.get("text")):
+                raise ApiError(400, "Bad Request: MESSAGE_FORBIDDEN_CONTENT")
+            return method(p)
+        return handler
+
+    fake.set_handler("sendMessage", refuse(fake._send_message))
+    fake.set_handler("editMessageText", refuse(fake._edit_message_text))
+    words = [f"w{i}" for i in range(600)]
+    words[300] = "☠"
+    provider.then(Script(text=" ".join(words), delay_s=0.001))
+    daemon, _ = await start()
+    fake.push_text(10, "go", user_id=10)
+    await shown(fake, 10, lambda t: t.startswith("w0"))
+    await settled(daemon, timeout=30)
+    await shown(fake, 10, lambda t: t.lower() == "⚠️ part of this answer could not be delivered: "
+                                                 "message_forbidden_content")
+    texts = [fake.messages(10)[mid] for mid in sorted(fake.messages(10))]
+    seen = [w for t in texts for w in t.split() if re.fullmatch(r"w\d+", w)]
+    lost = sorted(set(words) - set(seen) - {"☠"}, key=lambda w: int(w[1:]))
+    assert seen == [w for w in words if w in seen]  # in order, once
+    at = sorted([300, *(int(w[1:]) for w in lost)])  # one run of words around the poison, under 256
+    assert at == list(range(at[0], at[-1] + 1)) and at[0] - 1 <= 300 <= at[-1] + 1 and len(" ".join(lost)) < 256
+    assert words[0] in seen and words[-1] in seen
+    assert any("could not be delivered" in r.getMessage() and "forbidden_content" in r.getMessage().lower()
+               for r in caplog.records if r.levelno == logging.WARNING)
+
+
+async def test_a_message_deleted_mid_stream_is_continued_in_a_new_one(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.02, 60
+    daemon, _ = await start()
+    fake.push_text(11, "go on", user_id=11)
+    first = await shown(fake, 11, lambda t: "w5" in t)
+    deleted = fake.messages(11)[first]
+    assert fake.delete_message(11, first)
+    last = await shown(fake, 11, lambda t: t.endswith("w59 "))
+    assert last != first and list(fake.messages(11)) == [last]
+    full = "reply to: go on " + " ".join(f"w{i}" for i in range(60)) + " "
+    assert deleted + fake.messages(11)[last] == full  # the rest, from where the deleted one ended
+    assert any(c.status == 400 and c.method == "editMessageText" for c in fake.calls)
+    await settled(daemon)

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from tests.conftest import DaemonFactory
-from tests.fakes.openai_provider import FakeProvider
+from tests.fakes.openai_provider import FakeProvider, Script
 
 
 async def _frames_until(ws: aiohttp.ClientWebSocketResponse, pred: Any, timeout: float = 5) -> list[dict[str, Any]]:
@@ -109,3 +109,58 @@ async def test_cross_origin_websockets_are_refused(make_daemon: DaemonFactory) -
             raise AssertionError("connected")
         except aiohttp.WSServerHandshakeError as exc:
             assert exc.status == 403
+
+
+async def test_a_stopped_answer_is_stored_exactly_as_the_page_was_shown_it(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    # Tokens arrive far faster than the 50 ms edit interval: text the page never saw is in flight
+    # at every stop. The stop mark's body and the stored row must agree to the character.
+    provider.delay_s, provider.words = 0.002, 3000
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with _browser() as http:
+        ws = await _open(http, base)
+        await ws.receive_json()
+        for trial in range(4):
+            await ws.send_json({"type": "message", "id": f"m{trial}", "text": f"long {trial}"})
+            enough = 200 * (trial + 1)
+            frames = await _frames_until(ws, lambda f, n=enough: f["type"] == "edit" and len(f["text"]) > n)
+            await ws.send_json({"type": "command", "name": "stop"})
+            frames += await _frames_until(ws, lambda f: f == {"type": "state", "running": False})
+            mark = next(f for f in frames if f.get("interrupted"))
+            assert mark["text"] == mark["body"] + "\n\n⏹ stopped"
+            shown = [f["text"] for f in frames if f["type"] in ("message", "edit") and not f.get("interrupted")]
+            assert mark["body"] == shown[-1]  # the mark goes on what the page showed last, nothing newer
+            _, history = await daemon.store.conversation(f"webchat:dm:{_sid(http)}")
+            assert history[-1].content == mark["body"], f"trial {trial}"
+        await ws.close()
+
+
+async def test_hello_gives_the_message_limit_and_keeps_the_stop_mark_of_a_tool_turn(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon = await make_daemon(router={"max_message_chars": 1234})
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with _browser() as http:
+        ws = await _open(http, base)
+        assert (await ws.receive_json())["max_chars"] == 1234
+        await ws.send_json({"type": "message", "id": "t1", "text": "wait a bit"})
+        await _frames_until(ws, lambda f: f == {"type": "state", "running": True})
+        key = f"webchat:dm:{_sid(http)}"
+        for _ in range(500):  # until the tool runs
+            if [c for c in provider.connections if c.completed] and daemon.router.status(key).running:
+                break
+            await asyncio.sleep(0.01)
+        await ws.send_json({"type": "command", "name": "stop"})
+        await _frames_until(ws, lambda f: f == {"type": "state", "running": False})
+        await ws.close()
+        ws = await http.ws_connect(base + "/ws", origin=base)
+        history = (await ws.receive_json())["history"]
+        assert [(m["role"], m["tools"], m["interruption"]) for m in history] == [
+            ("user", [], None),
+            ("assistant", ["sleep"], {"by": "user", "reason": "stopped by user (/stop)", "kind": "stopped"})]
+        await ws.close()
+
+
+def _sid(http: aiohttp.ClientSession) -> str:
+    return next(c.value for c in http.cookie_jar if c.key == "switchboard_session")

@@ -171,6 +171,12 @@ class Reply(ABC):
     async def settled(self) -> None:
         """The turn is over and its outcome recorded; nothing more will be said for it."""
 
+    def shown_text(self) -> str | None:
+        """The part of the turn's streamed text the user has been shown — a prefix of what was
+        passed to `delta` — once the reply has ended; None if everything given was shown (a client
+        that receives every delta). A stopped turn's transcript keeps exactly this."""
+        return None
+
 
 class Outlet(Protocol):
     """What the core needs from a platform: where replies and notices go."""

@@ -88,11 +88,12 @@ AgentEvent = TextDelta | ToolCallsRequested | ToolResult
 class TurnRecorder:
     """Accumulates a turn's rows from agent events, so a stop at any point leaves a true record."""
 
-    __slots__ = ("_open_calls", "_partial", "rows")
+    __slots__ = ("_earlier", "_open_calls", "_partial", "rows")
 
     def __init__(self) -> None:
         self.rows: list[ChatMessage] = []
         self._partial: list[str] = []
+        self._earlier = 0  # length of the text streamed in the turn's earlier rounds
         self._open_calls: dict[str, ToolCall] = {}
 
     @property
@@ -105,6 +106,7 @@ class TurnRecorder:
             self._partial.append(event.text)
         elif isinstance(event, ToolCallsRequested):
             self.rows.append(ChatMessage("assistant", event.text, tool_calls=event.calls))
+            self._earlier += len(self.text)
             self._partial.clear()
             self._open_calls.update((c.id, c) for c in event.calls)
         else:
@@ -115,14 +117,17 @@ class TurnRecorder:
         self.rows.append(ChatMessage("assistant", self.text))
         return self.rows
 
-    def interrupted(self, reason: ToolReason) -> list[ChatMessage]:
-        """Rows for a stopped turn: in-flight tools get the marker, partial text is kept and marked."""
+    def interrupted(self, reason: ToolReason, shown: str | None = None) -> list[ChatMessage]:
+        """Rows for a stopped turn: in-flight tools get the marker, partial text is kept and marked.
+        `shown` (the turn's streamed text the user saw, see `Reply.shown_text`) cuts the partial
+        text down to what was shown; None keeps all of it."""
+        partial = self.text if shown is None else shown[self._earlier:][:len(self.text)]
         for call in self._open_calls.values():
             self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
                                          interrupted_by=reason.kind, reason=reason.text))
         self._open_calls.clear()
         if self._partial or not self.rows or self.rows[-1].role != "tool":
-            self.rows.append(ChatMessage("assistant", self.text,
+            self.rows.append(ChatMessage("assistant", partial,
                                          interrupted_by=reason.kind, reason=reason.text))
         return self.rows
 

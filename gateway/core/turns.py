@@ -232,7 +232,7 @@ class TurnRunner:
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
             await reply.interrupted(run.reason)
-            return recorder.interrupted(run.reason), InboundStatus.CANCELLED, run.reason.marker
+            return recorder.interrupted(run.reason, reply.shown_text()), InboundStatus.CANCELLED, run.reason.marker
         exc = task.exception()
         if exc is None:
             return recorder.complete(), InboundStatus.DONE, None

@@ -147,7 +147,9 @@ class Daemon:
             await adapter.start(self.router)
             self._on_stop(stack, f"the {name} client", adapter.close)
         app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
-        runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0)]
+        # handler_cancellation: a client's disconnect cancels its request's handler at once, which
+        # is how the HTTP API stops a run whose client has gone (streaming or not).
+        runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
         admin = self.config.admin
         if admin.enabled:
             runners.append(web.AppRunner(
@@ -268,6 +270,11 @@ class Daemon:
             self.router.use_agent(self.agent)
         if "router" in changed:
             self.router.apply_settings(new.router)
+            from platforms.webchat import WebchatAdapter
+
+            webchat = self.adapters.get("webchat")
+            if isinstance(webchat, WebchatAdapter):  # the page learns the limit from its next hello
+                webchat.max_message_chars = new.router.max_message_chars
         if "log" in changed:
             logging.getLogger().setLevel(new.log.level.upper())
         self.access.set_policies(access_policies(new))  # access lists apply in place, always

@@ -47,10 +47,10 @@ def _discord(config: Config, cluster: Cluster | None) -> Adapter:
     return DiscordAdapter(c, leader=_leader(cluster, "discord", c.token.reveal()))
 
 
-def _webchat(_config: Config, _cluster: Cluster | None) -> Adapter:
+def _webchat(config: Config, _cluster: Cluster | None) -> Adapter:
     from platforms.webchat import WebchatAdapter
 
-    return WebchatAdapter()
+    return WebchatAdapter(max_message_chars=config.router.max_message_chars)
 
 
 def _api(config: Config, _cluster: Cluster | None) -> Adapter:

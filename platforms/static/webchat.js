@@ -226,6 +226,7 @@ const SB_MD = (() => {
   const $ = (id) => document.getElementById(id);
   const scroller = $("scroller"), log = $("log"), empty = $("empty"), input = $("text");
   const stopBtn = $("stop"), newBtn = $("new"), conn = $("conn"), banner = $("banner"), agent = $("agent");
+  const sendBtn = $("send"), count = $("count");
 
   let ws = null;
   let timer = null;
@@ -236,6 +237,7 @@ const SB_MD = (() => {
   let restarting = false;
   let outbox = [];  // unacknowledged messages: {id, text, index, el}
   let userCount = 0;  // user messages in the conversation as shown, for matching the outbox to history
+  let maxChars = 0;  // the longest message the gateway takes (from hello); 0: not known yet
   const bots = new Map();  // bot message id -> {el, body}
   const texts = new WeakMap();  // bot message element -> the text it shows
   const dropped = new Set();  // bot ids of an abandoned conversation (New), whose late edits are ignored
@@ -377,6 +379,8 @@ const SB_MD = (() => {
     attempt = 0;
     setConn("connected");
     agent.textContent = f.agent || "";
+    maxChars = Number(f.max_chars) || 0;
+    updateCount();
     clearView();
     const users = [];
     for (const m of f.history) {
@@ -420,12 +424,14 @@ const SB_MD = (() => {
       const bot = botBubble(null);
       if (failed) bot.el.classList.add("error");
       showBot(bot, failed ? "⚠️ The agent failed: " + m.text.slice(8, -1) : m.text, m.interruption);
-    } else if (m.interruption) {
-      addNotice(m.interruption.kind, interruptionLabel(m.interruption), true);
-    } else if (m.tools && m.tools.length) {
+      return;
+    }
+    if (m.tools && m.tools.length) {
       const t = addNotice("info", "Used " + m.tools.join(", "));
       t.classList.add("tools");
     }
+    // A stop that cut a tool call short is carried on its row: the mark stays after a reload.
+    if (m.interruption) addNotice(m.interruption.kind, interruptionLabel(m.interruption), true);
   }
 
   /** The history's last answer, if it is the very message `text` belongs to (a frame that raced the
@@ -537,15 +543,38 @@ const SB_MD = (() => {
 
   /* --- user actions --- */
 
+  /** Characters as the gateway counts them (code points, not UTF-16 units). */
+  function length(text) {
+    return [...text].length;
+  }
+
+  /** The counter shows near and over the limit; an over-limit draft cannot be sent but is kept. */
+  function updateCount() {
+    const n = length(input.value);
+    const over = maxChars > 0 && n > maxChars;
+    count.hidden = !(maxChars > 0 && n > maxChars * 0.9);
+    count.dataset.over = String(over);
+    const shown = `${n.toLocaleString()} / ${maxChars.toLocaleString()}`;
+    count.textContent = over ? `${shown} — too long to send` : shown;
+    input.setAttribute("aria-invalid", String(over));
+    sendBtn.disabled = over;
+    return over;
+  }
+
   function submit() {
     const text = input.value;
     if (!text.trim()) return;
+    if (updateCount()) {  // over the limit: the draft stays in the composer, the counter says why
+      count.hidden = false;
+      return;
+    }
     if (/^\s*[/!](new|reset)\s*$/i.test(text)) {  // typed rather than clicked: same thing
-      if (newConversation()) { input.value = ""; grow(); }
+      if (newConversation()) { input.value = ""; grow(); updateCount(); }
       return;
     }
     input.value = "";
     grow();
+    updateCount();
     const e = { id: newId(), text, index: userCount++, el: null };
     e.el = addUser(text, e.id, true);
     outbox.push(e);
@@ -561,7 +590,7 @@ const SB_MD = (() => {
   input.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); submit(); }
   });
-  input.addEventListener("input", grow);
+  input.addEventListener("input", () => { grow(); updateCount(); });
   stopBtn.addEventListener("click", () => {
     if (sendFrame({ type: "command", name: "stop" })) stopBtn.disabled = true;
   });

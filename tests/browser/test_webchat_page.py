@@ -11,7 +11,7 @@ from playwright.async_api import Browser, Page, expect
 
 from gateway.ops.daemon import Daemon
 from platforms.webchat import WebchatAdapter
-from tests.browser.harness import open_chat, say
+from tests.browser.harness import open_chat, say, session_key
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 
@@ -249,3 +249,75 @@ async def test_the_markdown_renderer_builds_only_safe_elements(
                                        " return d.innerHTML; }", source)
         assert rendered == html, source
     assert await page.evaluate("window.__xss") is None
+
+
+async def test_a_stopped_answer_shows_exactly_what_is_stored_live_and_after_a_reload(
+        browser: Browser, make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    # Tokens far faster than the edit interval: at every stop some text is in flight, never shown.
+    provider.delay_s, provider.words = 0.002, 3000
+    daemon = await make_daemon()
+    page = await open_chat(browser, f"http://127.0.0.1:{daemon.config.http.port}")
+    key = await session_key(page.context)
+    live: list[str] = []
+    for trial in range(4):
+        await say(page, f"long {trial}")
+        body = page.locator(".msg.bot").nth(trial).locator(".body")
+        await expect(body).to_contain_text(f"w{100 * (trial + 1)}")
+        await page.locator("#stop").click()
+        await expect(page.locator(".msg.bot").nth(trial).locator(".interruption")).to_have_text("Stopped")
+        await expect(page.locator("body[data-running=false]")).to_have_count(1)
+        live.append(await body.inner_text())
+        _, history = await daemon.store.conversation(key)
+        assert history[-1].content.strip() == live[-1], f"trial {trial}: the page and the transcript differ"
+    await page.reload()
+    await expect(page.locator("#conn")).to_have_attribute("data-state", "connected")
+    await expect(page.locator(".msg.bot .body")).to_have_text(live)
+    await expect(page.locator(".msg.bot .interruption")).to_have_text(["Stopped"] * 4)
+
+
+async def test_a_stopped_tool_turn_keeps_its_mark_after_a_reload(
+        browser: Browser, make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon = await make_daemon()
+    page = await open_chat(browser, f"http://127.0.0.1:{daemon.config.http.port}")
+    await say(page, "take your time")
+    await expect(page.locator("#stop")).to_be_enabled()
+    deadline = time.monotonic() + 5
+    while not [c for c in provider.connections if c.completed]:  # the model asked for the tool
+        assert time.monotonic() < deadline, "the tool never started"
+        await asyncio.sleep(0.01)
+    await page.locator("#stop").click()
+    await expect(page.locator(".notice[data-kind=stopped]")).to_have_text(["Stopped."])
+    await expect(page.locator("#stop")).to_be_disabled()
+    await page.reload()
+    await expect(page.locator("#conn")).to_have_attribute("data-state", "connected")
+    await expect(page.locator(".notice.tools")).to_have_text(["Used sleep"])
+    mark = page.locator(".notice.mark")
+    await expect(mark).to_have_text(["Stopped"])
+    await expect(mark).to_have_attribute("data-kind", "stopped")
+
+
+async def test_a_draft_over_the_limit_stays_in_the_composer_with_the_limit_shown(
+        browser: Browser, make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.0, 1
+    daemon = await make_daemon(router={"max_message_chars": 100})
+    page = await open_chat(browser, f"http://127.0.0.1:{daemon.config.http.port}")
+    count, text = page.locator("#count"), page.locator("#text")
+    await expect(count).to_be_hidden()
+    draft = "😀" + "x" * 149  # 150 characters as the gateway counts them (the emoji is one)
+    await text.fill(draft)  # as a paste does
+    await expect(count).to_be_visible()
+    await expect(count).to_have_text("150 / 100 — too long to send")
+    await expect(count).to_have_attribute("data-over", "true")
+    await expect(page.locator("#send")).to_be_disabled()
+    await text.press("Enter")
+    await expect(text).to_have_value(draft)  # kept, not thrown away
+    await expect(page.locator(".msg.user")).to_have_count(0)
+    assert provider.connections == []
+    await text.fill("😀" + "x" * 94)  # 95: near the limit, fine to send
+    await expect(count).to_have_text("95 / 100")
+    await expect(count).to_have_attribute("data-over", "false")
+    await text.press("Enter")
+    await expect(text).to_have_value("")
+    await expect(count).to_be_hidden()
+    await expect(page.locator(".msg.bot .body")).to_have_text([re.compile(r"^reply to: 😀x+ w0\s*$")])
