@@ -36,12 +36,16 @@ AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every scrip
 
 # KEYS: lease, fence counter.  ARGV: token, worker id, ttl ms.
 # Returns {1, fence, replaced token or ''} when the lease is ours now, {0, holder's worker id, pttl}
-# when another worker holds it. A lease held by an earlier incarnation of this worker id (same id,
-# other token) is taken over. Every acquisition gets a new fence, also one we held before: a
-# release still in flight for the old fence then cannot undo it.
+# when another worker holds it. Still ours (same token): extended, same fence — nobody held it in
+# between. Held by an earlier incarnation of this worker id (same id, other token): taken over.
+# Otherwise free: a new fence.
 _ACQUIRE = """
-local cur = redis.call('HMGET', KEYS[1], 'token', 'worker')
-if cur[1] and cur[1] ~= ARGV[1] and cur[2] ~= ARGV[2] then
+local cur = redis.call('HMGET', KEYS[1], 'token', 'worker', 'fence')
+if cur[1] == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {1, tonumber(cur[3]), ''}
+end
+if cur[1] and cur[2] ~= ARGV[2] then
   return {0, cur[2], redis.call('PTTL', KEYS[1])}
 end
 local t = redis.call('TIME')
@@ -56,9 +60,7 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'worker', ARGV[2], 'fence', f)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-local replaced = ''
-if cur[1] and cur[1] ~= ARGV[1] then replaced = cur[1] end
-return {1, f, replaced}
+return {1, f, cur[1] or ''}
 """
 
 # KEYS: leases.  ARGV: token, ttl ms, fence of each key in order.  Returns 1 (renewed) or 0 (lost) each.
@@ -148,6 +150,9 @@ class LeaseManager:
         self._renew_sha: str | None = None
         self._release_sha: str | None = None
         self._queued: list[tuple[str, str, str, asyncio.Future[Acquired]]] = []
+        # Releases on the wire, per name: an acquisition of the same name waits for them, so a
+        # release sent before it can never land after it and delete the lease it just extended.
+        self._releasing: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._cluster = isinstance(redis, RedisCluster)
         self.last_ok: float = now()  # when Redis last answered a renewal round
@@ -176,7 +181,9 @@ class LeaseManager:
 
     async def acquire(self, name: str, key: str, fence_key: str) -> Acquired:
         """Take `name` if it is free (or an earlier incarnation's). Acquisitions requested in the
-        same event-loop turn go to Redis in one pipeline."""
+        same event-loop turn go to Redis in a few short pipelines."""
+        if (releasing := self._releasing.get(name)) is not None:
+            await asyncio.wait({releasing})
         fut: asyncio.Future[Acquired] = asyncio.get_running_loop().create_future()
         self._queued.append((name, key, fence_key, fut))
         if len(self._queued) == 1:
@@ -231,13 +238,8 @@ class LeaseManager:
     # --- release --------------------------------------------------------------------------
 
     async def release(self, name: str) -> None:
-        """Give `name` up (our fence only: a newer acquisition of it, even by us, is untouched)."""
-        lease = self.held.pop(name, None)
-        self.renewed_at.pop(name, None)
-        if lease is None:
-            return
-        with contextlib.suppress(RedisError, OSError):
-            await self._evalsha_many("_release_sha", _RELEASE, [([lease.key], [self.token, lease.fence])])
+        """Give `name` up (if Redis still has it under our token and fence)."""
+        await self.release_many([name])
 
     async def release_many(self, names: list[str]) -> None:
         """Give several up in one round trip."""
@@ -245,13 +247,29 @@ class LeaseManager:
         for name in names:
             self.renewed_at.pop(name, None)
         if leases:
+            await self._releasing_now(leases)
+
+    async def release_lost(self, lease: Lease) -> None:
+        """Release a lease already dropped locally, if Redis still has it under our token and fence."""
+        await self._releasing_now([lease])
+
+    async def _releasing_now(self, leases: list[Lease]) -> None:
+        async def release() -> None:
             with contextlib.suppress(RedisError, OSError):
                 await self._evalsha_many("_release_sha", _RELEASE,
                                          [([lease.key], [self.token, lease.fence]) for lease in leases])
 
-    async def release_lost(self, lease: Lease) -> None:
-        """Release a lease already dropped locally, if Redis still has it under our token and fence."""
-        await self._evalsha_many("_release_sha", _RELEASE, [([lease.key], [self.token, lease.fence])])
+        task = asyncio.get_running_loop().create_task(release())
+        for lease in leases:
+            self._releasing[lease.name] = task
+
+        def done(_task: object) -> None:
+            for lease in leases:
+                if self._releasing.get(lease.name) is task:
+                    del self._releasing[lease.name]
+
+        task.add_done_callback(done)
+        await asyncio.shield(task)
 
     # --- renew ----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -46,7 +47,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 
 class _ApiReply(Reply):
-    """Feeds one HTTP request: a queue of ("delta"|"end", payload) items the handler drains."""
+    """Feeds one HTTP request: a queue of ("delta" | "end" | "settled", payload) items the handler
+    drains; the response is complete at "settled" (the turn is recorded, or could not be)."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -66,6 +68,23 @@ class _ApiReply(Reply):
 
     async def failed(self, text: str) -> None:
         self.queue.put_nowait(("end", {"finish_reason": "error", "error": text}))
+
+    async def settled(self, problem: str | None = None) -> None:
+        self.queue.put_nowait(("settled", problem))
+
+    async def outcome(self, stream: Callable[[str], Awaitable[None]] | None = None) -> dict[str, Any]:
+        """The end payload once the turn has settled, with any problem saving it; deltas go to
+        `stream` meanwhile."""
+        end: dict[str, Any] = {"finish_reason": "error", "error": "the turn ended without an answer"}
+        while True:
+            kind, value = await self.queue.get()
+            if kind == "delta":
+                if stream is not None:
+                    await stream(value)
+            elif kind == "end":
+                end = value
+            else:
+                return {**end, "unsaved": value} if value else end
 
 
 class ApiAdapter(Adapter):
@@ -150,9 +169,7 @@ class ApiAdapter(Adapter):
             self._replies.pop(mid, None)
 
     async def _complete(self, run: Run, reply: _ApiReply) -> web.StreamResponse:
-        kind, end = await reply.queue.get()
-        while kind != "end":
-            kind, end = await reply.queue.get()
+        end = await reply.outcome()
         if end.get("error"):
             return _error(502, end["error"], "provider_error")
         return web.json_response(self._completion(reply.text, end), dumps=_dumps)
@@ -167,24 +184,27 @@ class ApiAdapter(Adapter):
                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
             return f"data: {_dumps(payload)}\n\n".encode()
 
+        async def keepalive() -> None:
+            while True:
+                await asyncio.sleep(KEEPALIVE_S)
+                await resp.write(b": keepalive\n\n")
+
+        async def delta(text: str) -> None:
+            await resp.write(chunk({"content": text}))
+
+        pinger = asyncio.get_running_loop().create_task(keepalive())
         try:
             await resp.write(chunk({"role": "assistant", "content": ""}))
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(reply.queue.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    await resp.write(b": keepalive\n\n")
-                    continue
-                if kind == "delta":
-                    await resp.write(chunk({"content": value}))
-                    continue
-                extra = {"switchboard": {k: v for k, v in value.items() if k != "finish_reason"}} \
-                    if len(value) > 1 else {}
-                await resp.write(chunk({}, value["finish_reason"], **extra))
-                await resp.write(b"data: [DONE]\n\n")
-                break
+            value = await reply.outcome(delta)
+            pinger.cancel()
+            extra = {"switchboard": {k: v for k, v in value.items() if k != "finish_reason"}} \
+                if len(value) > 1 else {}
+            await resp.write(chunk({}, value["finish_reason"], **extra))
+            await resp.write(b"data: [DONE]\n\n")
         except (ConnectionError, RuntimeError):
             run.cancel(CLIENT_DISCONNECTED)
+        finally:
+            pinger.cancel()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp

@@ -133,6 +133,10 @@ class EditStreamReply(Reply):
         self._text = f"{self._text}\n\n⚠️ {text}" if self._text.strip() else f"⚠️ {text}"
         await self._settle(self._deliver_final())
 
+    async def settled(self, problem: str | None = None) -> None:
+        if problem and (self._run.guard is None or self._run.guard()):  # still ours to speak for
+            await self._adapter.notify(self._chat, f"⚠️ {problem}", reply_to=self._reply_to, kind=NoticeKind.ERROR)
+
     def shown_text(self) -> str | None:
         """The reply's text up to what its messages show (deleted ones included: they were seen)."""
         return self._text[:max((m.end for m in (*self._frozen, *self._parts)), default=0)]

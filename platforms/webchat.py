@@ -204,7 +204,9 @@ class WebchatAdapter(Adapter):
                 body = str(frame["text"])
             else:
                 raise ValueError(kind)
-            client_id = str(frame.get("id") or f"c{next(self._ids)}")[:64]
+            # A frame without an id (the page's commands) gets one that no restart can repeat:
+            # a repeated id would be dropped as a duplicate by the router.
+            client_id = str(frame.get("id") or f"srv-{secrets.token_hex(8)}")[:64]
         except (ValueError, KeyError, TypeError):
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
@@ -253,7 +255,8 @@ class _WebReply(EditStreamReply):
     async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:
         await self._web.edit_marked(self._chat, message_id, text, body, reason)
 
-    async def settled(self) -> None:
+    async def settled(self, problem: str | None = None) -> None:
+        await super().settled(problem)
         await self._drain(5.0)  # the final state first, then idle
         await self._idle()  # idle only once recorded: a reload right now shows the whole turn
 

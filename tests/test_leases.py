@@ -43,26 +43,29 @@ async def test_a_new_incarnation_takes_over_its_predecessors_leases_with_a_large
     assert "s" not in old.held
 
 
-async def test_every_acquisition_gets_a_new_fence_and_a_late_release_cannot_undo_it(redis: Redis) -> None:
+async def test_a_lease_still_ours_keeps_its_fence_and_a_release_cannot_undo_a_reacquisition(redis: Redis) -> None:
     m = LeaseManager(redis, "w1", "a", ttl_s=30)
     first = await take(m, "s")
     assert first is not None
-    m.held.pop("s")  # dropped locally (say, a pause) while Redis still has it
-    second = await take(m, "s")
-    assert second is not None and second.fence > first.fence
-    await m.release_lost(first)  # a release for the old fence, arriving late
-    assert await redis.hget(keys.lease("s"), "fence") == str(second.fence)
-    await m.release("s")
-    assert not await redis.exists(keys.lease("s"))
+    m.held.pop("s")  # dropped locally (say, a pause) while Redis still has it, under our token
+    again = await take(m, "s")
+    assert again is not None and again.fence == first.fence  # nobody held it in between: continuity
+    # A release and a re-acquisition racing: the release is on the wire first, so it lands first.
+    releasing = asyncio.create_task(m.release("s"))
+    await asyncio.sleep(0)
+    third = await take(m, "s")
+    await releasing
+    assert third is not None and await redis.hget(keys.lease("s"), "fence") == str(third.fence)
+    assert third.fence > first.fence  # it was free in between: a new fence
 
 
-async def test_concurrent_acquisitions_share_one_round_trip(redis: Redis, redis_server: RedisServer) -> None:
+async def test_concurrent_acquisitions_share_a_few_round_trips(redis: Redis, redis_server: RedisServer) -> None:
     m = LeaseManager(redis, "w1", "a", ttl_s=30)
     got = await asyncio.gather(*(take(m, f"s{i}") for i in range(200)))
     assert all(lease is not None for lease in got) and len(m.held) == 200
-    # One pipeline on one connection; 200 separate calls would have opened a connection each.
+    # Two short pipelines; 200 separate calls would have opened a connection each.
     clients = [c for c in redis_server.client().client_list() if c.get("name") == "lease-test"]
-    assert len(clients) == 1
+    assert len(clients) <= 2
     assert redis_server.client().info("commandstats")["cmdstat_evalsha"]["calls"] == 200
 
 
@@ -107,6 +110,7 @@ async def test_the_fence_counter_expires_but_fences_still_grow(redis: Redis) -> 
     assert first is not None
     assert 0 < await redis.pttl(keys.fence("s")) <= 3_000  # nothing per session lives forever
     await m.release("s")
-    await redis.delete(keys.fence("s"))  # as after the counter expired
+    await redis.delete(keys.fence("s"))  # as after the counter expired...
+    await asyncio.sleep(0.005)  # ...which takes a lease TTL, while the server clock (ms) moves on
     second = await take(m, "s")
     assert second is not None and second.fence > first.fence  # from the server clock, which moved on

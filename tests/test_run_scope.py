@@ -110,6 +110,15 @@ def test_the_recorder_marks_partial_text_and_in_flight_tools() -> None:
         "[interrupted by user: x]"
 
 
+def test_a_turn_stopped_between_a_tool_result_and_the_next_round_still_ends_with_the_marker() -> None:
+    rec = TurnRecorder()
+    for event in (ToolCallsRequested("", (ToolCall("c1", "sleep", "{}"),)), ToolResult("c1", "slept")):
+        rec.feed(event)
+    rows = rec.interrupted(ToolReason.user("user sent a new message"))
+    assert [(r.role, r.content, r.interrupted_by) for r in rows] == [
+        ("assistant", "", None), ("tool", "slept", None), ("assistant", "", "user")]
+
+
 def test_a_stopped_turn_keeps_exactly_the_text_the_user_was_shown() -> None:
     def recorder() -> TurnRecorder:
         rec = TurnRecorder()

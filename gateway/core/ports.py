@@ -168,8 +168,10 @@ class Reply(ABC):
     async def failed(self, text: str) -> None:
         """The agent failed; tell the user in words."""
 
-    async def settled(self) -> None:
-        """The turn is over and its outcome recorded; nothing more will be said for it."""
+    async def settled(self, problem: str | None = None) -> None:
+        """The turn is over and its outcome recorded (or, with `problem`, what the user must be told
+        because it could not be); nothing more will be said for it. Called exactly once per
+        accepted message, whatever happened to its turn."""
 
     def shown_text(self) -> str | None:
         """The part of the turn's streamed text the user has been shown — a prefix of what was

@@ -163,11 +163,17 @@ class Router:
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
             await asyncio.wait(running, timeout=drain_s)
+        queued: list[Turn] = []
         for lane in list(self._lanes.values()):
             if lane.current is not None:
                 lane.current.run.cancel(reason)
-            for turn in lane.pending:  # stays accepted in the store; replayed on the next start
-                turn.run.end()
+            queued += lane.pending
+            lane.pending.clear()
+        for turn in queued:  # stays accepted in the store, replayed on the next start; its reply ends now
+            turn.run.cancel(reason)
+            if turn.accepted.done() and turn.accepted.result():
+                await self._turns.settle(turn)
+            turn.run.end()
         workers = [lane.worker for lane in self._lanes.values() if lane.worker]
         if workers:
             _done, late = await asyncio.wait(workers, timeout=grace_s)

@@ -122,11 +122,14 @@ class TurnRecorder:
         `shown` (the turn's streamed text the user saw, see `Reply.shown_text`) cuts the partial
         text down to what was shown; None keeps all of it."""
         partial = self.text if shown is None else shown[self._earlier:][:len(self.text)]
+        cut_tools = bool(self._open_calls)
         for call in self._open_calls.values():
             self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
                                          interrupted_by=reason.kind, reason=reason.text))
         self._open_calls.clear()
-        if self._partial or not self.rows or self.rows[-1].role != "tool":
+        # The turn ends with the marker: on the interrupted tool results, or else on an assistant
+        # row (also when a tool round had finished and the next model round never began).
+        if self._partial or not cut_tools:
             self.rows.append(ChatMessage("assistant", partial,
                                          interrupted_by=reason.kind, reason=reason.text))
         return self.rows

@@ -11,7 +11,7 @@ import contextvars
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
 from gateway.core.cancellation import (
@@ -27,7 +27,17 @@ from gateway.core.fencing import Fence
 from gateway.core.logs import log_context
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.metrics import Metrics
-from gateway.core.ports import Agent, AgentError, InboundStatus, NoticeKind, Outlet, Reply, Store, StoreError
+from gateway.core.ports import (
+    Agent,
+    AgentError,
+    FencedOut,
+    InboundStatus,
+    NoticeKind,
+    Outlet,
+    Reply,
+    Store,
+    StoreError,
+)
 from gateway.core.transcript import ChatMessage, TextDelta, TurnRecorder
 
 log = logging.getLogger(__name__)
@@ -130,9 +140,37 @@ class TurnRunner:
 
     async def execute(self, turn: Turn) -> None:
         """Run one turn to its end. The agent streams in a task of its own (the run's task);
-        this lane worker is never cancelled by hard_cancel, so it always records the outcome."""
+        this lane worker is never cancelled by hard_cancel, so it always records the outcome — and
+        it settles the turn's reply in a `finally`, whatever happened: exactly once."""
         if not await turn.accepted:
+            return  # never acknowledged: the intake has already answered the platform
+        reply = SettlingReply(turn)
+        problem: str | None = None
+        try:
+            problem = await self._execute(turn, reply)
+        finally:
+            await self.settle(turn, reply, problem)
+
+    async def settle(self, turn: Turn, reply: SettlingReply | None = None, problem: str | None = None) -> None:
+        """End the turn's reply: the stop (or failure) if nothing ended it, then `settled`. Also for a
+        turn that never ran (the router calls this for queued turns at shutdown)."""
+        reply = reply or SettlingReply(turn)
+        if reply.settled_once:
             return
+        reply.settled_once = True
+        try:
+            if not reply.ended:
+                reason = turn.run.reason
+                if reason is not None:
+                    await reply.interrupted(reason)
+                else:
+                    await reply.failed("Something went wrong on our side; it has been logged.")
+            await reply.settled(problem)
+        except Exception:
+            log.exception("the platform failed after a turn ended", extra={"session": turn.key})
+
+    async def _execute(self, turn: Turn, reply: SettlingReply) -> str | None:
+        """The turn's life; returns what the user must be told if its outcome could not be saved."""
         run, msg = turn.run, turn.msg
         try:
             agent = await self._session_agent(turn.key) if turn.ephemeral is None else None
@@ -140,30 +178,30 @@ class TurnRunner:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, InboundStatus.REJECTED, str(exc))
             self._metrics.turns.labels("rejected").inc()
-            await turn.speaker.notify(msg.chat, "I'm at capacity right now (every agent slot is busy). "
-                                     "Please try again shortly." if isinstance(exc, CacheFull) else
-                                     "Sorry, I could not load this conversation (storage error).",
-                                     reply_to=msg.message_id, kind=NoticeKind.ERROR)
-            return
+            await reply.failed("I'm at capacity right now (every agent slot is busy). Please try again shortly."
+                               if isinstance(exc, CacheFull) else
+                               "Sorry, I could not load this conversation (storage error).")
+            return None
         user = ChatMessage("user", msg.text, created_at=msg.timestamp)
         recorder = TurnRecorder()
         if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
-            return
+            return None
         if run.is_cancelled():  # stopped while queued or starting: it never runs
             assert run.reason is not None
             self._count_cancel(turn.key, run)
             if agent is not None and run.reason != SESSION_RESET:
-                await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
-                                    status=(InboundStatus.CANCELLED, run.reason.marker))
+                saved = await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
+                                            status=(InboundStatus.CANCELLED, run.reason.marker))
             else:
-                await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
-            return
+                saved = await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
+            return None if saved else UNSAVED
         history = list(turn.ephemeral if turn.ephemeral is not None else agent.history if agent else [])
         conversation = agent.conversation if agent else 0
-        if agent is not None:
-            await self._persist(turn, agent, conversation, [user], remember=False,
-                                status=(InboundStatus.RUNNING, None))
-        reply = turn.speaker.open_reply(msg, run)
+        if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
+                                                         status=(InboundStatus.RUNNING, None)):
+            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.")
+            return None
+        reply.open()
         ctx = contextvars.copy_context()
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
@@ -184,28 +222,22 @@ class TurnRunner:
             self._metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
         self._metrics.turns.labels(status.value).inc()
-        try:
-            await self._record(turn, agent, conversation, user, rows, status, detail)
-        finally:
-            try:
-                await reply.settled()
-            except Exception:
-                log.exception("the platform failed after a turn ended")
+        return None if await self._record(turn, agent, conversation, user, rows, status, detail) else UNSAVED
 
     async def _record(self, turn: Turn, agent: LiveConversation | None, conversation: int, user: ChatMessage,
-                      rows: list[ChatMessage], status: InboundStatus, detail: str | None) -> None:
+                      rows: list[ChatMessage], status: InboundStatus, detail: str | None) -> bool:
+        """Store the outcome; False if it could not be saved."""
         run = turn.run
         if run.reason == LEASE_LOST:  # fenced out: the new owner closes this turn's record
             self._count_cancel(turn.key, run)
-            return
+            return True
         if status is InboundStatus.CANCELLED:
             self._count_cancel(turn.key, run)
             if run.reason == GATEWAY_RESTART:
                 status = InboundStatus.RESTART  # resumed on the next start
         if agent is not None:
-            await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
-        else:
-            await self._finish(turn, status, detail)
+            return await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
+        return await self._finish(turn, status, detail)
 
     async def _stream(self, run: Run, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
                       recorder: TurnRecorder) -> None:
@@ -266,22 +298,82 @@ class TurnRunner:
 
     async def _persist(self, turn: Turn, agent: LiveConversation, conversation: int, rows: list[ChatMessage],
                        *, status: tuple[InboundStatus, str | None], prepend: ChatMessage | None = None,
-                       remember: bool = True) -> None:
+                       remember: bool = True) -> bool:
         """Write rows to the turn's own conversation (a /new meanwhile does not move them), and the
-        inbound message's new status in the same transaction."""
+        inbound message's new status in the same transaction. False if it could not be saved."""
         inbound = (turn.inbound_id, *status) if turn.inbound_id is not None else None
-        try:
-            await self._store.append(turn.fence, conversation, rows, inbound=inbound)
-        except StoreError as exc:
-            log.error("could not store a turn's transcript: %s", exc, extra={"session": turn.key})
-            return
+        if not await self._write(turn, "transcript", lambda: self._store.append(turn.fence, conversation, rows,
+                                                                                inbound=inbound)):
+            return False
         if remember and agent.conversation == conversation:
             agent.history.extend([prepend, *rows] if prepend else rows)
+        return True
 
-    async def _finish(self, turn: Turn, status: InboundStatus, detail: str | None) -> None:
+    async def _finish(self, turn: Turn, status: InboundStatus, detail: str | None) -> bool:
         if turn.inbound_id is None:
-            return
-        try:
-            await self._store.finish_inbound(turn.fence, turn.inbound_id, status, detail)
-        except StoreError as exc:
-            log.error("could not mark a message %s: %s", status.value, exc, extra={"session": turn.key})
+            return True
+        inbound_id = turn.inbound_id
+        return await self._write(turn, f"{status.value} mark",
+                                 lambda: self._store.finish_inbound(turn.fence, inbound_id, status, detail))
+
+    async def _write(self, turn: Turn, what: str, write: Callable[[], Awaitable[object]]) -> bool:
+        """A write the turn's record needs, retried through a short store outage (a Redis restart)
+        while the session is still ours. False, and said loudly in the log, if it never lands."""
+        deadline = time.monotonic() + WRITE_RETRY_S
+        delay = 0.05
+        while True:
+            try:
+                await write()
+                return True
+            except FencedOut as exc:  # not ours any more: its new owner closes the record
+                log.warning("not storing a turn's %s: %s", what, exc, extra={"session": turn.key})
+                return True
+            except StoreError as exc:
+                if time.monotonic() + delay > deadline or not turn.speaker.may_speak():
+                    log.error("could not store a turn's %s: %s", what, exc, extra={"session": turn.key})
+                    return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."
+WRITE_RETRY_S = 10.0
+
+
+class SettlingReply(Reply):
+    """The platform's reply for one turn, opened on first use, that knows whether it has been ended
+    (finish, interrupted or failed) — so the turn's owner can settle it exactly once."""
+
+    __slots__ = ("_inner", "_turn", "ended", "settled_once")
+
+    def __init__(self, turn: Turn) -> None:
+        self._turn = turn
+        self._inner: Reply | None = None
+        self.ended = False
+        self.settled_once = False
+
+    def open(self) -> Reply:
+        if self._inner is None:
+            self._inner = self._turn.speaker.open_reply(self._turn.msg, self._turn.run)
+        return self._inner
+
+    async def delta(self, text: str) -> None:
+        await self.open().delta(text)
+
+    async def finish(self, text: str) -> None:
+        self.ended = True
+        await self.open().finish(text)
+
+    async def interrupted(self, reason: ToolReason) -> None:
+        self.ended = True
+        await self.open().interrupted(reason)
+
+    async def failed(self, text: str) -> None:
+        self.ended = True
+        await self.open().failed(text)
+
+    async def settled(self, problem: str | None = None) -> None:
+        await self.open().settled(problem)
+
+    def shown_text(self) -> str | None:
+        return self._inner.shown_text() if self._inner is not None else ""
