@@ -26,6 +26,7 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage
 from gateway.core.ports import FencedOut, InboundStatus, Store, StoreError
 from gateway.core.transcript import ChatMessage, ToolCall
+from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
@@ -63,13 +64,16 @@ def cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSe
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster", "postgres"])
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster", "postgres", "postgres+redis"])
 async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    store: SqliteStore | RedisStore | PostgresStore
+    store: SqliteStore | RedisStore | PostgresStore | PostgresClusterStore
     if request.param == "sqlite":
         store = SqliteStore(tmp_path / "contract.db")
     elif request.param == "postgres":
         store = PostgresStore(request.getfixturevalue("pg_url"), require_fence=True)
+    elif request.param == "postgres+redis":  # cluster mode with PostgreSQL
+        store = PostgresClusterStore(PostgresStore(request.getfixturevalue("pg_url"), require_fence=True),
+                                     RedisStore(request.getfixturevalue("redis_server").url))
     elif request.param == "redis":
         store = RedisStore(request.getfixturevalue("redis_server").url)
     else:
@@ -100,6 +104,8 @@ async def own(store: Store, session: str, worker: str = "contract-test") -> Fenc
         return Fence.local(session)
     if isinstance(store, PostgresStore):
         return Fence(session, next(_fences))
+    if isinstance(store, PostgresClusterStore):  # a real lease's fence, as a cluster's would be
+        store = store.coordination
     assert isinstance(store, RedisStore)
     leases = LeaseManager(store._r, worker, "test", ttl_s=60)
     got = await leases.acquire(session, keys.lease(session), keys.fence(session))
@@ -113,6 +119,8 @@ async def archived(store: Store, session: str, conversation: int) -> list[str]:
         with sqlite3.connect(store.path) as c:
             return [r[0] for r in c.execute("SELECT content FROM messages WHERE session_key = ? AND conversation = ?"
                                             " ORDER BY id", (session, conversation))]
+    if isinstance(store, PostgresClusterStore):
+        store = store.history
     if isinstance(store, PostgresStore):
         rows = await store._run("test", lambda c: c.fetch(
             "SELECT content FROM messages WHERE session_key = $1 AND conversation = $2 ORDER BY id",
