@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -102,7 +102,8 @@ def open_source(url: str) -> Source:
     if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         return RedisSource(url)
     if scheme in ("sqlite", ""):
-        path = Path(unquote(urlsplit(url).path) if scheme else url)
+        rest = unquote(url[len("sqlite://"):]) if scheme else url
+        path = Path("/" + rest.lstrip("/") if rest.startswith("/") else rest)
         if not path.is_file():
             raise TransferError(f"no SQLite database at {path}")
         return SqliteSource(path)
@@ -118,7 +119,7 @@ class SqliteSource:
 
     async def open(self) -> None:
         try:
-            self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
             self._db.execute("SELECT 1 FROM sessions LIMIT 1")
         except sqlite3.Error as exc:
             raise TransferError(f"cannot read {self.path} as a Switchboard SQLite store: {exc}") from None
@@ -218,14 +219,19 @@ class RedisSource:
                                      m.interrupted_by, m.reason, m.created_at)
 
     async def inbound(self, key: str | None = None) -> AsyncIterator[InboundRow]:
+        """In the order they were received (their ids are one counter): open records are few."""
+        found: list[tuple[int, InboundRow]] = []
         for k in await self._session_keys(key):
             with self._store._errors("read"):
                 records = cast(dict[str, str], await self._r.hgetall(keys.inbound(k)))
-            for _id, raw in sorted(records.items(), key=lambda kv: int(kv[0])):
+            for inbound_id, raw in records.items():
                 rec = json.loads(raw)
                 msg = rec["message"]
-                yield InboundRow(k, msg["platform"], msg["chat_id"], msg["message_id"], json.dumps(msg),
-                                 rec["status"], rec["detail"], float(rec["received_at"]))
+                found.append((int(inbound_id), InboundRow(k, msg["platform"], msg["chat_id"], msg["message_id"],
+                                                          json.dumps(msg), rec["status"], rec["detail"],
+                                                          float(rec["received_at"]))))
+        for _, row in sorted(found, key=lambda item: item[0]):
+            yield row
 
     async def paired(self) -> AsyncIterator[PairedRow]:
         with self._store._errors("read"):
