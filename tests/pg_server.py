@@ -65,6 +65,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 def _server_user() -> pwd.struct_passwd | None:
     """Who the server runs as: ourselves, unless we are root (which PostgreSQL refuses)."""
     if os.geteuid() != 0:
@@ -156,7 +171,8 @@ class PgServer:
             return None
 
     def running(self) -> bool:
-        return self._initialised and self._run("pg_ctl", "-D", str(self.data), "status").returncode == 0
+        pid = self.pid()
+        return self._initialised and pid is not None and _alive(pid)
 
     def stop(self) -> None:
         """Fast shutdown: sessions are ended, the server exits cleanly."""
@@ -166,15 +182,21 @@ class PgServer:
     def kill(self) -> None:
         """SIGKILL to the postmaster and every backend: what a crash looks like to clients."""
         pid = self.pid()
-        if pid is None or not self.running():
+        if pid is None or not _alive(pid):
             return
         children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        for p in [pid, *map(int, children)]:
+        pids = [pid, *map(int, children)]
+        for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and self.running():
-            time.sleep(0.05)
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.02)
+        # Nobody may have reaped the dead postmaster yet (it is not our child), and a zombie still
+        # "exists" to the next server's check of the lock files: they are stale, remove them.
+        for stale in (self.data / "postmaster.pid", self.dir / f".s.PGSQL.{self.port}.lock"):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
 
     def destroy(self) -> None:
         """Stop the server and delete its directory."""
