@@ -336,7 +336,7 @@ class PostgresStore:
     async def close(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
-            await asyncio.wait({self._retention})
+            await asyncio.wait({self._retention}, timeout=self.timeout_s)
             self._retention = None
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -419,7 +419,8 @@ class PostgresStore:
                         log.info("store schema migrated to version %d: %s", step.version, step.description)
                         self.applied.append(step)
                 finally:
-                    await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
+                    with contextlib.suppress(Exception):
+                        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
 
     async def schema_version(self) -> int:
         return int(await self._run("schema_version", lambda c: c.fetchval(
@@ -433,10 +434,9 @@ class PostgresStore:
         if pool is None:
             return False
         try:
-            async with pool.acquire(timeout=self.timeout_s) as conn:
+            async with asyncio.timeout(min(2.0, self.timeout_s)), pool.acquire() as conn:
                 return bool(await conn.fetchval(
-                    "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'",
-                    timeout=min(2.0, self.timeout_s)))
+                    "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"))
         except Exception:
             return False
 
@@ -599,6 +599,8 @@ class PostgresStore:
                              self.keep_days)
             except StoreError as exc:
                 log.warning("retention pass failed (will try again): %s", exc)
+            except Exception:
+                log.exception("retention pass failed (will try again)")
             await asyncio.sleep(self.retention_interval_s)
 
     async def prune(self, *, now: float | None = None) -> dict[str, int]:
@@ -632,7 +634,9 @@ class PostgresStore:
                             break
                         await asyncio.sleep(self.retention_pause_s)
                 finally:
-                    await c.execute("SELECT pg_advisory_unlock($1)", RETENTION_LOCK)
+                    # (A connection broken mid-pass is reset by the pool, which unlocks it too.)
+                    with contextlib.suppress(Exception):
+                        await c.execute("SELECT pg_advisory_unlock($1)", RETENTION_LOCK)
         return deleted
 
     async def _prune_conversations(self, c: Conn, cutoff: float, batch: int, limit_s: float,

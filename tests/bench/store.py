@@ -45,8 +45,9 @@ from gateway.store.sqlite import SqliteStore
 from tests.pg_server import PgServer
 from tests.redis_server import RedisServer
 
-WORDS = ("the quick brown fox jumps over a lazy dog while the model explains what it found in the logs "
-         "and which of the three options fits the question best given the constraints").split()
+SENTENCE = ("the quick brown fox jumps over a lazy dog while the model explains what it found in the logs "
+            "and which of the three options fits the question best given the constraints")
+WORDS = SENTENCE.split()
 Owner = Callable[[str], Awaitable[Fence]]
 
 
@@ -172,7 +173,8 @@ async def main(sessions: int, turns: int, messages: int) -> None:
         print(f"\n{messages:,} stored messages (~300 characters each)\n")
         print(f"| {'store':<30} | {'total':>9} | {'per message':>11} |")
         print(f"|{'-' * 32}|{'-' * 10}:|{'-' * 12}:|")
-        print(f"| {'Redis (used_memory, RAM)':<30} | {redis_bytes / 2**20:>6.1f} MB | {redis_bytes / messages:>9.0f} B |")
+        print(f"| {'Redis (used_memory, RAM)':<30} | {redis_bytes / 2**20:>6.1f} MB | "
+              f"{redis_bytes / messages:>9.0f} B |")
         print(f"| {'PostgreSQL (tables + indexes)':<30} | {pg_bytes / 2**20:>6.1f} MB | "
               f"{pg_bytes / messages:>9.0f} B |")
     finally:
