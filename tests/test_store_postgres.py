@@ -343,7 +343,18 @@ async def test_copy_sqlite_into_postgres_verified_and_rerun(tmp_path: Path, pg_u
     assert await rows(pg_url, "SELECT count(*) FROM messages") == [(6,)]
 
 
-async def test_copy_redis_into_postgres_keeps_fences(redis_server: RedisServer, pg_url: str) -> None:
+@pytest.fixture(params=["redis", "redis-cluster"])
+def any_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
+    if request.param == "redis":
+        yield request.getfixturevalue("redis_server")
+        return
+    server = RedisServer(tmp_path / "redis-cluster", cluster=True).start()
+    yield server
+    server.stop()
+
+
+async def test_copy_redis_into_postgres_keeps_fences(any_redis: RedisServer, pg_url: str) -> None:
+    redis_server = any_redis
     redis = RedisStore(redis_server.url)
     await redis.open()
 
