@@ -51,6 +51,26 @@ def test_build_store_picks_the_backend(tmp_path: Path) -> None:
             assert store.history.require_fence  # a cluster: every write carries a lease's fence
 
 
+def test_store_config_is_validated_in_one_line(tmp_path: Path) -> None:
+    from gateway.ops.config import ConfigError
+
+    for env, error in (({"SWITCHBOARD_STORE__URL": "mysql://db/x"}, "store.url: must start with postgresql://"),
+                       ({"SWITCHBOARD_STORE__KEEP_DAYS": "30"}, "store.keep_days: needs the PostgreSQL store"),
+                       ({"SWITCHBOARD_STORE__URL": "postgres://db/x", "SWITCHBOARD_STORE__KEEP_DAYS": "-1"},
+                        "store.keep_days: must not be negative")):
+        with pytest.raises(ConfigError, match=error) as raised:
+            load_config(None, env)
+        assert "\n" not in str(raised.value)
+    # A secret like the others: from a file, or from systemd's credentials directory.
+    (tmp_path / "url").write_text("postgresql://sb:pw@db/sb\n")
+    (tmp_path / "store.url").write_text("postgresql://sb:cred@db/sb\n")
+    assert load_config(None, {"SWITCHBOARD_STORE__URL_FILE": str(tmp_path / "url")}).store.url.reveal() == (  # type: ignore[union-attr]
+        "postgresql://sb:pw@db/sb")
+    config = load_config(None, {"CREDENTIALS_DIRECTORY": str(tmp_path), "SWITCHBOARD_STORE__KEEP_DAYS": "365"})
+    assert config.store.url is not None and config.store.url.reveal() == "postgresql://sb:cred@db/sb"
+    assert config.store.keep_days == 365 and "cred" not in repr(config.store)
+
+
 async def readyz(http: aiohttp.ClientSession, worker: Worker) -> tuple[int, dict[str, Any]]:
     async with http.get(worker.url + "/readyz") as resp:
         return resp.status, await resp.json()
