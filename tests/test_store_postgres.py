@@ -179,6 +179,37 @@ async def test_nul_characters_are_stored_as_replacement_characters(pg: PostgresS
     assert (await pg.unfinished_inbound(S1))[0].message.text == "x\x00y"  # JSON escapes it
 
 
+async def test_in_a_cluster_a_takeover_refuses_the_previous_owner_from_its_first_read(
+        redis_server: RedisServer, pg_url: str) -> None:
+    """The new owner's first look at the session (what was left open) raises PostgreSQL's fence to
+    its lease's: the old owner's write still on its way is refused before the new owner writes."""
+    from gateway.store.composite import PostgresClusterStore
+
+    store = PostgresClusterStore(PostgresStore(pg_url, require_fence=True), RedisStore(redis_server.url))
+    await store.open()
+    try:
+        old_leases = LeaseManager(store.coordination._r, "w1", "a", ttl_s=60)
+        got = await old_leases.acquire(S1, keys.lease(S1), keys.fence(S1))
+        assert got.lease is not None
+        old = Fence(S1, got.lease.fence)
+        inbound = await store.accept_inbound(old, msg("m1"))
+        assert inbound is not None
+        redis_server.client().delete(keys.lease(S1))  # w1's lease lapsed; w2 takes the session
+        new_leases = LeaseManager(store.coordination._r, "w2", "a", ttl_s=60)
+        got = await new_leases.acquire(S1, keys.lease(S1), keys.fence(S1))
+        assert got.lease is not None and got.lease.fence > old.number
+        assert [r.id for r in await store.unfinished_inbound(S1)] == [inbound]
+        with pytest.raises(FencedOut):
+            await store.append(old, 1, ROWS, inbound=(inbound, InboundStatus.DONE, None))
+        assert await store.conversation(S1) == (1, [])
+        # A stale lease can never lower it again.
+        await store.unfinished_inbound(S1)
+        await store.append(Fence(S1, got.lease.fence), 1, ROWS, inbound=(inbound, InboundStatus.DONE, None))
+        assert await store.unfinished_inbound(S1) == []
+    finally:
+        await store.close()
+
+
 # --- retries: a write whose reply was lost is applied once ---------------------------------------
 
 def lose_next_reply(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -359,7 +390,8 @@ async def test_copy_redis_into_postgres_keeps_fences(any_redis: RedisServer, pg_
     await redis.open()
 
     async def leased(session: str) -> Fence:
-        got = await LeaseManager(redis._r, "w1", ttl_s=60).acquire(session, keys.lease(session), keys.fence(session))
+        leases = LeaseManager(redis._r, "w1", "test", ttl_s=60)
+        got = await leases.acquire(session, keys.lease(session), keys.fence(session))
         assert got.lease is not None
         return Fence(session, got.lease.fence)
 

@@ -10,6 +10,10 @@
   expiring on Redis server time) — the coordination state it already keeps for leases, inboxes
   and routing.
 
+At a takeover the new owner reads what the session left open (`unfinished_inbound`); that read
+first raises PostgreSQL's fence for the session to the live lease's, so from the acquisition on
+the previous owner is refused by the database, as the Redis store refuses it.
+
 Delegation rather than inheritance: each half is the unchanged store of its own backend, so the
 contract tests of each still describe it. The Redis half's client and error mapping are reused
 for the de-duplication claim and to read a pending code before approving it.
@@ -28,7 +32,7 @@ from redis.exceptions import RedisError
 from agent_cache import keys
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import InboundRecord, InboundStatus, SessionInfo, StoreError
+from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
@@ -86,6 +90,18 @@ class PostgresClusterStore:
         await self.history.finish_inbound(fence, inbound_id, status, detail)
 
     async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        """A worker asks this right after it acquired a session (to finish what was left open):
+        first the session's current lease fence, read from Redis, is made the newest PostgreSQL
+        has seen, so the previous owner's writes still on their way are refused from now on — not
+        only from the new owner's first write. Raising the bar to the live lease's own fence can
+        only refuse stale writers, whoever asks."""
+        if session_key is not None:
+            redis = self.coordination
+            with redis._errors("unfinished_inbound"):
+                current = await redis._r.hget(keys.lease(session_key), "fence")
+            if current is not None:
+                with suppress(FencedOut):  # a newer fence was seen already: nothing to raise
+                    await self.history.claim(Fence(session_key, int(current)))
         return await self.history.unfinished_inbound(session_key)
 
     # --- transcripts: PostgreSQL ------------------------------------------------------------

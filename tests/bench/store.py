@@ -80,7 +80,7 @@ async def throughput(store: Store, owner: Owner, sessions: int, turns: int, pref
 
 
 def lease_owner(redis: RedisStore) -> Owner:
-    manager = LeaseManager(redis._r, "bench", ttl_s=600)
+    manager = LeaseManager(redis._r, "bench", "bench", ttl_s=600)
 
     async def own(session: str) -> Fence:
         got = await manager.acquire(session, keys.lease(session), keys.fence(session))
