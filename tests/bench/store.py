@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import itertools
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -124,13 +125,15 @@ async def pg_size(url: str) -> int:
 
 async def main(sessions: int, turns: int, messages: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="sb-bench-store-"))
-    pg = PgServer(durable=True).start()
-    redis_server = RedisServer(tmp / "redis").start()
-    rc = redis_server.client()
-    rc.config_set("appendonly", "yes")
-    rc.config_set("appendfsync", "everysec")
+    pg = PgServer(durable=True)
+    redis_server = RedisServer(tmp / "redis")
     results: list[tuple[str, float]] = []
     try:
+        pg.start()
+        redis_server.start()
+        rc = redis_server.client()
+        rc.config_set("appendonly", "yes")
+        rc.config_set("appendfsync", "everysec")
         # (1) throughput
         sqlite = SqliteStore(tmp / "bench.db")
         redis = RedisStore(redis_server.url)
@@ -184,6 +187,7 @@ async def main(sessions: int, turns: int, messages: int) -> None:
     finally:
         redis_server.stop()
         pg.destroy()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
