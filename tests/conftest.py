@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
+from tests.pg_server import PgServer, PgServerMissing
 from tests.redis_server import RedisServer, RedisServerMissing
 from tests.routers import start_router
 
@@ -134,3 +136,29 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         pytest.fail(str(exc), pytrace=False)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A real PostgreSQL server of the test run's own (initdb + pg_ctl on a free loopback port),
+    shared by the tests, each of which gets a fresh database (`pg_url`). Never the machine's.
+
+    Fails (never skips) when the binaries are missing and cannot be installed.
+    """
+    try:
+        server = PgServer().start()
+    except PgServerMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield server
+    server.destroy()
+
+
+_databases = itertools.count(1)
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer) -> Iterator[str]:
+    """The URL of a fresh, empty database on the shared test server, dropped afterwards."""
+    name = f"t{next(_databases)}"
+    yield pg_server.create_database(name)
+    pg_server.drop_database(name)

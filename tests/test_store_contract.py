@@ -1,10 +1,12 @@
-"""One behaviour, three backends: SQLite, Redis, and a one-node Redis Cluster (which refuses a
-command or script whose declared keys span slots). Then what only the Redis store does: fencing,
-one hash slot per session, retries that apply a write once, errors and recovery when Redis dies."""
+"""One behaviour, four backends: SQLite, Redis, a one-node Redis Cluster (which refuses a command or
+script whose declared keys span slots) and PostgreSQL. Then what only the Redis store does: fencing,
+one hash slot per session, retries that apply a write once, errors and recovery when Redis dies.
+What only the PostgreSQL store does is in test_store_postgres.py."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import sqlite3
@@ -24,6 +26,8 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage
 from gateway.core.ports import FencedOut, InboundStatus, Store, StoreError
 from gateway.core.transcript import ChatMessage, ToolCall
+from gateway.store.composite import PostgresClusterStore
+from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from tests.redis_server import RedisServer, RedisServerMissing
@@ -60,11 +64,16 @@ def cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSe
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster", "postgres", "postgres+redis"])
 async def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    store: SqliteStore | RedisStore
+    store: SqliteStore | RedisStore | PostgresStore | PostgresClusterStore
     if request.param == "sqlite":
         store = SqliteStore(tmp_path / "contract.db")
+    elif request.param == "postgres":
+        store = PostgresStore(request.getfixturevalue("pg_url"), require_fence=True)
+    elif request.param == "postgres+redis":  # cluster mode with PostgreSQL
+        store = PostgresClusterStore(PostgresStore(request.getfixturevalue("pg_url"), require_fence=True),
+                                     RedisStore(request.getfixturevalue("redis_server").url))
     elif request.param == "redis":
         store = RedisStore(request.getfixturevalue("redis_server").url)
     else:
@@ -84,10 +93,19 @@ async def redis_store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
     await store.close()
 
 
+# PostgreSQL checks fences itself ("not older than the newest seen"), so any growing number will do
+# where no Redis lease is involved; leases start theirs at Redis's clock in ms, and so does this.
+_fences = itertools.count(int(time.time() * 1000))
+
+
 async def own(store: Store, session: str, worker: str = "contract-test") -> Fence:
     """A fence for writes to `session`: a shared store only accepts one minted from a live lease."""
     if isinstance(store, SqliteStore):
         return Fence.local(session)
+    if isinstance(store, PostgresStore):
+        return Fence(session, next(_fences))
+    if isinstance(store, PostgresClusterStore):  # a real lease's fence, as a cluster's would be
+        store = store.coordination
     assert isinstance(store, RedisStore)
     leases = LeaseManager(store._r, worker, "test", ttl_s=60)
     got = await leases.acquire(session, keys.lease(session), keys.fence(session))
@@ -101,6 +119,13 @@ async def archived(store: Store, session: str, conversation: int) -> list[str]:
         with sqlite3.connect(store.path) as c:
             return [r[0] for r in c.execute("SELECT content FROM messages WHERE session_key = ? AND conversation = ?"
                                             " ORDER BY id", (session, conversation))]
+    if isinstance(store, PostgresClusterStore):
+        store = store.history
+    if isinstance(store, PostgresStore):
+        rows = await store._run("test", lambda c: c.fetch(
+            "SELECT content FROM messages WHERE session_key = $1 AND conversation = $2 ORDER BY id",
+            session, conversation))
+        return [r[0] for r in rows]
     assert isinstance(store, RedisStore)
     return [json.loads(r)["content"] for r in await store._r.lrange(keys.messages(session, conversation), 0, -1)]
 
@@ -145,7 +170,7 @@ async def test_unfinished_per_session(any_store: Store) -> None:
     assert [r.id for r in await any_store.unfinished_inbound(S1)] == [a]
     assert [r.id for r in await any_store.unfinished_inbound(S2)] == [b]
     everywhere = await any_store.unfinished_inbound()
-    if isinstance(any_store, SqliteStore):
+    if isinstance(any_store, SqliteStore):  # (and PostgreSQL for one process: test_store_postgres.py)
         assert [r.id for r in everywhere] == [a, b]
     else:  # a shared store recovers per session, when a worker takes the session's lease
         assert everywhere == []

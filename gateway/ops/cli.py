@@ -1,4 +1,4 @@
-"""`switchboard` command line: run the daemon, check a config."""
+"""`switchboard` command line: run the daemon, check a config, manage the store."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     units.add_arguments(unit)
     status = sub.add_parser("status", help="cluster mode: workers, their sessions and ingress leases")
     status.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
+    store = sub.add_parser("store", help="PostgreSQL store: apply schema migrations, copy a store into it")
+    store_sub = store.add_subparsers(dest="action", required=True)
+    migrate = store_sub.add_parser("migrate", help="apply the schema migrations to the [store] url database")
+    copy = store_sub.add_parser("copy", help="copy a SQLite or Redis store into an empty PostgreSQL database, "
+                                "then verify it (counts and checksums)")
+    copy.add_argument("--from", dest="source", required=True, metavar="URL",
+                      help="sqlite:///path/to/switchboard.db, redis://… or redis+cluster://…")
+    copy.add_argument("--to", dest="target", metavar="URL",
+                      help="postgresql://… (default: [store] url; a password is better kept there or in PGPASSWORD)")
+    for sp in (migrate, copy):
+        sp.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
+    export = sub.add_parser("export", help="everything stored about one session, as JSON lines on stdout")
+    export.add_argument("--session", required=True, metavar="KEY", help="session key, e.g. telegram:dm:12345")
+    export.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
     run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
     return p
@@ -63,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_sessions(config, args.action, args.key))
     if args.command == "status":
         return asyncio.run(_status(config))
+    if args.command == "store":
+        return asyncio.run(_migrate(config) if args.action == "migrate" else _copy(config, args.source, args.target))
+    if args.command == "export":
+        return asyncio.run(_export(config, args.session))
     if args.log_format:
         config.log.format = args.log_format
     if args.log_level:
@@ -181,3 +199,87 @@ async def _status(config: Config, limit: int = 50) -> int:
         return 1
     finally:
         await redis.aclose()
+
+
+async def _migrate(config: Config) -> int:
+    from gateway.store.postgres import SCHEMA_VERSION, PostgresStore
+
+    if config.store.url is None:
+        print("switchboard: store migrate: [store] url is not set (only the PostgreSQL store has a schema "
+              "to migrate)", file=sys.stderr)
+        return 2
+    store = PostgresStore(config.store.url.reveal(), require_fence=False, pool_size=1)
+    try:
+        await store.open()
+    except StoreError as exc:
+        print(f"switchboard: store error: {redactor(str(exc))}", file=sys.stderr)
+        return 1
+    await store.close()
+    for step in store.applied:
+        print(f"applied  {step.version}  {step.description}")
+    print(f"schema at version {SCHEMA_VERSION}" + ("" if store.applied else " (already up to date)"))
+    return 0
+
+
+async def _copy(config: Config, source: str, target: str | None) -> int:
+    from gateway.store.transfer import TransferError, copy
+
+    if target is None:
+        if config.store.url is None:
+            print("switchboard: store copy needs --to postgresql://… (or [store] url in the config)", file=sys.stderr)
+            return 2
+        target = config.store.url.reveal()
+    for url in (source, target):
+        _redact_url_password(url)
+    try:
+        report = await copy(source, target, progress=lambda text: print(text, file=sys.stderr))
+    except TransferError as exc:
+        print(f"switchboard: store copy: {redactor(str(exc))}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    if not report.ok:
+        print("switchboard: store copy: the target does not match the source (see MISMATCH above)",
+              file=sys.stderr)
+        return 1
+    print("verified: every table has the same row count and checksum in the source and the target"
+          + (" (the target already held this copy; nothing written)" if report.already else ""))
+    return 0
+
+
+def _redact_url_password(url: str) -> None:
+    from gateway.store.postgres import url_secrets
+
+    for secret in url_secrets(url):
+        redactor.add(secret)
+
+
+async def _export(config: Config, session: str) -> int:
+    import json
+    from pathlib import Path
+
+    from gateway.store.transfer import Source, SqliteSource, TransferError, export, open_source
+
+    source: Source
+    if config.store.url is not None:
+        source = open_source(config.store.url.reveal())
+    elif config.redis.url is not None:
+        source = open_source(config.redis.url.reveal())
+    else:
+        source = SqliteSource(Path(config.store.data_dir) / "switchboard.db")
+    found = 0
+    try:
+        await source.open()
+        try:
+            async for item in export(source, session):
+                print(json.dumps(item, ensure_ascii=False))
+                found += 1
+        finally:
+            await source.close()
+    except (TransferError, StoreError) as exc:
+        print(f"switchboard: export: {redactor(str(exc))}", file=sys.stderr)
+        return 1
+    if not found:
+        print(f"switchboard: export: nothing stored for session {session!r}", file=sys.stderr)
+        return 1
+    return 0

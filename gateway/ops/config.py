@@ -81,6 +81,10 @@ class ToolsConfig:
 @dataclass
 class StoreConfig:
     data_dir: str = "./.switchboard"
+    # PostgreSQL for history: postgresql://user[:password]@host:5432/db. Unset: SQLite in data_dir,
+    # or Redis in cluster mode. With [redis] url too: history in PostgreSQL, coordination in Redis.
+    url: Secret | None = None
+    keep_days: int = 0  # PostgreSQL: archived conversations and finished inbound records older go; 0 = keep all
 
 
 @dataclass
@@ -287,6 +291,14 @@ def _validate(c: Config) -> None:
     if c.redis.url is not None and not c.redis.url.reveal().startswith(
             ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
         raise ConfigError("redis.url: must start with redis://, rediss://, unix:// or redis+cluster://")
+    if c.store.url is not None and not c.store.url.reveal().startswith(("postgresql://", "postgres://")):
+        raise ConfigError("store.url: must start with postgresql:// or postgres:// (SQLite needs no url: "
+                          "it lives in store.data_dir)")
+    if c.store.keep_days < 0:
+        raise ConfigError(f"store.keep_days: must not be negative (got {c.store.keep_days}; 0 keeps everything)")
+    if c.store.keep_days and c.store.url is None:
+        raise ConfigError("store.keep_days: needs the PostgreSQL store (store.url); "
+                          "the SQLite and Redis stores keep everything")
     if c.router.messages_per_minute < 0:
         raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
     if c.tools.tool_kill_grace_s < 0:

@@ -57,13 +57,34 @@ def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
     return EchoAgent(tools, delay_s=a.echo_delay_s)
 
 
-def build_store(config: Config) -> Store:
-    """SQLite in the data dir, or the shared Redis store in cluster mode."""
+def build_store(config: Config, *, retention: bool = False) -> Store:
+    """PostgreSQL when `[store] url` is set (in cluster mode with Redis for de-duplication and
+    pairing codes), else the shared Redis store in cluster mode, else SQLite in the data dir.
+    `retention`: the daemon's store runs the `keep_days` pruning (CLI commands' stores do not)."""
+    if config.store.url is not None:
+        from gateway.store.postgres import PostgresStore
+
+        keep_days = config.store.keep_days if retention else 0
+        history = PostgresStore(config.store.url.reveal(), require_fence=config.redis.url is not None,
+                                keep_days=keep_days)
+        if config.redis.url is None:
+            return history
+        from gateway.store.composite import PostgresClusterStore
+        from gateway.store.redis import RedisStore
+
+        return PostgresClusterStore(history, RedisStore(config.redis.url.reveal()))
     if config.redis.url is not None:
         from gateway.store.redis import RedisStore
 
         return RedisStore(config.redis.url.reveal())
     return SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+
+
+def store_kind(config: Config) -> str:
+    """Where history lives, for /readyz and the console."""
+    if config.store.url is not None:
+        return "postgres+redis" if config.redis.url is not None else "postgres"
+    return "redis" if config.redis.url is not None else "sqlite"
 
 
 def build_cluster(config: Config, metrics: Metrics) -> Cluster | None:
@@ -101,7 +122,7 @@ class Daemon:
         self.watchdog = Watchdog(self.notifier)
         self.metrics = Metrics()
         self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
-        self.store = build_store(config)
+        self.store = build_store(config, retention=True)
         self.cluster = build_cluster(config, self.metrics)
         self.adapters = build_adapters(config, self.cluster)
         self.access = AccessControl(self.store, access_policies(config))
@@ -115,7 +136,7 @@ class Daemon:
         self.stop_errors: list[str] = []
 
     async def readiness(self) -> dict[str, Health]:
-        checks = {"store": Health(await self.store.ping(), "redis" if self.config.redis.url else "sqlite")}
+        checks = {"store": Health(await self.store.ping(), store_kind(self.config))}
         if self.cluster is not None:
             checks["cluster"] = self.cluster.health()
         for name, adapter in self.adapters.items():

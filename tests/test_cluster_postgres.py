@@ -1,0 +1,161 @@
+"""Cluster mode with history in PostgreSQL: real worker processes, a real redis-server for
+coordination and a PostgreSQL server of the test's own — restarted under load, and a worker killed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+
+from gateway.ops.config import load_config
+from gateway.ops.daemon import build_store, store_kind
+from gateway.store.composite import PostgresClusterStore
+from gateway.store.postgres import PostgresStore
+from tests.conftest import DaemonFactory
+from tests.fakes.openai_provider import FakeProvider
+from tests.pg_server import PgServer, PgServerMissing
+from tests.redis_server import RedisServer
+from tests.workers import Worker, content
+
+TTL = 3.0
+
+
+@pytest.fixture
+def own_pg() -> Iterator[PgServer]:
+    try:
+        server = PgServer().start()
+    except PgServerMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield server
+    server.destroy()
+
+
+def test_build_store_picks_the_backend(tmp_path: Path) -> None:
+    pg, redis = "postgresql://sb:pw@127.0.0.1:5/sb", "redis://127.0.0.1:6/0"
+    for env, kind, cls in (({}, "sqlite", "SqliteStore"), ({"SWITCHBOARD_REDIS__URL": redis}, "redis", "RedisStore"),
+                           ({"SWITCHBOARD_STORE__URL": pg}, "postgres", "PostgresStore"),
+                           ({"SWITCHBOARD_STORE__URL": pg, "SWITCHBOARD_REDIS__URL": redis}, "postgres+redis",
+                            "PostgresClusterStore")):
+        config = load_config(None, {"SWITCHBOARD_STORE__DATA_DIR": str(tmp_path), **env})
+        store = build_store(config, retention=True)
+        assert (store_kind(config), type(store).__name__) == (kind, cls)
+        if isinstance(store, PostgresStore):
+            assert not store.require_fence  # one process: local fences
+        if isinstance(store, PostgresClusterStore):
+            assert store.history.require_fence  # a cluster: every write carries a lease's fence
+
+
+def test_store_config_is_validated_in_one_line(tmp_path: Path) -> None:
+    from gateway.ops.config import ConfigError
+
+    for env, error in (({"SWITCHBOARD_STORE__URL": "mysql://db/x"}, "store.url: must start with postgresql://"),
+                       ({"SWITCHBOARD_STORE__KEEP_DAYS": "30"}, "store.keep_days: needs the PostgreSQL store"),
+                       ({"SWITCHBOARD_STORE__URL": "postgres://db/x", "SWITCHBOARD_STORE__KEEP_DAYS": "-1"},
+                        "store.keep_days: must not be negative")):
+        with pytest.raises(ConfigError, match=error) as raised:
+            load_config(None, env)
+        assert "\n" not in str(raised.value)
+    # A secret like the others: from a file, or from systemd's credentials directory.
+    (tmp_path / "url").write_text("postgresql://sb:pw@db/sb\n")
+    (tmp_path / "store.url").write_text("postgresql://sb:cred@db/sb\n")
+    assert load_config(None, {"SWITCHBOARD_STORE__URL_FILE": str(tmp_path / "url")}).store.url.reveal() == (  # type: ignore[union-attr]
+        "postgresql://sb:pw@db/sb")
+    config = load_config(None, {"CREDENTIALS_DIRECTORY": str(tmp_path), "SWITCHBOARD_STORE__KEEP_DAYS": "365"})
+    assert config.store.url is not None and config.store.url.reveal() == "postgresql://sb:cred@db/sb"
+    assert config.store.keep_days == 365 and "cred" not in repr(config.store)
+
+
+async def readyz(http: aiohttp.ClientSession, worker: Worker) -> tuple[int, dict[str, Any]]:
+    async with http.get(worker.url + "/readyz") as resp:
+        return resp.status, await resp.json()
+
+
+async def until(what: str, check: Any, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_one_process_on_postgres(make_daemon: DaemonFactory, pg_url: str) -> None:
+    daemon = await make_daemon(store={"url": pg_url}, api={"enabled": True}, webchat={"enabled": False})
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(base + "/readyz") as resp:
+            assert resp.status == 200 and (await resp.json())["checks"]["store"]["detail"] == "postgres"
+        async with http.post(base + "/v1/chat/completions", headers={"X-Session-Id": "s1"},
+                             json={"messages": [{"role": "user", "content": "hello"}]}) as resp:
+            assert resp.status == 200, await resp.text()
+    conversation = await daemon.store.conversation("api:dm:s1")
+    assert [m.role for m in conversation[1]] == ["user", "assistant"]
+
+
+async def test_a_cluster_on_postgres_rides_out_a_postgres_restart_and_a_dead_worker(
+        redis_server: RedisServer, provider: FakeProvider, tmp_path: Path, own_pg: PgServer) -> None:
+    url = own_pg.create_database("cluster")
+    a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, SWITCHBOARD_STORE__URL=url)
+            for name in ("a", "b"))
+    await asyncio.gather(a.start(), b.start())
+    pinned = {f"x{i}": a for i in range(4)} | {f"y{i}": b for i in range(4)}  # as a load balancer would
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await readyz(http, a)
+            assert status == 200 and body["checks"]["store"]["detail"] == "postgres+redis"
+            for session, worker in pinned.items():
+                status, body = await worker.ask(http, session, f"before {session}")
+                assert status == 200, body
+
+            own_pg.kill()
+            for worker in (a, b):
+                status, body = await readyz(http, worker)
+                assert status == 503 and not body["checks"]["store"]["ok"]
+            status, body = await a.ask(http, "x0", "while down")
+            assert status in (400, 503) and "storage" in body["error"]["message"], body
+
+            own_pg.start()
+            for worker in (a, b):
+                await until("readiness after the restart", lambda w=worker: _ready(http, w))
+            for session, worker in pinned.items():
+                status, body = await worker.ask(http, session, f"after {session}")
+                assert status == 200, body
+                assert content(body)
+
+            a.kill()  # its sessions move to b after the lease TTL
+            for session in [s for s, w in pinned.items() if w is a]:
+                async def answered(session: str = session) -> bool:
+                    status, _ = await b.ask(http, session, f"taken over {session}")
+                    return status == 200
+                await until(f"b answering in {session}", answered, timeout_s=TTL * 5)
+    finally:
+        a.kill()
+        b.kill()
+
+    conn = await asyncpg.connect(url)
+    try:
+        stored = await conn.fetch("SELECT session_key, role, content FROM messages ORDER BY id")
+        fences = await conn.fetch("SELECT session_key, fence FROM fences")
+    finally:
+        await conn.close()
+    users = [(r[0], r[2]) for r in stored if r[1] == "user"]
+    for session in pinned:
+        mine = [text for key, text in users if key == f"api:dm:{session}"]
+        # Each acknowledged message stored once, in order; the one refused while down not at all.
+        assert mine[:2] == [f"before {session}", f"after {session}"], mine
+        assert "while down" not in mine
+        if session.startswith("x"):
+            assert mine[2:] and set(mine[2:]) == {f"taken over {session}"}
+    assert len(fences) == len(pinned)  # every session's writes carried a lease's fence
+
+
+async def _ready(http: aiohttp.ClientSession, worker: Worker) -> bool:
+    status, _ = await readyz(http, worker)
+    return status == 200
