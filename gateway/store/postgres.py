@@ -249,7 +249,9 @@ _RETRY_DELAYS_S = (0.02, 0.2)
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, _RETRYABLE):
         return True
-    return isinstance(exc, asyncpg.InterfaceError) and "connection is closed" in str(exc)
+    # A connection that died under a statement can leave asyncpg's protocol mid-operation.
+    return (isinstance(exc, asyncpg.InterfaceError) and "connection is closed" in str(exc)) or \
+        isinstance(exc, asyncpg.InternalClientError)
 
 
 def url_secrets(url: str) -> list[str]:
@@ -354,7 +356,8 @@ class PostgresStore:
             raise
         except TimeoutError:
             raise StoreError(f"postgres {what} failed: timed out after {self.timeout_s:g} s") from None
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, UnicodeError, ValueError) as exc:
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, UnicodeError,
+                ValueError) as exc:
             text = self._redact(str(exc)).splitlines()[0][:200] if str(exc) else ""
             raise StoreError(f"postgres {what} failed: {type(exc).__name__}: {text}") from None
 
