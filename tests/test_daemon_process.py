@@ -81,13 +81,14 @@ async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchbo
 
 
 async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orphans(tmp_path: Path) -> None:
+    secs = f"{random.uniform(60, 69):g}"  # this test's own tool, whatever else runs on the machine
     proc, base = _start(tmp_path)
     try:
         await _wait_healthy(base, proc)
         async with aiohttp.ClientSession() as http:
-            body = {"messages": [{"role": "user", "content": "!sleep 60"}], "user": "erin"}
+            body = {"messages": [{"role": "user", "content": f"!sleep {secs}"}], "user": "erin"}
             request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
-            pgid = await _tool_group("sleep 60")
+            pgid = await _tool_group(f"sleep {secs}")
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 10) == 0
