@@ -57,18 +57,19 @@ def _running_in_group(pgid: int) -> list[int]:
     return found
 
 
-def _start(tmp_path: Path, *extra_env: tuple[str, str], module: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+def _start(tmp_path: Path, *extra_env: tuple[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """The daemon under the interpreter running the tests (never a `switchboard` found on PATH)."""
     port = free_port()
     env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(port), "SWITCHBOARD_ADMIN__PORT": str(free_port()),
            "SWITCHBOARD_API__ENABLED": "true",
            "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "1", **dict(extra_env)}
-    argv = [sys.executable, "-m", "gateway", "run"] if module else ["switchboard", "run"]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "run"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"
 
 
 async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchboard(tmp_path: Path) -> None:
-    proc, base = _start(tmp_path, module=True)
+    proc, base = _start(tmp_path)
     try:
         await _wait_healthy(base, proc)
         async with aiohttp.ClientSession() as http, http.get(base + "/") as resp:
@@ -80,13 +81,14 @@ async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchbo
 
 
 async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orphans(tmp_path: Path) -> None:
+    secs = f"{random.uniform(60, 69):g}"  # this test's own tool, whatever else runs on the machine
     proc, base = _start(tmp_path)
     try:
         await _wait_healthy(base, proc)
         async with aiohttp.ClientSession() as http:
-            body = {"messages": [{"role": "user", "content": "!sleep 60"}], "user": "erin"}
+            body = {"messages": [{"role": "user", "content": f"!sleep {secs}"}], "user": "erin"}
             request = asyncio.create_task(http.post(base + "/v1/chat/completions", json=body))
-            pgid = await _tool_group("sleep 60")
+            pgid = await _tool_group(f"sleep {secs}")
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 10) == 0

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from gateway.ops.config import Config, load_config
@@ -21,8 +22,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_switchboard_check_accepts_the_example() -> None:
-    r = subprocess.run(["switchboard", "check", "--config", str(EXAMPLE)], capture_output=True, text=True,
-                       timeout=60, env=_clean_env())
+    r = subprocess.run([sys.executable, "-m", "gateway", "check", "--config", str(EXAMPLE)], capture_output=True,
+                       text=True, timeout=60, env=_clean_env())
     assert r.returncode == 0, r.stderr
     assert "[telegram]" in r.stdout
 

@@ -69,9 +69,23 @@ async def fake() -> AsyncIterator[FakeDiscord]:
 
 
 async def _run(bot: discord.Client, fake: FakeDiscord) -> asyncio.Task[None]:
-    task = asyncio.create_task(bot.start(fake.token))
-    await asyncio.wait_for(bot.wait_until_ready(), 5)
-    return task
+    """Log in, connect in a task, and return that task once READY has arrived.
+
+    ``wait_until_ready`` raises until ``login`` has run, so logging in comes first and is awaited:
+    ``create_task(bot.start(...))`` followed by ``wait_for(bot.wait_until_ready(), ...)`` only worked
+    while ``wait_for`` wrapped its coroutine in a new task (Python 3.11). Since 3.12 it runs the
+    coroutine in the calling task, before the start task has run at all.
+    """
+    await bot.login(fake.token)
+    task = asyncio.create_task(bot.connect())
+    ready = asyncio.create_task(bot.wait_until_ready())
+    done, _ = await asyncio.wait({task, ready}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    if ready in done:
+        return task
+    ready.cancel()
+    await bot.close()
+    await asyncio.wait_for(task, 5)  # raises why the gateway connection failed, if it did
+    raise AssertionError("no READY from the fake gateway within 5 s")
 
 
 async def _stop(bot: discord.Client, task: asyncio.Task[None]) -> None:

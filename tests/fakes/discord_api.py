@@ -4,8 +4,9 @@ Usage::
 
     async with FakeDiscord() as fake, patch_discord(fake):
         client = discord.Client(intents=..., guild_ready_timeout=0.05)
-        task = asyncio.create_task(client.start(fake.token))
-        await client.wait_until_ready()
+        await client.login(fake.token)  # before wait_until_ready, which raises until login has run
+        task = asyncio.create_task(client.connect())
+        await asyncio.wait_for(client.wait_until_ready(), 5)
         await fake.dispatch_message(TEXT_CHANNEL_ID, "hello", author_id=ALICE_ID, mentions_bot=True)
         call = await fake.wait_for(lambda c: c.method == "POST" and c.path.endswith("/messages"))
 
