@@ -35,15 +35,15 @@ log = logging.getLogger(__name__)
 AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
 
 # KEYS: lease, fence counter.  ARGV: token, worker id, ttl ms.
-# Returns {1, fence, replaced token or ''} when the lease is ours now, {0, holder's worker id, pttl}
-# when another worker holds it. Still ours (same token): extended, same fence — nobody held it in
-# between. Held by an earlier incarnation of this worker id (same id, other token): taken over.
-# Otherwise free: a new fence.
+# Returns {1, fence, replaced token or '', kept (1/0)} when the lease is ours now, {0, holder's
+# worker id, pttl} when another worker holds it. Still ours (same token): extended, same fence,
+# kept = 1 — nobody held it in between. Held by an earlier incarnation of this worker id (same id,
+# other token): taken over. Otherwise free: a new fence.
 _ACQUIRE = """
 local cur = redis.call('HMGET', KEYS[1], 'token', 'worker', 'fence')
 if cur[1] == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {1, tonumber(cur[3]), ''}
+  return {1, tonumber(cur[3]), '', 1}
 end
 if cur[1] and cur[2] ~= ARGV[2] then
   return {0, cur[2], redis.call('PTTL', KEYS[1])}
@@ -60,7 +60,7 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'worker', ARGV[2], 'fence', f)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {1, f, cur[1] or ''}
+return {1, f, cur[1] or '', 0}
 """
 
 # KEYS: leases.  ARGV: token, ttl ms, fence of each key in order.  Returns 1 (renewed) or 0 (lost) each.
@@ -121,6 +121,7 @@ class Acquired:
     owner: str | None = None  # that someone (a worker id)
     ttl_ms: int = 0
     replaced: str | None = None  # the token of an earlier incarnation of ours it was taken from
+    kept: bool = False  # it was ours all along (only our view of it had lapsed): nothing to recover
 
 
 class OnLost(Protocol):
@@ -231,7 +232,7 @@ class LeaseManager:
                 if listing is not None:  # ours, but not listed: say so (the caller may retry)
                     fut.set_exception(listing)
                 else:
-                    fut.set_result(Acquired(lease, replaced=str(result[2]) or None))
+                    fut.set_result(Acquired(lease, replaced=str(result[2]) or None, kept=int(result[3]) == 1))
             else:
                 fut.set_result(Acquired(None, str(result[1]), int(result[2])))
 

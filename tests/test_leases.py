@@ -114,3 +114,16 @@ async def test_the_fence_counter_expires_but_fences_still_grow(redis: Redis) -> 
     await asyncio.sleep(0.005)  # ...which takes a lease TTL, while the server clock (ms) moves on
     second = await take(m, "s")
     assert second is not None and second.fence > first.fence  # from the server clock, which moved on
+
+
+async def test_a_reacquisition_of_a_lease_still_ours_is_marked_kept(redis: Redis) -> None:
+    """Only a real takeover (a free lease, or a predecessor's) recovers what an owner left open."""
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    first = await m.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert first.lease is not None and not first.kept
+    m.held.pop("s")
+    again = await m.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert again.kept and again.lease is not None and again.lease.fence == first.lease.fence
+    successor = LeaseManager(redis, "w1", "b", ttl_s=30)
+    taken = await successor.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert not taken.kept and taken.replaced == "w1/a"

@@ -166,7 +166,8 @@ class Cluster:
                      extra={"session": session})
         fence = Fence(session, got.lease.fence)
         assert self._events is not None
-        await self._events.adopted(session)  # close and resume what a previous owner left open
+        if not got.kept:  # a real takeover: close and resume what a previous owner left open
+            await self._events.adopted(session)
         return Route(fence=fence)
 
     def fence_of(self, session: str) -> Fence | None:
