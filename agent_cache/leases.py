@@ -156,7 +156,8 @@ class LeaseManager:
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._cluster = isinstance(redis, RedisCluster)
-        self.last_ok: float = now()  # when Redis last answered a renewal round
+        self.last_ok: float = now()  # when Redis last answered a call of ours
+        self.failing = False  # the last call of ours failed (Redis unreachable): fail fast until one succeeds
         self.acquisitions = self.losses = 0
 
     @property
@@ -204,13 +205,14 @@ class LeaseManager:
             results = await self._evalsha_many("_acquire_sha", _ACQUIRE, [
                 ([key, fence_key], [self.token, self.worker_id, self.ttl_ms]) for _, key, fence_key, _ in batch])
         except BaseException as exc:
+            self.failing = isinstance(exc, (RedisError, OSError)) or self.failing
             for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(exc if isinstance(exc, Exception) else RedisError("cancelled"))
             if not isinstance(exc, Exception):
                 raise
             return
-        self.last_ok = now()
+        self.last_ok, self.failing = now(), False
         acquired = [name for (name, *_), result in zip(batch, results, strict=True)
                     if not isinstance(result, Exception) and int(result[0]) == 1]
         listing: Exception | None = None
@@ -292,8 +294,9 @@ class LeaseManager:
                     results = await self._renew_slice(part)
                 except (RedisError, OSError) as exc:
                     failures.append(exc)
+                    self.failing = True
                     continue
-                self.last_ok = now()
+                self.last_ok, self.failing = now(), False
                 for lease, ok in zip(part, results, strict=True):
                     if ok == 1:
                         if self.held.get(lease.name) is lease:

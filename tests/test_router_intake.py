@@ -97,6 +97,28 @@ async def test_queue_policy_acks_and_answers_in_order(make_router: RouterFactory
     assert [t[:12] for t in texts[2:]] == ["reply to: q0", "reply to: q1", "reply to: q2"]
 
 
+async def test_a_message_that_arrives_late_does_not_cut_off_the_answer_to_a_newer_one(
+        make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider) -> None:
+    """Under `interrupt`, an older message held up on its way (a forward to a paused worker) waits
+    behind the newer one instead of stopping it: both are answered, in arrival order."""
+    provider.delay_s, provider.words = 0.02, 10
+    router = await make_router()
+    newer = chat.message("c1", "second", mid="12")
+    older = chat.message("c1", "first", mid="11")
+    object.__setattr__(older, "timestamp", newer.timestamp - 1)
+    first = await router.submit(newer, chat)
+    late = await router.submit(older, chat)
+    assert (first.outcome, late.outcome) == (Outcome.ACCEPTED, Outcome.QUEUED)
+    assert first.run is not None and late.run is not None
+    await asyncio.gather(first.run.wait(), late.run.wait())
+    assert first.run.reason is None and late.run.reason is None
+    replies = [t for t in chat.texts("c1") if t.startswith("reply to:")]
+    assert [t[:16] for t in replies] == ["reply to: second", "reply to: first "]
+    # A follow-up the user sends now interrupts as usual.
+    third = await router.submit(chat.message("c1", "third", mid="13"), chat)
+    assert third.outcome is Outcome.ACCEPTED
+
+
 async def test_status_and_new_keep_the_old_conversation_archived(
         make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider, store: SqliteStore) -> None:
     provider.delay_s = 0.05

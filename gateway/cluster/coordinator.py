@@ -135,7 +135,7 @@ class Cluster:
         acquisition, so messages and commands keep their order."""
         if (fence := self.fence_of(session)) is not None:
             return Route(fence=fence)
-        if not self.health().ok:
+        if self.leases.failing:  # Redis answered nothing lately: say so now, not after a timeout
             raise ClusterUnavailable("Redis is unreachable; ownership cannot be proven")
         pending = self._acquiring.get(session)
         if pending is not None:
@@ -346,6 +346,11 @@ class Cluster:
                 msg = InboundMessage.from_dict(entry["msg"])
                 assert self._events is not None
                 result = await self._events.deliver(msg, entry["session"], int(entry["hops"]))
+                if result is not None and result.outcome is Outcome.UNAVAILABLE and not entry.get("reply"):
+                    # Acknowledged by the worker that forwarded it, so it must not be lost here:
+                    # it stays pending and is handled again once idle for a TTL.
+                    log.warning("a forwarded message could not be taken now; it stays in the inbox")
+                    return
                 if result is not None and entry.get("reply"):
                     await self._reply(entry["reply"], result)
             except (ValueError, KeyError, TypeError):

@@ -45,7 +45,7 @@ from gateway.core.ports import (
     Submitted,
 )
 from gateway.core.ratelimit import UserRateLimit
-from gateway.core.recovery import Recovery
+from gateway.core.recovery import RESUME_PREFIX, Recovery
 from gateway.core.transcript import ChatMessage
 from gateway.core.turns import Interruptions, LiveConversation, Speaker, Turn, TurnRunner
 
@@ -76,6 +76,17 @@ class Lane:
     pending: deque[Turn] = field(default_factory=deque)
     current: Turn | None = None
     worker: asyncio.Task[None] | None = None
+
+
+def _order(msg: InboundMessage) -> tuple[float, int]:
+    """When the user sent it: the platform's time, then its message number (Telegram's grow per chat)."""
+    return msg.timestamp, int(msg.message_id) if msg.message_id.isdigit() else 0
+
+
+def _newer_in(lane: Lane, msg: InboundMessage) -> bool:
+    """Is a message the user sent after `msg` already in the lane?"""
+    newest = lane.pending[-1] if lane.pending else lane.current
+    return newest is not None and not newest.msg.message_id.startswith(RESUME_PREFIX) and _order(newest.msg) > _order(msg)
 
 
 def _encodable(*texts: str | None) -> bool:
@@ -267,7 +278,10 @@ class Router:
         turn = Turn(msg, key, speaker, fence, ephemeral)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
-        if busy and self.settings.busy == "interrupt":
+        # A message that arrives late (held up in a forward while its owner was paused) must not
+        # cut off the answer to one the user sent after it: it waits its turn instead.
+        queue = self.settings.busy == "queue" or (busy and lane is not None and _newer_in(lane, msg))
+        if busy and not queue:
             self._cancel_lane(key, NEW_MESSAGE)
         ahead = self._enqueue(turn)  # registered before any await: a /stop from now on finds it
         if ephemeral is not None:
@@ -287,7 +301,7 @@ class Router:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
-        if busy and self.settings.busy == "queue" and ahead:
+        if busy and queue and ahead:
             await speaker.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
                                  reply_to=msg.message_id, kind=NoticeKind.QUEUED)
             return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
