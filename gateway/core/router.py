@@ -86,7 +86,9 @@ def _order(msg: InboundMessage) -> tuple[float, int]:
 def _newer_in(lane: Lane, msg: InboundMessage) -> bool:
     """Is a message the user sent after `msg` already in the lane?"""
     newest = lane.pending[-1] if lane.pending else lane.current
-    return newest is not None and not newest.msg.message_id.startswith(RESUME_PREFIX) and _order(newest.msg) > _order(msg)
+    if newest is None or newest.msg.message_id.startswith(RESUME_PREFIX):
+        return False
+    return _order(newest.msg) > _order(msg)
 
 
 def _encodable(*texts: str | None) -> bool:
