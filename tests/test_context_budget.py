@@ -1,0 +1,95 @@
+"""The context budget: what of a long conversation is sent, and what never is split."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.core.context import SHORTENED, estimate, fit, message_tokens
+from gateway.core.transcript import ChatMessage, ToolCall
+
+
+def turn(i: int, *, tool_output: str | None = None, interrupted: bool = False) -> list[ChatMessage]:
+    rows = [ChatMessage("user", f"question {i} " + "x" * 200)]
+    if tool_output is not None:
+        call = ToolCall(f"c{i}", "shell", '{"command": "ls"}')
+        rows += [ChatMessage("assistant", "", tool_calls=(call,)),
+                 ChatMessage("tool", tool_output, tool_call_id=call.id)]
+    rows.append(ChatMessage("assistant", f"answer {i} " + "y" * 200,
+                            interrupted_by="user" if interrupted else None, reason="x" if interrupted else None))
+    return rows
+
+
+def history(n: int, **kw: object) -> list[ChatMessage]:
+    return [m for i in range(n) for m in turn(i, **kw)]  # type: ignore[arg-type]
+
+
+NEW = ChatMessage("user", "and now?")
+
+
+def test_everything_is_sent_while_it_fits() -> None:
+    h = history(5)
+    fitted = fit(h, NEW, budget_tokens=32_000, system_prompt="be brief")
+    assert fitted.messages == h and fitted.left_out == 0 and fitted.shortened == 0
+    assert fitted.estimated_tokens == sum(message_tokens(m) + 1 for m in h) + message_tokens(NEW) + 1 + \
+        estimate("be brief") + 4
+
+
+def test_the_oldest_whole_turns_are_left_out_first_and_the_newest_always_go() -> None:
+    h = history(500)  # 500 turns, ~120 tokens each: far over a 4,000 token window
+    fitted = fit(h, NEW, budget_tokens=4_000)
+    assert fitted.estimated_tokens <= 4_000
+    assert fitted.messages == h[-len(fitted.messages):]  # a suffix of the history...
+    assert fitted.messages[0].role == "user"  # ...that starts at a turn
+    assert fitted.left_out == len(h) - len(fitted.messages) > 900
+
+
+def test_old_tool_outputs_are_shortened_before_turns_are_dropped_and_pairs_never_split() -> None:
+    h = history(30, tool_output="line of output\n" * 300)  # ~1,100 tokens of tool output each
+    fitted = fit(h, NEW, budget_tokens=6_000)
+    assert fitted.shortened > 0 and fitted.estimated_tokens <= 6_000
+    newest = fitted.messages[-4:]
+    assert newest == h[-4:]  # the most recent turn goes whole
+    assert any(SHORTENED in m.content for m in fitted.messages if m.role == "tool")
+    ids = [m.tool_call_id for m in fitted.messages if m.role == "tool"]
+    calls = [c.id for m in fitted.messages for c in m.tool_calls]
+    assert ids == calls  # every call sent has its result, every result its call
+
+
+def test_an_interrupted_turn_is_kept_or_left_out_with_its_marker() -> None:
+    h = history(40, interrupted=True)
+    fitted = fit(h, NEW, budget_tokens=2_000)
+    assert fitted.messages[0].role == "user" and fitted.messages[-1].interrupted_by == "user"
+
+
+def test_the_provider_correction_ratio_tightens_the_cut() -> None:
+    h = history(100)
+    plain = fit(h, NEW, budget_tokens=5_000)
+    corrected = fit(h, NEW, budget_tokens=5_000, ratio=2.0)  # the provider counted twice our estimate
+    assert len(corrected.messages) < len(plain.messages)
+
+
+def test_non_latin_text_counts_more_tokens_per_character() -> None:
+    assert estimate("привет мир " * 10) > estimate("hello world " * 10)
+
+
+class Spy(Sequence[ChatMessage]):
+    """A history that records the oldest message anything looked at."""
+
+    def __init__(self, rows: list[ChatMessage]) -> None:
+        self.rows = rows
+        self.lowest = len(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: Any) -> Any:
+        start = index.start if isinstance(index, slice) else index
+        self.lowest = min(self.lowest, start or 0)
+        return self.rows[index]
+
+
+def test_fitting_reads_only_what_is_sent_not_the_whole_conversation() -> None:
+    spy = Spy(history(5_000))  # 20,000 messages
+    fitted = fit(spy, NEW, budget_tokens=4_000)
+    assert spy.lowest >= len(spy) - len(fitted.messages) - 4  # at most one turn beyond the cut
