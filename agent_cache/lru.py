@@ -80,6 +80,11 @@ class AgentCache(Generic[A]):
         self.hits += 1
         return entry.agent
 
+    def peek(self, key: str) -> A | None:
+        """The agent for `key` without marking it used or counting a hit."""
+        entry = self._idle.get(key) or self._running.get(key)
+        return entry.agent if entry is not None else None
+
     def put(self, key: str, agent: A) -> None:
         """Insert (idle), evicting to make room; raises CacheFull under the `reject` policy."""
         if key in self:

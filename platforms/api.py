@@ -90,6 +90,7 @@ class _ApiReply(Reply):
 class ApiAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=1 << 20, can_edit=False, can_stream=True)
+    can_steer = False  # each request waits for an answer of its own
 
     def __init__(self, *, keys: list[str], model_name: str = "switchboard") -> None:
         self._keys = [k.encode() for k in keys]

@@ -35,6 +35,7 @@ class Adapter(ABC):
     name: str
     capabilities: Capabilities
     pushes_anywhere: bool = False  # see `Outlet.pushes_anywhere`
+    can_steer: bool = True  # see `Outlet.can_steer`
     _gateway: Gateway | None = None
     _outbox: Outbox | None = None
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import AsyncIterator, Sequence
 
 from gateway.agents.tools import ToolRegistry
+from gateway.core.ports import TurnContext
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
 
 _SLEEP = re.compile(r"^!sleep\s+(\d+(?:\.\d+)?)\s*$")
@@ -27,7 +28,8 @@ class EchoAgent:
     def description(self) -> str:
         return "echo"
 
-    async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage) -> AsyncIterator[AgentEvent]:
+    async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
+                       context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
         if match := _SLEEP.match(message.content.strip()):
             call = ToolCall(f"call_echo_{next(_call_ids)}", "sleep", json.dumps({"seconds": float(match[1])}))
             yield ToolCallsRequested("", (call,))

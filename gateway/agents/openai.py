@@ -1,7 +1,9 @@
 """Any OpenAI-compatible Chat Completions endpoint, streamed, with a bounded tool-calling loop.
 
 The provider connection is registered with the run: a hard_cancel closes the socket at once, so
-the provider stops generating instead of finishing an answer nobody will read.
+the provider stops generating instead of finishing an answer nobody will read. What is sent fits
+the context budget (gateway.core.context); several tool calls of one round run side by side;
+messages the user sends meanwhile (busy "steer") join the turn at the next model/tool boundary.
 """
 
 from __future__ import annotations
@@ -19,9 +21,19 @@ import aiohttp
 
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
+from gateway.core.context import estimate, fit
 from gateway.core.logs import redactor
-from gateway.core.ports import AgentError
-from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, ToolCallsRequested, ToolResult
+from gateway.core.ports import AgentError, TurnContext
+from gateway.core.transcript import (
+    AgentEvent,
+    ChatMessage,
+    Interjection,
+    TextDelta,
+    ToolCall,
+    ToolCallsRequested,
+    ToolResult,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,20 @@ class OpenAISettings:
     backoff_s: float = 0.5
     read_timeout_s: float = 120.0
     connect_timeout_s: float = 10.0
+    context_tokens: int = 32_000  # the model's window
+    reply_tokens: int = 4_000  # kept free in it for the answer
+    include_usage: bool = True  # ask for token counts (stream_options.include_usage)
+    parallel_tools: bool = True
+    max_parallel_tools: int = 4
+
+
+class ContextTooLong(AgentError):
+    """The provider refused the request for its length."""
+
+
+SKIPPED = "[not run: the user sent a new message before this call started]"
+_TOO_LONG = ("context_length_exceeded", "maximum context length", "context length", "too many tokens",
+             "prompt is too long", "reduce the length")
 
 
 class _Round:
@@ -93,31 +119,85 @@ class OpenAIAgent:
         if self._session is not None:
             await self._session.close()
 
-    async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage) -> AsyncIterator[AgentEvent]:
-        messages: list[dict[str, Any]] = []
-        if self.settings.system_prompt:
-            messages.append({"role": "system", "content": self.settings.system_prompt})
-        messages += [m.to_openai() for m in history]
-        messages.append(message.to_openai())
-        for _round in range(self.settings.max_tool_rounds + 1):
+    async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
+                       context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
+        s = self.settings
+        budget = s.context_tokens - s.reply_tokens
+        ratio = context.token_ratio if context is not None else 1.0
+        turn: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
+        for _round in range(s.max_tool_rounds + 1):
             rnd = _Round()
-            async for event in self._complete(messages, rnd):
-                yield event
+            for attempt in range(2):  # once more with a smaller budget if the provider says too long
+                extra = sum(estimate(json.dumps(m, ensure_ascii=False)) for m in turn[1:])  # this turn's rounds
+                fitted = fit(history, message, budget_tokens=budget - extra, system_prompt=s.system_prompt,
+                             ratio=ratio)
+                messages = ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else []) + \
+                    [m.to_openai() for m in fitted.messages] + turn
+                try:
+                    async for event in self._complete(messages, rnd, fitted.estimated_tokens + extra):
+                        yield event
+                    break
+                except ContextTooLong as exc:
+                    if attempt or rnd.text:
+                        raise
+                    budget = _smaller_budget(str(exc), fitted.estimated_tokens + extra)
+                    log.warning("the provider said the context is too long; retrying with %d tokens", budget)
             calls = rnd.tool_calls()
-            if not calls:
-                return
             text = "".join(rnd.text)
+            joined = context.take_interjection() if context is not None else None
+            if not calls:
+                if joined is None:
+                    return
+                turn += [{"role": "assistant", "content": text}, {"role": "user", "content": joined}]
+                yield Interjection(joined)  # the answer so far stands; the model continues from it
+                continue
             yield ToolCallsRequested(text, calls)
-            messages.append(ChatMessage("assistant", text, tool_calls=calls).to_openai())
-            for call in calls:
-                result = await self.tools.call(call.name, call.arguments)
+            turn.append(ChatMessage("assistant", text, tool_calls=calls).to_openai())
+            steered = [joined] if joined is not None else []  # arrived before the calls: none of them runs
+            results: dict[str, str] = {}
+            async for call, result in self._run_calls(calls, context, steered):
+                results[call.id] = result
                 yield ToolResult(call.id, result)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        yield TextDelta(f"\n[stopped after {self.settings.max_tool_rounds} tool rounds]")
+            turn += [{"role": "tool", "tool_call_id": call.id, "content": results[call.id]} for call in calls]
+            if context is not None and (late := context.take_interjection()) is not None:
+                steered.append(late)
+            if steered:
+                joined = "\n\n".join(steered)
+                turn.append({"role": "user", "content": joined})
+                yield Interjection(joined)
+        yield TextDelta(f"\n[stopped after {s.max_tool_rounds} tool rounds]")
 
-    async def _complete(self, messages: list[dict[str, Any]], rnd: _Round) -> AsyncIterator[TextDelta]:
+    async def _run_calls(self, calls: tuple[ToolCall, ...], context: TurnContext | None,
+                         steered: list[str]) -> AsyncIterator[tuple[ToolCall, str]]:
+        """Run a round's calls, side by side up to the cap, yielding each result as it comes. Once
+        the user has added a message (collected into `steered`), calls not started yet are skipped:
+        the model sees why and answers what the user said instead."""
+        s = self.settings
+        gate = asyncio.Semaphore(s.max_parallel_tools if s.parallel_tools else 1)
+        done: asyncio.Queue[tuple[ToolCall, str]] = asyncio.Queue()
+
+        async def run(call: ToolCall) -> None:
+            async with gate:
+                if not steered and context is not None and (added := context.take_interjection()) is not None:
+                    steered.append(added)
+                result = SKIPPED if steered else await self.tools.call(call.name, call.arguments)
+            done.put_nowait((call, result))
+
+        tasks = [asyncio.ensure_future(run(call)) for call in calls]  # each in the run's context
+        try:
+            for _ in calls:
+                yield await done.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _complete(self, messages: list[dict[str, Any]], rnd: _Round,
+                        estimated: int) -> AsyncIterator[TextDelta | Usage]:
         s = self.settings
         body: dict[str, Any] = {"model": s.model, "messages": messages, "stream": True}
+        if s.include_usage:
+            body["stream_options"] = {"include_usage": True}
         if self.tools.tools:
             body["tools"] = self.tools.schemas()
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
@@ -142,7 +222,10 @@ class OpenAIAgent:
             with run.on_cancel(resp.close) if run else contextlib.nullcontext():
                 if resp.status != 200:
                     detail = (await resp.text())[:300]
-                    raise AgentError(f"the model provider failed: HTTP {resp.status} {_error_text(detail)}")
+                    text = f"the model provider failed: HTTP {resp.status} {_error_text(detail)}"
+                    if resp.status in (400, 413) and any(hint in detail.lower() for hint in _TOO_LONG):
+                        raise ContextTooLong(text)
+                    raise AgentError(text)
                 if resp.content_type == "application/json":  # a provider that ignores stream=true
                     payload = _json(await resp.text())
                     async for ev in _from_message(payload, rnd):
@@ -159,6 +242,9 @@ class OpenAIAgent:
                         chunk = _json(data.decode("utf-8", "replace"))
                         if "error" in chunk:
                             raise AgentError(f"the model provider failed: {_error_text(json.dumps(chunk))}")
+                        if isinstance(usage := chunk.get("usage"), dict):
+                            yield Usage(int(usage.get("prompt_tokens") or 0),
+                                        int(usage.get("completion_tokens") or 0), estimated)
                         for choice in chunk.get("choices") or []:
                             delta = choice.get("delta") or {}
                             for tc in delta.get("tool_calls") or []:
@@ -203,6 +289,18 @@ def _error_text(detail: str) -> str:
     except (ValueError, AttributeError):
         pass
     return redactor(detail)[:200]
+
+
+def _smaller_budget(error: str, estimated: int) -> int:
+    """A budget the provider should accept after refusing `estimated` (our count) as too long: from
+    the numbers in its error when it gives them ("maximum context length is X … resulted in Y
+    tokens"), else half."""
+    limit = re.search(r"(?:maximum context length|context window) (?:is|of) (\d+)", error)
+    counted = re.search(r"(\d+) tokens(?!.*\d+ tokens)", error)
+    if limit and counted and int(counted.group(1)) > 0:
+        ratio = int(counted.group(1)) / max(1, estimated)
+        return max(256, int(int(limit.group(1)) / ratio * 0.85))
+    return max(256, estimated // 2)
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:

@@ -115,6 +115,10 @@ class ProcessReaper:
                 return
             await asyncio.sleep(0.005)
 
+    def live_groups(self) -> int:
+        """How many tool process groups are alive now."""
+        return sum(1 for pgid in self._live if group_alive(pgid))
+
     @property
     def pending(self) -> int:
         return len(self._pending)

@@ -44,6 +44,9 @@ class SessionControl(Protocol):
 
     def status_text(self, key: str) -> str: ...
 
+    def busy_policy(self, key: str, policy: str | None = None) -> str:
+        """The session's busy policy (interrupt, queue or steer), after setting it if given."""
+
 
 Handler = Callable[[SessionControl, str, str], Awaitable[CommandResult]]  # (control, session key, args)
 
@@ -75,6 +78,22 @@ async def _status(control: SessionControl, key: str, _args: str) -> CommandResul
     return CommandResult(control.status_text(key))
 
 
+async def _busy(control: SessionControl, key: str, args: str) -> CommandResult:
+    choice = args.strip().lower()
+    if not choice:
+        return CommandResult(f"While an answer is being written, a new message will {_BUSY[control.busy_policy(key)]}."
+                             " Change it with /busy interrupt, /busy queue or /busy steer.")
+    try:
+        control.busy_policy(key, choice)
+    except ValueError:
+        return CommandResult("Use /busy interrupt, /busy queue or /busy steer.", NoticeKind.ERROR)
+    return CommandResult(f"From now on a new message sent while an answer is being written will {_BUSY[choice]}.")
+
+
+_BUSY = {"interrupt": "stop it and be answered instead", "queue": "wait for it to finish",
+         "steer": "be added to it"}
+
+
 async def _help(_control: SessionControl, _key: str, _args: str) -> CommandResult:
     return CommandResult(help_text())
 
@@ -83,6 +102,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("stop", "Stop the current answer (and drop queued messages)", _stop),
     CommandSpec("new", "Start a fresh conversation (the old one is archived)", _new, aliases=("reset",)),
     CommandSpec("status", "What is running in this chat", _status, private=True),
+    CommandSpec("busy", "What a message sent mid-answer does: interrupt, queue or steer", _busy),
     CommandSpec("help", "List the commands", _help, aliases=("start",), private=True),
 )
 _BY_NAME = {name: spec for spec in COMMANDS for name in (spec.name, *spec.aliases)}

@@ -40,6 +40,7 @@ class InboundMessage:
     timestamp: float = field(default_factory=time.time)
     user_handle: str | None = None  # e.g. a Telegram @username, for allowlists
     media: bool = False  # it carried something besides text (a photo, a file, a sticker)
+    tenant: str | None = None  # who it belongs to, where the platform knows (an API key's name)
     # Platform-specific bits an adapter wants back when replying (never persisted).
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
@@ -52,7 +53,8 @@ class InboundMessage:
         return {"platform": self.platform, "chat_id": self.chat_id, "chat_type": self.chat_type.value,
                 "user_id": self.user_id, "user_name": self.user_name, "message_id": self.message_id,
                 "text": self.text, "thread_id": self.thread_id, "reply_to": self.reply_to,
-                "timestamp": self.timestamp, "user_handle": self.user_handle, "media": self.media}
+                "timestamp": self.timestamp, "user_handle": self.user_handle, "media": self.media,
+                "tenant": self.tenant}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InboundMessage:
@@ -60,7 +62,7 @@ class InboundMessage:
                    user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"], text=d["text"],
                    thread_id=d.get("thread_id"), reply_to=d.get("reply_to"),
                    timestamp=d.get("timestamp", time.time()), user_handle=d.get("user_handle"),
-                   media=bool(d.get("media", False)))
+                   media=bool(d.get("media", False)), tenant=d.get("tenant"))
 
 
 @dataclass(frozen=True, slots=True)

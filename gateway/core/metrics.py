@@ -40,6 +40,8 @@ class Metrics:
         self.provider_errors = Counter("switchboard_provider_errors", "Agent/provider failures", registry=r)
         self.platform_429s = Counter("switchboard_platform_rate_limited", "429s from chat platforms", ["platform"],
                                      registry=r)
+        self.tokens = Counter("switchboard_tokens", "Tokens the model provider counted, by kind and tenant",
+                              ["kind", "tenant"], registry=r)
         self.lease_events = Counter("switchboard_lease_events", "Session lease acquisitions and losses", ["event"],
                                     registry=r)
 

@@ -33,12 +33,25 @@ class AgentError(Exception):
     """The agent could not produce an answer; the text is safe to show the user."""
 
 
+class TurnContext(Protocol):
+    """What a running turn may ask of the core, besides its history and message."""
+
+    def take_interjection(self) -> str | None:
+        """Messages the user sent while this turn runs (busy policy "steer"), combined, in order —
+        each handed over once; None if there are none. Asked at every model/tool boundary."""
+
+    @property
+    def token_ratio(self) -> float:
+        """The provider's token count over the local estimate, as seen in this session (1.0: none yet)."""
+
+
 class Agent(Protocol):
     @property
     def description(self) -> str:
         """Agent kind and model, for /status and /v1/models."""
 
-    def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage) -> AsyncIterator[AgentEvent]:
+    def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
+                 context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
         """Stream one turn. Tool calls run inside; cancellation arrives as CancelledError."""
 
 
@@ -195,6 +208,11 @@ class Outlet(Protocol):
     def bot_username(self) -> str | None:
         """The bot's own name on the platform, so `/cmd@OtherBot` is told apart from ours."""
 
+    @property
+    def can_steer(self) -> bool:
+        """May a message join the answer already being written (a chat), or does each need an
+        answer of its own (an HTTP request)?"""
+
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply: ...
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
@@ -207,6 +225,7 @@ class Outcome(StrEnum):
     ACCEPTED = "accepted"
     QUEUED = "queued"
     DUPLICATE = "duplicate"
+    STEERED = "steered"  # handed to the answer being written (busy policy "steer")
     REJECTED = "rejected"  # the message itself was refused (empty, too long, not allowed...)
     UNAVAILABLE = "unavailable"  # not taken now (storage or Redis down): the same message may come again
     COMMAND = "command"

@@ -51,9 +51,11 @@ from gateway.core.turns import Interruptions, LiveConversation, Speaker, Turn, T
 
 log = logging.getLogger(__name__)
 
-BusyPolicy = Literal["interrupt", "queue"]
+BusyPolicy = Literal["interrupt", "queue", "steer"]
+BUSY_POLICIES: tuple[BusyPolicy, ...] = ("interrupt", "queue", "steer")
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 MEDIA_ONLY = "I can only read text for now."
+STEERED = "↪ added to the current answer"
 UNAVAILABLE_RETRY_S = 5.0
 UNAVAILABLE_NOTICE_EVERY_S = 60.0
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
@@ -125,6 +127,7 @@ class Router:
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
         self._unavailable_told: dict[ChatRef, float] = {}
+        self._busy: dict[str, BusyPolicy] = {}  # per-session overrides (/busy), kept while this process runs
         self._tasks: list[asyncio.Task[None]] = []
         self._rate_limit = UserRateLimit(settings.messages_per_minute)
         self._turns = TurnRunner(store=store, metrics=self.metrics, cache=self.cache,
@@ -180,6 +183,8 @@ class Router:
         for lane in list(self._lanes.values()):
             if lane.current is not None:
                 lane.current.run.cancel(reason)
+                queued += lane.current.steered  # not handed over yet: they wait like queued ones
+                lane.current.steered = []
             queued += lane.pending
             lane.pending.clear()
         for turn in queued:  # stays accepted in the store, replayed on the next start; its reply ends now
@@ -280,12 +285,21 @@ class Router:
         turn = Turn(msg, key, speaker, fence, ephemeral)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
+        policy = self.busy_policy(key)
         # A message that arrives late (held up in a forward while its owner was paused) must not
         # cut off the answer to one the user sent after it: it waits its turn instead.
-        queue = self.settings.busy == "queue" or (busy and lane is not None and _newer_in(lane, msg))
+        late = busy and lane is not None and _newer_in(lane, msg)
+        steer = (policy == "steer" and busy and not late and ephemeral is None and outlet.can_steer
+                 and lane is not None and lane.current is not None and not lane.pending
+                 and not lane.current.run.is_cancelled())
+        queue = policy != "interrupt" or late
         if busy and not queue:
             self._cancel_lane(key, NEW_MESSAGE)
-        ahead = self._enqueue(turn)  # registered before any await: a /stop from now on finds it
+        if steer and lane is not None and lane.current is not None:
+            lane.current.steered.append(turn)  # handed to the running turn at its next boundary
+            ahead = 0
+        else:
+            ahead = self._enqueue(turn)  # registered before any await: a /stop from now on finds it
         if ephemeral is not None:
             turn.accepted.set_result(True)
             return Submitted(Outcome.ACCEPTED, run=turn.run)
@@ -303,6 +317,9 @@ class Router:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
+        if steer:
+            await speaker.notify(msg.chat, STEERED, reply_to=msg.message_id, kind=NoticeKind.INFO)
+            return Submitted(Outcome.STEERED, STEERED, turn.run)
         if busy and queue and ahead:
             await speaker.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
                                  reply_to=msg.message_id, kind=NoticeKind.QUEUED)
@@ -432,7 +449,7 @@ class Router:
         lane = self._lanes.get(session)
         if lane is None:
             return []
-        turns = ([lane.current] if lane.current else []) + list(lane.pending)
+        turns = ([lane.current, *lane.current.steered] if lane.current else []) + list(lane.pending)
         runs = [t.run for t in turns if t.run.cancel(reason)]
         if runs:
             log.info("cancelled %d turn(s): %s", len(runs), reason.marker, extra={"session": session})
@@ -521,6 +538,16 @@ class Router:
             log.error("reset failed: %s", exc, extra={"session": key})
             return False
 
+    def busy_policy(self, key: str, policy: str | None = None) -> str:
+        """The session's busy policy, after setting it to `policy` if given (a /busy command)."""
+        if policy is not None:
+            if policy not in BUSY_POLICIES:
+                raise ValueError(f"busy policy must be one of {', '.join(BUSY_POLICIES)}")
+            self._busy[key] = policy
+            if len(self._busy) > 100_000:
+                self._busy.pop(next(iter(self._busy)))
+        return self._busy.get(key, self.settings.busy)
+
     def status_text(self, key: str) -> str:
         s = self.status(key)
         if s.running and s.since is not None:
@@ -528,7 +555,13 @@ class Router:
             state = f"Running since {clock} ({time.time() - s.since:.0f} s)"
         else:
             state = "Idle"
-        return f"{state} · queued: {s.queued} · agent: {s.agent}"
+        text = f"{state} · queued: {s.queued} · busy: {self.busy_policy(key)} · agent: {s.agent}"
+        conversation = self.cache.peek(key)
+        if conversation is not None and conversation.prompt_tokens:
+            prompt, completion = conversation.tokens_used
+            text += (f"\ncontext: {conversation.prompt_tokens:,} tokens in the last request"
+                     f" · used so far: {prompt:,} prompt, {completion:,} completion")
+        return text
 
     # --- turns ----------------------------------------------------------------------------
 
@@ -537,7 +570,7 @@ class Router:
             while lane.pending and not self._closing:
                 turn = lane.current = lane.pending.popleft()
                 try:
-                    await self._run_turn(turn)
+                    await self._run_turn(turn, lane)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -551,11 +584,16 @@ class Router:
                 if self._cluster is not None and not self._closing:  # stopping: left for adoption
                     self._cluster.unwatch(lane.key)
 
-    async def _run_turn(self, turn: Turn) -> None:
+    async def _run_turn(self, turn: Turn, lane: Lane) -> None:
         try:
             await self._turns.execute(turn)
         finally:
             turn.run.end()
+            for joined in turn.absorbed:
+                joined.run.end()
+            # Messages sent too late to join the turn start the next one, in order.
+            lane.pending.extendleft(reversed(turn.steered))
+            turn.steered = []
 
     async def _sweep(self) -> None:
         every = max(1.0, min(30.0, self.cache.idle_ttl_s / 2))

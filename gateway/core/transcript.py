@@ -82,24 +82,55 @@ class ToolResult:
     content: str
 
 
-AgentEvent = TextDelta | ToolCallsRequested | ToolResult
+@dataclass(frozen=True, slots=True)
+class Interjection:
+    """The user's messages handed to the model between two rounds of this turn (busy "steer")."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What the provider counted for one model round; `estimated_prompt` is our own estimate."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    estimated_prompt: int
+
+
+AgentEvent = TextDelta | ToolCallsRequested | ToolResult | Interjection | Usage
+ROUND_SEPARATOR = "\n\n"  # shown between an answer and its continuation after an interjection
 
 
 class TurnRecorder:
-    """Accumulates a turn's rows from agent events, so a stop at any point leaves a true record."""
+    """Accumulates a turn's rows from agent events, so a stop at any point leaves a true record.
+    Tool results are recorded in the order the model asked for the calls, whatever order they
+    finished in (calls may run in parallel)."""
 
-    __slots__ = ("_earlier", "_open_calls", "_partial", "rows")
+    __slots__ = ("_calls", "_earlier", "_kept", "_partial", "_results", "rows")
 
     def __init__(self) -> None:
         self.rows: list[ChatMessage] = []
         self._partial: list[str] = []
-        self._earlier = 0  # length of the text streamed in the turn's earlier rounds
-        self._open_calls: dict[str, ToolCall] = {}
+        self._earlier = 0  # length of the text streamed in the turn's earlier rounds (separators too)
+        self._kept = ""  # what the reply keeps showing above the current round (answers before an interjection)
+        self._calls: list[ToolCall] = []  # the current round's calls whose rows are not written yet
+        self._results: dict[str, str] = {}
 
     @property
     def text(self) -> str:
         """Assistant text of the current round so far."""
         return "".join(self._partial)
+
+    @property
+    def final_text(self) -> str:
+        """The whole answer as the reply should end up showing it."""
+        return self._kept + self.text
+
+    @property
+    def has_text(self) -> bool:
+        """Has this turn streamed any text yet (so a continuation needs a separator)?"""
+        return self._earlier > 0 or bool(self._partial)
 
     def feed(self, event: AgentEvent) -> None:
         if isinstance(event, TextDelta):
@@ -108,10 +139,20 @@ class TurnRecorder:
             self.rows.append(ChatMessage("assistant", event.text, tool_calls=event.calls))
             self._earlier += len(self.text)
             self._partial.clear()
-            self._open_calls.update((c.id, c) for c in event.calls)
-        else:
-            self._open_calls.pop(event.call_id, None)
-            self.rows.append(ChatMessage("tool", event.content, tool_call_id=event.call_id))
+            self._calls += event.calls
+        elif isinstance(event, ToolResult):
+            self._results[event.call_id] = event.content
+            while self._calls and self._calls[0].id in self._results:  # in the order asked for
+                call = self._calls.pop(0)
+                self.rows.append(ChatMessage("tool", self._results.pop(call.id), tool_call_id=call.id))
+        elif isinstance(event, Interjection):
+            separator = ROUND_SEPARATOR if self.has_text else ""
+            if self._partial:  # the answer so far, then what the user added, then its continuation
+                self.rows.append(ChatMessage("assistant", self.text))
+            self._kept += self.text + separator
+            self._earlier += len(self.text) + len(separator)
+            self._partial.clear()
+            self.rows.append(ChatMessage("user", event.text))
 
     def complete(self) -> list[ChatMessage]:
         self.rows.append(ChatMessage("assistant", self.text))
@@ -122,11 +163,14 @@ class TurnRecorder:
         `shown` (the turn's streamed text the user saw, see `Reply.shown_text`) cuts the partial
         text down to what was shown; None keeps all of it."""
         partial = self.text if shown is None else shown[self._earlier:][:len(self.text)]
-        cut_tools = bool(self._open_calls)
-        for call in self._open_calls.values():
-            self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
-                                         interrupted_by=reason.kind, reason=reason.text))
-        self._open_calls.clear()
+        cut_tools = any(call.id not in self._results for call in self._calls)
+        for call in self._calls:  # finished ones keep their result; the rest get the marker
+            if call.id in self._results:
+                self.rows.append(ChatMessage("tool", self._results.pop(call.id), tool_call_id=call.id))
+            else:
+                self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
+                                             interrupted_by=reason.kind, reason=reason.text))
+        self._calls.clear()
         # The turn ends with the marker: on the interrupted tool results, or else on an assistant
         # row (also when a tool round had finished and the next model round never began).
         if self._partial or not cut_tools:
@@ -136,8 +180,10 @@ class TurnRecorder:
 
     def failed(self, error: str) -> list[ChatMessage]:
         """Rows for a turn the provider failed: the model later sees that it errored."""
-        for call in self._open_calls.values():
-            self.rows.append(ChatMessage("tool", f"[error: {error}]", tool_call_id=call.id))
-        self._open_calls.clear()
+        for call in self._calls:
+            content = self._results.pop(call.id, None)
+            self.rows.append(ChatMessage("tool", content if content is not None else f"[error: {error}]",
+                                         tool_call_id=call.id))
+        self._calls.clear()
         self.rows.append(ChatMessage("assistant", self.text or f"[error: {error}]"))
         return self.rows

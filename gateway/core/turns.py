@@ -38,20 +38,33 @@ from gateway.core.ports import (
     Store,
     StoreError,
 )
-from gateway.core.transcript import ChatMessage, TextDelta, TurnRecorder
+from gateway.core.transcript import ROUND_SEPARATOR, ChatMessage, Interjection, TextDelta, TurnRecorder, Usage
 
 log = logging.getLogger(__name__)
 
 
 class LiveConversation:
-    """What the agent cache holds per session: its current conversation, loaded once from the store."""
+    """What the agent cache holds per session: its current conversation, loaded once from the store,
+    and what the provider said about its size."""
 
-    __slots__ = ("conversation", "history", "key")
+    __slots__ = ("conversation", "history", "key", "prompt_tokens", "token_ratio", "tokens_used")
 
     def __init__(self, key: str, conversation: int, history: list[ChatMessage]) -> None:
         self.key = key
         self.conversation = conversation
         self.history = history
+        self.token_ratio = 1.0  # the provider's count over our estimate (moving average)
+        self.prompt_tokens = 0  # the last request's prompt, as the provider counted it
+        self.tokens_used = [0, 0]  # prompt and completion tokens of this conversation so far
+
+    def observe(self, usage: Usage) -> None:
+        """Learn from the provider's count: the estimate is corrected per session."""
+        if usage.estimated_prompt > 0 and usage.prompt_tokens > 0:
+            ratio = usage.prompt_tokens / usage.estimated_prompt
+            self.token_ratio = min(4.0, max(0.25, 0.7 * self.token_ratio + 0.3 * ratio))
+        self.prompt_tokens = usage.prompt_tokens
+        self.tokens_used[0] += usage.prompt_tokens
+        self.tokens_used[1] += usage.completion_tokens
 
 
 class Interruptions:
@@ -99,7 +112,8 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker")
+    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker",
+                 "steered", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
@@ -113,6 +127,32 @@ class Turn:
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
         self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.steered: list[Turn] = []  # messages sent while this runs (busy "steer"), not yet handed over
+        self.absorbed: list[Turn] = []  # those handed to the model: their answer is this turn's
+        self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
+
+
+class _Context:
+    """`TurnContext` for one turn: its steered messages and what the session knows of its size."""
+
+    __slots__ = ("_conversation", "_turn")
+
+    def __init__(self, turn: Turn, conversation: LiveConversation | None) -> None:
+        self._turn = turn
+        self._conversation = conversation
+
+    def take_interjection(self) -> str | None:
+        turn = self._turn
+        ready = [t for t in turn.steered if not t.run.is_cancelled() and t.accepted.done() and t.accepted.result()]
+        if not ready:
+            return None
+        turn.steered = [t for t in turn.steered if t not in ready]
+        turn.absorbed += ready
+        return "\n\n".join(t.msg.text for t in ready)
+
+    @property
+    def token_ratio(self) -> float:
+        return self._conversation.token_ratio if self._conversation is not None else 1.0
 
 
 class TurnRunner:
@@ -206,7 +246,9 @@ class TurnRunner:
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._stream(run, self._agent(), history, user, reply, recorder), context=ctx)
+        context = _Context(turn, agent)
+        task = loop.create_task(self._stream(turn, self._agent(), history, user, reply, recorder, context),
+                                context=ctx)
         run.attach(task)  # a cancel that landed during the awaits above cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
         self._cache.mark_running(turn.key, True)
@@ -222,7 +264,12 @@ class TurnRunner:
             self._metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply)
         self._metrics.turns.labels(status.value).inc()
-        return None if await self._record(turn, agent, conversation, user, rows, status, detail) else UNSAVED
+        if turn.usage[0]:
+            log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
+        saved = await self._record(turn, agent, conversation, user, rows, status, detail)
+        for joined in turn.absorbed:  # messages handed to this turn are answered by it
+            saved = await self._finish(joined, status, f"answered with message {msg.message_id}") and saved
+        return None if saved else UNSAVED
 
     async def _record(self, turn: Turn, agent: LiveConversation | None, conversation: int, user: ChatMessage,
                       rows: list[ChatMessage], status: InboundStatus, detail: str | None) -> bool:
@@ -239,14 +286,30 @@ class TurnRunner:
             return await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         return await self._finish(turn, status, detail)
 
-    async def _stream(self, run: Run, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
-                      recorder: TurnRecorder) -> None:
-        async for event in agent.run_turn(history, user):
+    async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
+                      recorder: TurnRecorder, context: _Context) -> None:
+        run = turn.run
+        async for event in agent.run_turn(history, user, context):
+            if isinstance(event, Usage):
+                self._usage(turn, context, event)
+                continue
+            separate = isinstance(event, Interjection) and recorder.has_text
             recorder.feed(event)
             if isinstance(event, TextDelta) and self._may_send(run):
                 await reply.delta(event.text)
+            elif separate and self._may_send(run):  # the continuation starts below the answer so far
+                await reply.delta(ROUND_SEPARATOR)
         if self._may_send(run):
-            await reply.finish(recorder.text)
+            await reply.finish(recorder.final_text)
+
+    def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:
+        turn.usage[0] += usage.prompt_tokens
+        turn.usage[1] += usage.completion_tokens
+        if context._conversation is not None:
+            context._conversation.observe(usage)
+        tenant = turn.msg.tenant or "-"
+        self._metrics.tokens.labels("prompt", tenant).inc(usage.prompt_tokens)
+        self._metrics.tokens.labels("completion", tenant).inc(usage.completion_tokens)
 
     def _may_send(self, run: Run) -> bool:
         if run.may_send():

@@ -66,6 +66,9 @@ class AgentConfig:
     max_tool_rounds: int = 8
     retries: int = 3
     read_timeout_s: float = 120.0
+    context_tokens: int = 32_000  # the model's context window
+    reply_tokens: int = 4_000  # of it, kept free for the answer
+    include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
 
 
 @dataclass
@@ -76,6 +79,8 @@ class ToolsConfig:
     shell_allow_prefixes: list[str] = field(default_factory=list)
     shell_cwd: str | None = None
     tool_kill_grace_s: float = 2.0
+    parallel: bool = True  # several tool calls of one model round run side by side
+    max_parallel: int = 4
 
 
 @dataclass
@@ -275,7 +280,8 @@ def _validate(c: Config) -> None:
     positive = {"http.port": c.http.port, "router.max_message_chars": c.router.max_message_chars,
                 "router.turn_timeout_s": c.router.turn_timeout_s, "agent_cache.max_agents": c.agent_cache.max_agents,
                 "agent_cache.idle_ttl_s": c.agent_cache.idle_ttl_s, "tools.shell_timeout_s": c.tools.shell_timeout_s,
-                "agent.max_tool_rounds": c.agent.max_tool_rounds}
+                "agent.max_tool_rounds": c.agent.max_tool_rounds, "agent.context_tokens": c.agent.context_tokens,
+                "agent.reply_tokens": c.agent.reply_tokens, "tools.max_parallel": c.tools.max_parallel}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be greater than 0 (got {value})")
@@ -301,6 +307,8 @@ def _validate(c: Config) -> None:
                           "the SQLite and Redis stores keep everything")
     if c.router.messages_per_minute < 0:
         raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
+    if c.agent.reply_tokens >= c.agent.context_tokens:
+        raise ConfigError("agent.reply_tokens: must be less than agent.context_tokens")
     if c.tools.tool_kill_grace_s < 0:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
     if c.agent.echo_delay_s < 0:

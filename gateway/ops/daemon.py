@@ -53,7 +53,8 @@ def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
         return OpenAIAgent(OpenAISettings(
             base_url=a.base_url, model=a.model, api_key=a.api_key.reveal() if a.api_key else None,
             system_prompt=a.system_prompt, max_tool_rounds=a.max_tool_rounds, retries=a.retries,
-            read_timeout_s=a.read_timeout_s), tools)
+            read_timeout_s=a.read_timeout_s, context_tokens=a.context_tokens, reply_tokens=a.reply_tokens,
+            include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel), tools)
     return EchoAgent(tools, delay_s=a.echo_delay_s)
 
 

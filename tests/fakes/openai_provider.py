@@ -63,6 +63,10 @@ class FakeProvider:
         # Optional: the default streamed text for a connection (instead of "reply to: ..."), e.g.
         # to put a tag in every answer that names the request it came from.
         self.text_for: Callable[[Connection], str] | None = None
+        # Token counting as a provider would report it (stream_options.include_usage): characters
+        # of the request's messages per token; and a context window that refuses longer requests.
+        self.chars_per_token = 4.0
+        self.max_context_tokens: int | None = None
         # Optional: the script for a request that has no queued or by-text script (None: the default).
         self.script_for: Callable[[Connection], Script | None] | None = None
         self._runner: web.AppRunner | None = None
@@ -130,6 +134,14 @@ class FakeProvider:
             conn.completed = True
             return web.json_response({"error": {"message": f"fake failure {script.status}",
                                                 "type": "server_error"}}, status=script.status)
+        prompt_tokens = int(sum(len(json.dumps(m, ensure_ascii=False)) for m in body.get("messages", []))
+                            / self.chars_per_token)
+        if self.max_context_tokens is not None and prompt_tokens > self.max_context_tokens:
+            conn.completed = True
+            return web.json_response({"error": {
+                "message": f"This model's maximum context length is {self.max_context_tokens} tokens. However, "
+                           f"your messages resulted in {prompt_tokens} tokens.",
+                "type": "invalid_request_error", "code": "context_length_exceeded"}}, status=400)
         if script.json_only:
             conn.completed = True
             return web.json_response({"choices": [{"index": 0, "message": {
@@ -160,6 +172,10 @@ class FakeProvider:
                     await asyncio.sleep(delay)
                     await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": word + " "}}]}))
                 await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                completion = len(script.tool_calls) * 10 if script.tool_calls else self.words + 3
+                await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                                "completion_tokens": completion}}))
             await resp.write(b"data: [DONE]\n\n")
             conn.completed = True
             conn.completed_at = time.perf_counter()
