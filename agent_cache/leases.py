@@ -280,8 +280,13 @@ class LeaseManager:
         """Renew every held lease, a slice per call with a few calls in flight; report the ones that
         are gone. Encoding one slice is the longest the event loop is held."""
         leases = list(self.held.values())
-        if not leases:
-            self.last_ok = now()
+        if not leases:  # nothing to renew: still find out whether Redis answers (`failing` clears)
+            try:
+                await self.redis.ping()
+            except (RedisError, OSError):
+                self.failing = True
+                return
+            self.last_ok, self.failing = now(), False
             return
         starts = iter(range(0, len(leases), RENEW_SLICE))
         failures: list[BaseException] = []
