@@ -159,10 +159,9 @@ async def test_a_long_conversation_is_sent_within_the_budget(make_daemon: Daemon
                  ChatMessage("tool", "file\n" * 100, tool_call_id=call.id), ChatMessage("assistant", f"answer {i}")]
     await daemon.store.append(fence, 1, rows)
     url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
-    async with aiohttp.ClientSession() as http:
-        async with http.post(url, json={"messages": [{"role": "user", "content": "what was the last question?"}]},
-                             headers={"X-Session-Id": "long"}) as resp:
-            assert resp.status == 200
+    body = {"messages": [{"role": "user", "content": "what was the last question?"}]}
+    async with aiohttp.ClientSession() as http, http.post(url, json=body, headers={"X-Session-Id": "long"}) as resp:
+        assert resp.status == 200
     sent = provider.connections[-1].body["messages"]
     assert 4 < len(sent) < 200  # the newest turns, not 2,000 messages
     assert sent[0]["role"] == "user" and sent[-1]["content"] == "what was the last question?"
@@ -181,10 +180,9 @@ async def test_a_context_too_long_error_is_retried_once_with_less(make_daemon: D
     await daemon.store.append(fence, 1, [ChatMessage("user" if i % 2 == 0 else "assistant", f"row {i} " + "z" * 100)
                                          for i in range(200)])
     url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
-    async with aiohttp.ClientSession() as http:
-        async with http.post(url, json={"messages": [{"role": "user", "content": "still there?"}]},
-                             headers={"X-Session-Id": "tight"}) as resp:
-            out = await resp.json()
+    body = {"messages": [{"role": "user", "content": "still there?"}]}
+    async with aiohttp.ClientSession() as http, http.post(url, json=body, headers={"X-Session-Id": "tight"}) as resp:
+        out = await resp.json()
     assert resp.status == 200, out
     assert len(provider.connections) == 2  # refused once for its length, then sent shorter
     assert len(provider.connections[1].body["messages"]) < len(provider.connections[0].body["messages"])

@@ -123,11 +123,12 @@ async def test_status_and_new_keep_the_old_conversation_archived(
         make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider, store: SqliteStore) -> None:
     provider.delay_s = 0.05
     router = await make_router()
-    assert (await router.submit(chat.message("c1", "/status"), chat)).detail == "Idle · queued: 0 · agent: openai:fake"
+    idle = (await router.submit(chat.message("c1", "/status"), chat)).detail
+    assert idle == "Idle · queued: 0 · busy: interrupt · agent: openai:fake"
     run = (await router.submit(chat.message("c1", "remember me"), chat)).run
     await chat.wait_for(lambda: len(provider.connections) == 1)
     status = (await router.submit(chat.message("c1", "/status"), chat)).detail
-    assert status.startswith("Running since ") and status.endswith("queued: 0 · agent: openai:fake")
+    assert status.startswith("Running since ") and status.endswith("queued: 0 · busy: interrupt · agent: openai:fake")
     assert (await router.submit(chat.message("c1", "/new"), chat)).detail.startswith("Started a new conversation")
     assert run is not None
     await run.wait()
