@@ -146,7 +146,10 @@ def _row(key: str, state: str, since: float | None, queued: int, router: Router,
     platform, _, rest = key.partition(":")
     chat_type, _, chat = rest.partition(":")
     last = router.interruptions.get(key)
+    live = router.cache.peek(key)
     return {"key": key, "platform": platform, "chat_type": chat_type, "chat": chat, "state": state,
             "turn_age_s": round(now - since, 1) if since else None, "queued": queued,
             "worker": router.worker_id,
+            "tokens": {"prompt": live.tokens_used[0], "completion": live.tokens_used[1],
+                       "context": live.prompt_tokens} if live is not None else None,
             "last_interruption": {"kind": last[0], "reason": last[1], "at": last[2]} if last else None}

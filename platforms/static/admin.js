@@ -58,10 +58,10 @@
   function makeRow(key) {
     const tr = el("tr");
     tr.dataset.key = key;
-    const names = ["platform", "chat", "state", "age", "queued", "worker", "why", "action"];
+    const names = ["platform", "chat", "state", "age", "queued", "tokens", "worker", "why", "action"];
     const cells = {};
     for (const n of names) {
-      cells[n] = el("td", n === "age" || n === "queued" ? `${n} num` : n);
+      cells[n] = el("td", n === "age" || n === "queued" || n === "tokens" ? `${n} num` : n);
       tr.appendChild(cells[n]);
     }
     const btn = el("button", "stop-btn", "Stop");
@@ -106,6 +106,9 @@
       c.state.firstChild.dataset.state = s.state;
       c.age.textContent = s.state === "running" ? age(s.turn_age_s) : "—";
       c.queued.textContent = String(s.queued);
+      c.tokens.textContent = s.tokens ? (s.tokens.prompt + s.tokens.completion).toLocaleString() : "—";
+      c.tokens.title = s.tokens ? `prompt ${s.tokens.prompt}, completion ${s.tokens.completion}; `
+        + `last request ${s.tokens.context} tokens of context` : "";
       c.worker.textContent = s.worker || "—";
       c.why.replaceChildren();
       const last = s.last_interruption;
