@@ -67,7 +67,8 @@ def budget_cost(messages: int, repeat: int = 200) -> str:
     for i in range(messages // 4):
         call = ToolCall(f"c{i}", "shell", '{"command": "ls -l"}')
         rows += [ChatMessage("user", f"question {i} about the project"),
-                 ChatMessage("assistant", "", tool_calls=(call,)), ChatMessage("tool", "file\n" * 60, tool_call_id=call.id),
+                 ChatMessage("assistant", "", tool_calls=(call,)),
+                 ChatMessage("tool", "file\n" * 60, tool_call_id=call.id),
                  ChatMessage("assistant", f"answer {i}: " + "words " * 40)]
     new = ChatMessage("user", "and now?")
     started = time.perf_counter()
