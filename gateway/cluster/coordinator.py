@@ -276,7 +276,11 @@ class Cluster:
                 log.exception("lapsed-lease scan crashed; retrying")
 
     async def scan_lapsed(self) -> int:
-        """Adopt sessions whose lease ran out with work still open; forget the rest. Returns adoptions."""
+        """Adopt sessions whose lease ran out while they had work open. Returns adoptions.
+
+        An entry is only ever listed while its session has work open, so a lapsed one is always
+        taken; what was left open is then read from the store (whichever holds the history) by the
+        recovery the acquisition runs, and a session that had nothing left is released as idle."""
         now_ms = int(time.time() * 1000)
         due = cast("list[str]", await self.redis.zrangebyscore(keys.leased(), "-inf", now_ms, start=0,
                                                                 num=SCAN_BATCH))
@@ -285,20 +289,16 @@ class Cluster:
         async with self.redis.pipeline(transaction=False) as pipe:
             for session in due:
                 pipe.exists(keys.lease(session))
-                pipe.hlen(keys.inbound(session))
-            found = await pipe.execute()
+            held = await pipe.execute()
         adopted = 0
-        for session, held, open_records in zip(due, found[::2], found[1::2], strict=True):
-            if held or session in self._acquiring:
+        for session, leased in zip(due, held, strict=True):
+            if leased or session in self._acquiring or session in self.leases.held:
                 continue  # renewed or taken meanwhile; its owner refreshes the entry
-            if not open_records:
-                await self.redis.zrem(keys.leased(), session)
-                continue
             route = await self.route(session)
             if route.fence is not None:
                 adopted += 1
                 self.adoptions += 1
-                log.info("adopted %s: its lease lapsed with a turn open", session, extra={"session": session})
+                log.info("adopted %s: its lease lapsed with work open", session, extra={"session": session})
         return adopted
 
     # --- forwarding -----------------------------------------------------------------------

@@ -79,6 +79,7 @@ from tests.chaos.records import (
 )
 
 OVERLAP_TOLERANCE_S = 0.1
+SHARED = ("redis", "postgres")  # fault targets every worker depends on
 TOOL_WINDOW_S = 5.0  # a tool run after a stream that asked for it, at most (the fake's tools sleep 2-4 s)
 WAKE_GRACE_S = 1.0
 INFLIGHT_S = 0.05
@@ -441,7 +442,7 @@ class _Checker:
             first = min(answers, key=lambda b: b.changed_at)
             stream = self.streams.get(stream_number(first.text) or 0)
             at_fault = stream is not None and any(
-                f.target in (stream.via, "redis") and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
+                f.target in (stream.via, *SHARED) and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
                 for f in self.r.faults)
             shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
             if at_fault:
@@ -457,7 +458,7 @@ class _Checker:
             later = [b for b in notices if b.reply_to == m.message_id and b.sent_at > done and is_takeover(b.text)]
             if later:
                 stream = self.streams.get(stream_number(min(answers, key=lambda b: b.changed_at).text) or 0)
-                faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, "redis")
+                faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, *SHARED)
                            and 0 <= f.started_at - done <= AT_FAULT_S]
                 what = (f"[{m.tag}] whole answer shown at {self.t(done)} (c{stream.number if stream else '?'} by "
                         f"{stream.via if stream else '?'}), then {later[0].via} said {later[0].text[:70]!r} at "
@@ -540,14 +541,14 @@ class _Checker:
         after the fault is over: more of its answer, its end, or a notice. (A pause that outlasts
         TTL + 2 s is check_takeover_latency's case.)"""
         for f in self.r.faults:
-            if f.kind not in ("pause_short", "pause_long", "redis_restart") or f.ended_at is None:
+            if f.kind not in ("pause_short", "pause_long", "redis_restart", "pg_restart") or f.ended_at is None:
                 continue
             start, back = f.started_at, f.ended_at
             if f.kind == "pause_long" and back >= start + self.r.ttl_s + TAKEOVER_SLACK_S:
                 continue
             limit = back + self.r.ttl_s + TAKEOVER_SLACK_S
             for s in self.r.streams:
-                if (f.kind != "redis_restart" and s.via != f.target) or not s.session or s.session[0] != "g":
+                if (f.target not in SHARED and s.via != f.target) or not s.session or s.session[0] != "g":
                     continue
                 if not (s.opened_at < start and (s.ended_at is None or s.ended_at >= start)):
                     continue
@@ -643,7 +644,7 @@ class _Checker:
                 ok = closing is not None and (
                     not answered or (closing.interrupted_by is None and stream_number(closing.content) is not None))
                 if not ok:
-                    died = [f for f in self.r.faults if f.target in (a.target, "redis")
+                    died = [f for f in self.r.faults if f.target in (a.target, *SHARED)
                             and 0 <= f.started_at - a.ended_at <= AT_FAULT_S]
                     what = f"[{tag}] answered 200 ({'whole' if answered else a.interrupted}) by {a.target} at " \
                            f"{self.t(a.ended_at)}; transcript: {_row(closing)}" \

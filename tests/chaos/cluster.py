@@ -25,6 +25,7 @@ import aiohttp
 from tests.chaos.records import END, Incarnation, answer_tag, message_tag
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
+from tests.pg_server import PgServer
 from tests.redis_server import RedisServer
 from tests.workers import Worker
 
@@ -93,8 +94,12 @@ def process_alive(pid: int) -> bool:
 
 class ChaosCluster:
     def __init__(self, tmp: Path, *, seed: int = 0, workers: int = 3, ttl_s: float = 3.0, words: int = 36,
-                 delay_s: float = 0.09, edit_interval_s: float = 0.3, tools: bool = True) -> None:
+                 delay_s: float = 0.09, edit_interval_s: float = 0.3, tools: bool = True,
+                 store: str = "redis") -> None:
         self.tmp = tmp
+        # History in PostgreSQL (coordination stays in Redis), or everything in Redis.
+        self.pg = PgServer() if store == "postgres" else None
+        self.pg_url: str | None = None
         self.seed = seed
         self.tools = tools
         self.tool_dir = tmp / "tools"  # <incarnation>.pids: the pid of every tool process it started
@@ -124,6 +129,9 @@ class ChaosCluster:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.redis.start)
+        if self.pg is not None:
+            await asyncio.to_thread(self.pg.start)
+            self.pg_url = await asyncio.to_thread(self.pg.create_database, "chaos")
         await self.provider.start()
         self.provider.text_for = self._answer
         self.provider.script_for = self._script
@@ -149,6 +157,8 @@ class ChaosCluster:
         await self.telegram.stop()
         await self.provider.stop()
         await asyncio.to_thread(self.redis.stop)
+        if self.pg is not None:
+            await asyncio.to_thread(self.pg.destroy)
 
     def _process(self, worker_id: str) -> tuple[WorkerProcess, str]:
         """The next incarnation of `worker_id`, not started yet."""
@@ -168,6 +178,8 @@ class ChaosCluster:
             "SWITCHBOARD_TOOLS__SHELL": "true" if self.tools else "false",
             "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "0.5",
         }
+        if self.pg_url is not None:
+            env["SWITCHBOARD_STORE__URL"] = self.pg_url
         worker = WorkerProcess(worker_id, self.redis.url, f"http://127.0.0.1:{self.provider.port}/{name}/v1",
                                self.tmp, ttl_s=self.ttl_s, **env)
         self._processes.append(worker)
@@ -239,6 +251,8 @@ class ChaosCluster:
                 self.resume(worker_id)
         if self.redis.proc is None or self.redis.proc.poll() is not None:
             await asyncio.to_thread(self.redis.start)
+        if self.pg is not None and not self.pg.running():
+            await asyncio.to_thread(self.pg.start)
         for worker, inc in self.current.values():
             if worker.proc is not None and worker.proc.poll() is not None and inc.ended_at is None:
                 inc.ended_at = time.monotonic()  # it died by itself (see crashed())

@@ -21,13 +21,14 @@ from tests.chaos.cluster import ChaosCluster, process_alive
 from tests.chaos.records import FaultRecord
 
 KINDS = ("kill", "kill_restart", "pause_short", "pause_long", "redis_restart")
+PG_KINDS = (*KINDS, "pg_restart")  # with the history in PostgreSQL: it crashes and comes back too
 RESTART_S = 3.0  # about how long a worker takes to start (for planning only)
 
 
 @dataclass(frozen=True)
 class PlannedFault:
     kind: str
-    worker: int  # index into the cluster's worker ids (ignored for redis_restart)
+    worker: int  # index into the cluster's worker ids (ignored for redis_restart and pg_restart)
     duration: float  # pause length, time dead before the restart, or Redis down time
     gap_before: float  # quiet time before it starts
 
@@ -101,6 +102,15 @@ async def run_one(cluster: ChaosCluster, fault: PlannedFault, log: list[FaultRec
         await asyncio.to_thread(cluster.redis.kill)  # a crash: SIGKILL (the append-only file is fsynced)
         await asyncio.sleep(fault.duration)
         await asyncio.to_thread(cluster.redis.start)
+        rec.ended_at = time.monotonic()
+        return
+    if fault.kind == "pg_restart":
+        assert cluster.pg is not None
+        rec = FaultRecord(fault.kind, "postgres", time.monotonic(), duration=fault.duration)
+        log.append(rec)
+        await asyncio.to_thread(cluster.pg.kill)  # a crash; it recovers from its log on start
+        await asyncio.sleep(fault.duration)
+        await asyncio.to_thread(cluster.pg.start)
         rec.ended_at = time.monotonic()
         return
     live = [inc.worker_id for _w, inc in cluster.live()]

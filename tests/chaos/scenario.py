@@ -58,6 +58,7 @@ class Settings:
     patience_s: float = 40.0
     early_p: float = 0.15
     kinds: tuple[str, ...] = faults.KINDS  # () for a control run without faults
+    store: str = "redis"  # or "postgres": history in PostgreSQL, coordination in Redis
     tools: bool = True  # some turns run a shell tool first (to see whether a killed worker's tools outlive it)
 
 
@@ -72,7 +73,7 @@ def session_key(session: str) -> str:
 
 async def run_scenario(settings: Settings, tmp: Path) -> tuple[Records, Report]:
     cluster = ChaosCluster(tmp, seed=settings.seed, workers=settings.workers, ttl_s=settings.ttl_s,
-                           words=settings.words, delay_s=settings.delay_s, tools=settings.tools)
+                           words=settings.words, delay_s=settings.delay_s, tools=settings.tools, store=settings.store)
     fault_log: list[FaultRecord] = []
     try:
         await cluster.start()
@@ -172,6 +173,8 @@ async def collect(cluster: ChaosCluster, traffic: Traffic, fault_log: list[Fault
         bm.text = cluster.telegram.messages(chat).get(mid, "")
     transcripts, open_inbound, inbox = await asyncio.to_thread(
         _read_store, cluster.redis, traffic.sessions, cluster.worker_ids)
+    if cluster.pg_url is not None:  # the history is in PostgreSQL: read it there
+        transcripts, open_inbound = await _read_postgres(cluster.pg_url, cluster.redis, traffic.sessions)
     return Records(seed=seed, ttl_s=cluster.ttl_s, answer_s=cluster.answer_s, t0=t0, traffic_end=traffic_end,
                    collected_at=time.monotonic(), incarnations=dict(cluster.incarnations), faults=fault_log,
                    telegram=traffic.telegram, api=traffic.api, streams=streams, calls=calls,
@@ -222,6 +225,30 @@ def _read_store(redis: RedisServer, sessions: list[str], worker_ids: list[str]
                 elif _stream_id(entry_id) > _stream_id(last):
                     inbox[tag] = f"forwarded to {worker_id}'s inbox and never read"
     return transcripts, open_inbound, inbox
+
+
+async def _read_postgres(url: str, redis: RedisServer, sessions: list[str]
+                         ) -> tuple[dict[str, list[Row]], list[OpenInbound]]:
+    from gateway.store.postgres import PostgresStore
+
+    store = PostgresStore(url, require_fence=False)
+    await store.open()
+    transcripts: dict[str, list[Row]] = {}
+    open_inbound: list[OpenInbound] = []
+    try:
+        with redis.client() as c:
+            for session in sessions:
+                key = session_key(session)
+                _conv, rows = await store.conversation(key)
+                if rows:
+                    transcripts[session] = [Row(r.role, r.content, r.interrupted_by, r.reason, bool(r.tool_calls))
+                                            for r in rows]
+                for rec in await store.unfinished_inbound(key):
+                    open_inbound.append(OpenInbound(key, str(rec.id), rec.status.value, rec.message.text,
+                                                    c.hget(keys.lease(key), "worker"), int(c.pttl(keys.lease(key)))))
+    finally:
+        await store.close()
+    return transcripts, open_inbound
 
 
 def _stream_id(entry_id: str) -> tuple[int, int]:

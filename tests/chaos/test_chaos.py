@@ -19,16 +19,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.chaos import faults
 from tests.chaos.scenario import Settings, run_scenario, save, seed_from_env
 
 SEEDS = [1]  # the bounded run uses these; CHAOS_SEED overrides
 
 
 @pytest.mark.chaos
+@pytest.mark.parametrize("store", ["redis", "postgres"])
 @pytest.mark.parametrize("seed", [seed_from_env(s) for s in SEEDS])
-async def test_cluster_keeps_its_invariants_under_chaos(seed: int, tmp_path: Path) -> None:
+async def test_cluster_keeps_its_invariants_under_chaos(seed: int, store: str, tmp_path: Path) -> None:
+    """With the history in Redis, and once in PostgreSQL (which is killed and restarted too)."""
     started = time.monotonic()
-    records, report = await run_scenario(Settings(seed=seed), tmp_path)
+    settings = Settings(seed=seed) if store == "redis" else Settings(seed=seed, store=store, kinds=faults.PG_KINDS)
+    records, report = await run_scenario(settings, tmp_path)
     path = save(records, report, Path(os.environ.get("CHAOS_OUT") or tmp_path))
     where = f"({time.monotonic() - started:.0f} s; records and report: {path.with_suffix('.json')}, {path})"
     if report.counts["faults"] < 3 or report.counts["answered"] == 0:  # the harness did not do its part
