@@ -277,8 +277,9 @@ class LeaseManager:
     # --- renew ----------------------------------------------------------------------------
 
     async def renew_all(self) -> None:
-        """Renew every held lease, a slice per call with a few calls in flight; report the ones that
-        are gone. Encoding one slice is the longest the event loop is held."""
+        """Renew every held lease, a slice per call with a few calls in flight, paced over about a
+        sixth of the TTL; report the ones that are gone. Encoding one slice is the longest the event
+        loop is held."""
         leases = list(self.held.values())
         if not leases:  # nothing to renew: still find out whether Redis answers (`failing` clears)
             try:
@@ -290,6 +291,10 @@ class LeaseManager:
             return
         starts = iter(range(0, len(leases), RENEW_SLICE))
         failures: list[BaseException] = []
+        # Spread the round over about a sixth of the TTL (half the time to the next round): the
+        # event loop stays free for messages in between, and the deadline keeps a wide margin.
+        calls_per_worker = -(-len(leases) // (RENEW_SLICE * RENEW_WINDOW))
+        pace = min(0.01, self.ttl_s / 6 / max(1, calls_per_worker))
 
         async def renew() -> None:  # RENEW_WINDOW of these take the slices in turn
             for start in starts:
@@ -308,7 +313,7 @@ class LeaseManager:
                             self.renewed_at[lease.name] = sent
                     elif self.held.get(lease.name) is lease:
                         self._lose(lease.name, expired=False)
-                await asyncio.sleep(0)  # the next slice in a later loop iteration: timers run between
+                await asyncio.sleep(pace)  # the next slice later: other work runs between
 
         await asyncio.gather(*(renew() for _ in range(RENEW_WINDOW)))
         if failures:
