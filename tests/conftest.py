@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,6 +82,12 @@ async def make_router(store: SqliteStore, provider: FakeProvider, tools: ToolReg
         await router.shutdown(GATEWAY_RESTART, grace_s=5)
         if oa is not None:
             await oa.close()
+
+
+def console_script(name: str) -> str:
+    """The console script `name` of the Python running the tests (the one `pip install -e` made),
+    not whichever `name` comes first on PATH — that may be another checkout's."""
+    return str(Path(sys.executable).with_name(name))
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from gateway.ops.config import Config, load_config
+from tests.conftest import console_script
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "deploy" / "switchboard.example.toml"
@@ -21,8 +22,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_switchboard_check_accepts_the_example() -> None:
-    r = subprocess.run(["switchboard", "check", "--config", str(EXAMPLE)], capture_output=True, text=True,
-                       timeout=60, env=_clean_env())
+    r = subprocess.run([console_script("switchboard"), "check", "--config", str(EXAMPLE)], capture_output=True,
+                       text=True, timeout=60, env=_clean_env())
     assert r.returncode == 0, r.stderr
     assert "[telegram]" in r.stdout
 

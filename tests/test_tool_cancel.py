@@ -7,6 +7,9 @@ import contextvars
 import logging
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ from gateway.core.cancellation import (
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import pids_from, running_in_group, until
+from tests.procs import Proc, argv, pids_from, running, running_in_group, stat, until
 
 
 async def _gone(pgid: int, timeout: float) -> float:
@@ -271,3 +274,45 @@ async def test_a_tool_that_never_ends_frees_its_lane_after_the_grace_and_sends_n
     await asyncio.sleep(0.2)  # room for anything it might (wrongly) still send
     assert not [t for t in chat.texts("c1") if "LEAKED" in t]
     assert any("after its turn was recorded" in r.getMessage() for r in caplog.records)
+
+
+_STAND_IN = """
+import asyncio, sys
+from gateway.agents.processes import ProcessReaper, run_in_process_group
+
+async def main() -> None:
+    reaper = ProcessReaper(5, pdeathsig=sys.argv[1])
+    tool = asyncio.create_task(run_in_process_group(["sleep", "45"], reaper=reaper, timeout_s=60, max_output=100))
+    while not reaper.live_groups:
+        await asyncio.sleep(0.01)
+    print(*reaper.live_groups, flush=True)
+    await tool
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("method", ["setpriv", "preexec", "none"])
+async def test_the_tool_dies_with_the_process_that_started_it(method: str) -> None:
+    """PDEATHSIG, either way it is set: a stand-in for the daemon starts `sleep 45` and is
+    SIGKILLed; the sleep must die with it. Without PDEATHSIG ("none") it would run on."""
+    stand_in = subprocess.Popen([sys.executable, "-c", _STAND_IN, method], stdout=subprocess.PIPE)
+    tool: Proc | None = None
+    try:
+        assert stand_in.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(stand_in.stdout.readline), 20)
+        tool = stat(int(line))
+        assert tool is not None and tool.ppid == stand_in.pid and argv(tool.pid) == ["sleep", "45"]
+        stand_in.kill()
+        stand_in.wait()  # by now the kernel has sent the parent-death signal, if one was set
+        if method == "none":
+            await asyncio.sleep(0.2)  # a negative check: give a (wrongly) pending kill time to land
+            assert running(tool), "the control case: without PDEATHSIG the tool outlives its parent"
+        else:
+            leader = tool
+            await until(lambda: not running(leader), 5, f"PDEATHSIG ({method}) did not kill the tool")
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        if tool is not None and running(tool):
+            os.kill(tool.pid, signal.SIGKILL)
