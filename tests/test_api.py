@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ import aiohttp
 from gateway.core.cancellation import CLIENT_DISCONNECTED
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.procs import until
 
 KEY = "sk-test-0123456789"
 
@@ -102,11 +104,15 @@ async def test_a_streaming_client_that_disconnects_cancels_its_run(
     conn = provider.connections[-1]
     await provider.wait_closed(conn, timeout=2)
     assert not conn.completed
-    _, history = await daemon.store.conversation("api:dm:bob")
-    for _ in range(100):
-        _, history = await daemon.store.conversation("api:dm:bob")
-        if history[-1].role == "assistant":
-            break
+    history: list[Any] = []
+
+    async def recorded() -> bool:
+        history[:] = (await daemon.store.conversation("api:dm:bob"))[1]
+        return bool(history) and history[-1].role == "assistant"
+
+    deadline = time.monotonic() + 10
+    while not await recorded():
+        assert time.monotonic() < deadline, "the interrupted turn was never recorded"
         await asyncio.sleep(0.02)
     assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
 
@@ -120,11 +126,8 @@ async def test_a_silent_turn_still_notices_the_disconnect_within_a_second(
         body = {"messages": [{"role": "user", "content": "wait"}], "stream": False}
         task = asyncio.create_task(http.post(_url(daemon, "/v1/chat/completions"), json=body,
                                              headers=_auth(**{"X-Session-Id": "carol"})))
-        for _ in range(200):
-            if daemon.router.status("api:dm:carol").running:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        await until(lambda: daemon.reaper.pending + len(daemon.reaper.live_groups) > 0, 10,
+                    "the tool never started")
         task.cancel()
     loop = asyncio.get_running_loop()
     gone_at = loop.time()
@@ -147,10 +150,11 @@ async def test_stop_through_the_api_stops_the_sessions_run(
                 return dict(await resp.json())
 
         pending = asyncio.create_task(ask())
-        await asyncio.sleep(0.3)
+        await until(lambda: bool(provider.requests_for("go on")), 10, "the turn never reached the provider")
+        await asyncio.sleep(0.3)  # a few words stream meanwhile
         async with http.post(url, json={"messages": [{"role": "user", "content": "/stop"}], "user": "dave"},
                              headers=_auth()) as resp:
             assert (await resp.json())["choices"][0]["message"]["content"] == "Stopped."
-        answer = await asyncio.wait_for(pending, 2)
+        answer = await asyncio.wait_for(pending, 10)
     assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert answer["choices"][0]["message"]["content"].startswith("reply to:")  # the partial answer

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from gateway.agents.processes import ProcessReaper
 from gateway.core.cancellation import EVICTED, NEW_MESSAGE, STOPPED_BY_USER, ToolReason
 from gateway.core.messages import ChatRef
 from gateway.core.ports import Outcome
@@ -14,6 +15,7 @@ from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.procs import until
 
 
 async def test_stopping_50_of_200_sessions_cancels_exactly_those(
@@ -148,7 +150,7 @@ async def test_a_full_agent_cache(make_router: RouterFactory, chat: MemoryChat, 
 
 
 async def test_the_next_request_carries_the_exact_marker_for_an_interrupted_tool_call(
-        make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider) -> None:
+        make_router: RouterFactory, chat: MemoryChat, provider: FakeProvider, reaper: ProcessReaper) -> None:
     router = await make_router(turn_timeout_s=0.5)
     provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
     run = (await router.submit(chat.message("c1", "wait a bit"), chat)).run
@@ -158,7 +160,7 @@ async def test_the_next_request_carries_the_exact_marker_for_an_interrupted_tool
     provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
     run = (await router.submit(chat.message("c1", "again"), chat)).run
     await chat.wait_for(lambda: len(provider.connections) == 2)
-    await asyncio.sleep(0.1)
+    await until(lambda: bool(reaper.live_groups), 10, "the sleep tool never started")
     await router.submit(chat.message("c1", "/stop"), chat)
     assert run is not None
     await run.wait()
