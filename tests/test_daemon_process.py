@@ -173,24 +173,29 @@ async def test_kill_9_of_the_daemon_takes_its_tool_with_it(tmp_path: Path) -> No
 
 
 async def test_kill_9_of_the_daemon_takes_the_tools_children_too(tmp_path: Path, provider: FakeProvider) -> None:
-    """The group's leader dies with the daemon (PDEATHSIG); its child, which PDEATHSIG does not
-    reach, is killed by the sentinel."""
+    """The group's leader dies with the daemon (PDEATHSIG); its children, which PDEATHSIG does not
+    reach — one in the group, one that left it with setsid — are killed by the sentinel. The
+    daemon is killed the instant the tool has started them, recorded or not."""
     pidfile = tmp_path / "pids"
-    provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {pidfile}; sleep 45 & echo $! >> {pidfile}; "
-                                                           "wait"})]))
+    command = f"echo $$ >> {pidfile}; sleep 45 & echo $! >> {pidfile}; setsid sleep 44 & echo $! >> {pidfile}; wait"
+    provider.then(Script(tool_calls=[("shell", {"command": command})]))
     daemon = Daemon(tmp_path, *_shell_agent(provider))
     try:
         await daemon.ready()
         async with aiohttp.ClientSession() as http:
             request = daemon.post(http, "go", "lee")
-            leader, child = (stat(pid) for pid in await pids_from(pidfile, 2))
-            assert leader is not None and child is not None and child.pgid == leader.pid
+            leader, child, escaped = (stat(pid) for pid in await pids_from(pidfile, 3))
+            assert leader is not None and child is not None and escaped is not None
+            assert child.pgid == leader.pid
+            await until(lambda: (p := stat(escaped.pid)) is not None and p.pgid == escaped.pid, 5,
+                        "the setsid child never got a session of its own")
             daemon.kill()
-            await until(lambda: not running(leader) and not running(child), 5, "the tool outlived the daemon")
+            await until(lambda: not (running(leader) or running(child) or running(escaped)), 10,
+                        "the tool outlived the daemon")
             request.cancel()
     finally:
         daemon.kill()
-    assert "the daemon is gone; killed its tool process group(s)" in daemon.logs()  # the sentinel's word
+    await daemon.logged("the daemon is gone; killed its tool process group(s)")  # the sentinel's word
 
 
 async def test_tools_of_a_daemon_that_died_with_its_sentinel_are_killed_at_the_next_start(
@@ -218,7 +223,7 @@ async def test_tools_of_a_daemon_that_died_with_its_sentinel_are_killed_at_the_n
         second = Daemon(tmp_path, *_shell_agent(provider), name="second")
         await second.ready()  # the sweep runs before the daemon takes any message
         await until(lambda: not running(child), 5, "the next start did not kill the orphaned tool")
-        assert "killed 1 tool process group(s) left running by a daemon that died" in second.logs()
+        assert "tool process group(s) or process(es) left running by a daemon that died" in second.logs()
     finally:
         first.kill()
         if second is not None:

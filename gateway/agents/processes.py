@@ -10,22 +10,25 @@ with the daemon, however it ends.
   children it had already started).
 - **With the daemon, dying without a word** (`kill -9`, the OOM killer): the group leader has
   `PR_SET_PDEATHSIG(SIGKILL)`, so the kernel kills it when the thread that forked it ends — the
-  event-loop thread, which forks every tool and lives as long as the daemon. Its children do not
+  event-loop thread, which forks every tool and lives as long as the daemon. Its descendants do not
   inherit that; for them a *sentinel* process (`gateway.agents.sentinel`, in a session of its
-  own) waits on a pipe only the daemon holds, and when the daemon is gone kills every group the
-  daemon had recorded.
+  own, started before the first tool) waits on a pipe only the daemon holds, and when the daemon
+  is gone kills every group the daemon had recorded and every process carrying the daemon's tag
+  (`SWITCHBOARD_TOOL_OF` in the tool's environment, inherited by whatever it starts: this also
+  finds a descendant that left the group with `setsid`, and a tool forked an instant before its
+  group was recorded).
 - **At the next start.** Live groups are recorded in the data dir, one file per group (pgid and
-  the leader's start time, /proc/PID/stat field 22) under a directory named after the daemon
-  (pid and start time). A start sweeps the records of daemons that no longer exist, for when
-  the sentinel died too. A group is killed only while its leader's start time still matches, so
-  a PID reused by an unrelated process is never hit.
+  the leader's start time, /proc/PID/stat field 22) in a directory named after the daemon (PID,
+  start time: its tag). A start kills what daemons that no longer exist left running, for when the
+  sentinel died too. A group is killed only while its leader's start time still matches, so a PID
+  reused by an unrelated process is never hit; a tag names one daemon of one boot.
 
-Limits: a descendant that leaves the group (`setsid`, `setpgid`) is not in any record; while the
-daemon lives it is re-parented to the daemon (a subreaper) and reaped when it exits, but nothing
-here kills it. Under systemd the unit's cgroup catches it (`KillMode=mixed`). The leader gets
-PDEATHSIG from `setpriv` (util-linux) when it is installed, else from a `preexec_fn`; with
-`setpriv` a daemon dying in the ~1 ms between the fork and `setpriv`'s prctl — before the group is
-recorded — can leave that one leader behind.
+Limits: a descendant that leaves the group *and* clears its environment (`setsid env -i …`) is
+found by neither; while the daemon lives it is re-parented to the daemon (a subreaper) and reaped
+when it exits, but only the daemon's end kills a descendant that left its group. Under systemd the
+unit's cgroup catches everything (`KillMode=mixed`). The leader gets PDEATHSIG from `setpriv`
+(util-linux) when it works, else from a `preexec_fn`; with `setpriv`, a daemon dying in the ~1 ms
+between the fork and `setpriv`'s prctl leaves that leader to the sentinel's tag sweep.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -143,6 +147,11 @@ def boot_id() -> str:
 
 # --- the record of live groups, and its sweep ---------------------------------------------------
 
+# Every tool is started with this variable naming its daemon's ledger; the tool's descendants
+# inherit it, wherever they go (another group, another session), unless they clear their environment.
+TOOL_TAG = "SWITCHBOARD_TOOL_OF"
+_ledger_ids = itertools.count(1)
+
 
 def kill_recorded_group(pgid: int, leader_start: int) -> bool:
     """SIGKILL group `pgid` if it is still the one recorded; True if anything was signalled.
@@ -169,14 +178,44 @@ def kill_recorded_group(pgid: int, leader_start: int) -> bool:
     return hit
 
 
+def kill_tagged(tag: str) -> list[int]:
+    """SIGKILL every process whose environment carries `TOOL_TAG=tag`: the tools of one daemon
+    (identified by its PID and start time, so no unrelated process carries it) and whatever they
+    started. Repeated until none is left, for one that forked meanwhile. Returns the PIDs killed."""
+    needle = f"{TOOL_TAG}={tag}".encode()
+    me, killed = os.getpid(), []
+    for _ in range(10):
+        found = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if entry.name.isdigit() and int(entry.name) != me:
+                    try:
+                        environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+                    except OSError:  # gone, or not ours to read (then not ours to kill either)
+                        continue
+                    if needle in environ.split(b"\0"):
+                        stat = proc_stat(int(entry.name))
+                        if stat is not None and stat.state != "Z":
+                            found.append(stat.pid)
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if not found:
+            break
+        killed += found
+        time.sleep(0.01)  # let the kills land before looking again
+    return killed
+
+
 def sweep_records(directory: Path) -> list[int]:
-    """Kill the groups recorded in `directory` (one daemon's records; that daemon is gone) and
-    remove the records; returns the groups that were signalled."""
+    """Kill what one daemon that is gone left running — the groups recorded in `directory`, and
+    every process carrying its tag (the directory's name) — then remove the records. Returns the
+    groups and processes that were signalled."""
     killed: list[int] = []
     try:
         entries = list(directory.iterdir())
     except OSError:
-        return killed
+        entries = []
     boot = boot_id()
     for path in entries:
         with contextlib.suppress(ValueError, OSError):
@@ -184,6 +223,8 @@ def sweep_records(directory: Path) -> list[int]:
                 start, recorded_boot = path.read_text().split()
                 if recorded_boot == boot and kill_recorded_group(int(path.name), int(start)):
                     killed.append(int(path.name))
+    killed += [pid for pid in kill_tagged(directory.name) if pid not in killed]
+    for path in entries:
         with contextlib.suppress(OSError):
             path.unlink()
     with contextlib.suppress(OSError):
@@ -194,53 +235,75 @@ def sweep_records(directory: Path) -> list[int]:
 class GroupLedger:
     """This daemon's live tool process groups, on disk, and the sentinel that acts on them.
 
-    `root/<daemon pid>-<daemon start time>/<pgid>` holds the leader's start time and the boot id.
-    Several daemons may share one data dir (cluster workers on one host): each sweeps only the
-    records of daemons that no longer exist. The sentinel is started with the first group.
+    `root/<pid>-<start>-<n>/` is this ledger's directory (the daemon's PID and start time, and a
+    counter for a process that builds several daemons, as tests do); its name is also the tag in
+    every tool's environment. Each `<pgid>` file in it holds the leader's start time and the boot
+    id. Several daemons may share one data dir (cluster workers on one host): each sweeps only what
+    daemons that no longer exist left. The sentinel is started before the first tool.
     """
 
     def __init__(self, root: Path, *, owner: tuple[int, int] | None = None) -> None:
         self.root = root
         if owner is None:
             owner = (os.getpid(), start_time(os.getpid()) or 0)
-        self.dir = root / f"{owner[0]}-{owner[1]}"
+        self.tag = f"{owner[0]}-{owner[1]}-{next(_ledger_ids)}"
+        self.dir = root / self.tag
         self._sentinel: subprocess.Popen[bytes] | None = None
         self._pipe: int | None = None  # write end; its only holder is this process
         self._failed = False
 
     def sweep_stale(self) -> list[int]:
-        """At start: kill what daemons that are gone left recorded; returns the groups killed."""
+        """At start: kill what daemons that are gone left running; returns what was killed. Also
+        creates this daemon's own directory, so that its tag is known even if it dies early."""
         killed: list[int] = []
         with contextlib.suppress(OSError):
             for sub in self.root.iterdir():
-                pid, _, start = sub.name.partition("-")
+                pid, start, *_ = [*sub.name.split("-"), ""]
                 if sub == self.dir or not (pid.isdigit() and start.isdigit()):
                     continue
                 if start_time(int(pid)) == int(start):
                     continue  # its daemon is alive (another worker sharing the data dir)
                 killed += sweep_records(sub)
         if killed:
-            log.warning("killed %d tool process group(s) left running by a daemon that died: %s", len(killed),
-                        ", ".join(map(str, killed)))
+            log.warning("killed %d tool process group(s) or process(es) left running by a daemon that died: %s",
+                        len(killed), ", ".join(map(str, killed)))
+        with contextlib.suppress(OSError):
+            self.dir.mkdir(parents=True, exist_ok=True)
         return killed
 
+    def prepare(self) -> dict[str, str]:
+        """Before a tool is spawned: make sure the sentinel runs; returns the tool's environment."""
+        self._ready()
+        return {**os.environ, TOOL_TAG: self.tag}
+
     def add(self, pgid: int, leader_start: int) -> None:
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / str(pgid)).write_text(f"{leader_start} {boot_id()}\n")
-            self._watch()
-        except OSError as exc:
-            if not self._failed:
-                self._failed = True
-                log.warning("cannot record tool process groups in %s (%s); they still die with the daemon's "
-                            "thread (PDEATHSIG), but their children may not", self.dir, exc)
+        if self._ready():
+            try:
+                (self.dir / str(pgid)).write_text(f"{leader_start} {boot_id()}\n")
+            except OSError as exc:
+                self._fail(exc)
 
     def remove(self, pgid: int) -> None:
         with contextlib.suppress(OSError):
             (self.dir / str(pgid)).unlink()
 
+    def _ready(self) -> bool:
+        """This ledger's directory exists and its sentinel runs (started again if it died)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._watch()
+        except OSError as exc:
+            self._fail(exc)
+            return False
+        return True
+
+    def _fail(self, exc: OSError) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("cannot record tool process groups in %s (%s); they still die with the daemon's thread "
+                        "(PDEATHSIG), but their children may not", self.dir, exc)
+
     def _watch(self) -> None:
-        """Start the sentinel, or start it again if it died."""
         if self._sentinel is not None and self._sentinel.poll() is None:
             return
         if self._sentinel is not None:
@@ -268,8 +331,9 @@ class GroupLedger:
         return self._sentinel.pid if self._sentinel is not None else None
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """At the daemon's stop, after the tools were drained: the sentinel sweeps what is left
-        (nothing, normally), removes this daemon's directory and exits."""
+        """At the daemon's stop, after the tools were drained: the sentinel kills what is left
+        (nothing, normally; a descendant that left its group, say), removes this daemon's
+        directory and exits."""
         self._close_pipe()
         sentinel, self._sentinel = self._sentinel, None
         if sentinel is not None:
@@ -278,7 +342,7 @@ class GroupLedger:
             except subprocess.TimeoutExpired:
                 log.warning("the tool sentinel did not exit within %.0f s", timeout_s)
         else:
-            sweep_records(self.dir)
+            await asyncio.to_thread(sweep_records, self.dir)
 
 
 # --- PDEATHSIG for the group leader ------------------------------------------------------------
@@ -353,6 +417,8 @@ class ProcessReaper:
 
     async def _create(self, argv: Sequence[str], cwd: str | None) -> asyncio.subprocess.Process:
         kwargs: dict[str, object] = {}
+        if self.ledger is not None:  # the sentinel runs before the fork; the tool carries the tag
+            kwargs["env"] = self.ledger.prepare()
         if self.pdeathsig == "setpriv":
             if shutil.which(argv[0]) is None and "/" not in argv[0]:  # as exec would have said
                 raise FileNotFoundError(f"No such file or directory: {argv[0]!r}")
