@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Outcome, Reply
+from gateway.core.ports import NoticeKind, Outcome, Reply
 from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter
 
@@ -44,6 +44,28 @@ class _ApiReply(Reply):
     def __init__(self) -> None:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.text = ""
+        self.notice: str | None = None  # an error notice about this request's turn, if one was sent
+
+    async def next(self, run: Run, ended: asyncio.Future[None]) -> tuple[str, Any]:
+        """The next item. Once the run is over (`ended`) with nothing left queued, the end its
+        record implies: a turn that never ran (stopped while queued, refused at its start) never
+        opened this reply, and the request must not wait for it forever."""
+        if self.queue.empty() and not ended.done():
+            get = asyncio.ensure_future(self.queue.get())
+            waiting: set[asyncio.Future[Any]] = {get, ended}
+            try:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not get.done():
+                    get.cancel()  # an item it had not taken stays in the queue
+            if get.done() and not get.cancelled():
+                return get.result()
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        if run.reason is not None:
+            return "end", {"finish_reason": "stop", "interrupted_by": run.reason.kind, "reason": run.reason.text}
+        return "end", {"finish_reason": "error", "status": 503, "type": "unavailable",
+                       "error": self.notice or "The turn ended without an answer; please try again."}
 
     async def delta(self, text: str) -> None:
         self.text += text
@@ -79,6 +101,13 @@ class ApiAdapter(Adapter):
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
         return None
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
+        reply = self._replies.get(reply_to) if reply_to else None
+        if reply is not None and kind is NoticeKind.ERROR:
+            reply.notice = text  # the answer to a request whose turn was refused says why
+        await super().notify(chat, text, reply_to=reply_to, kind=kind, reason=reason)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return self._replies.get(msg.message_id) or _ApiReply()
@@ -138,22 +167,25 @@ class ApiAdapter(Adapter):
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _complete(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
-        watcher = asyncio.get_running_loop().create_task(self._watch(request, run))
+        loop = asyncio.get_running_loop()
+        watcher, ended = loop.create_task(self._watch(request, run)), loop.create_task(run.wait())
         try:
-            kind, end = await reply.queue.get()
+            kind, end = await reply.next(run, ended)
             while kind != "end":
-                kind, end = await reply.queue.get()
+                kind, end = await reply.next(run, ended)
         finally:
             watcher.cancel()
+            ended.cancel()
         if end.get("error"):
-            return _error(502, end["error"], "provider_error")
+            return _error(end.get("status", 502), end["error"], end.get("type", "provider_error"))
         return web.json_response(self._completion(reply.text, end))
 
     async def _stream(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        watcher = asyncio.get_running_loop().create_task(self._watch(request, run))
+        loop = asyncio.get_running_loop()
+        watcher, ended = loop.create_task(self._watch(request, run)), loop.create_task(run.wait())
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -164,14 +196,14 @@ class ApiAdapter(Adapter):
             await resp.write(chunk({"role": "assistant", "content": ""}))
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(reply.queue.get(), KEEPALIVE_S)
+                    kind, value = await asyncio.wait_for(reply.next(run, ended), KEEPALIVE_S)
                 except TimeoutError:
                     await resp.write(b": keepalive\n\n")
                     continue
                 if kind == "delta":
                     await resp.write(chunk({"content": value}))
                     continue
-                extra = {"switchboard": {k: v for k, v in value.items() if k != "finish_reason"}} \
+                extra = {"switchboard": {k: v for k, v in value.items() if k not in ("finish_reason", "status")}} \
                     if len(value) > 1 else {}
                 await resp.write(chunk({}, value["finish_reason"], **extra))
                 await resp.write(b"data: [DONE]\n\n")
@@ -180,6 +212,7 @@ class ApiAdapter(Adapter):
             run.cancel(CLIENT_DISCONNECTED)
         finally:
             watcher.cancel()
+            ended.cancel()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await resp.write_eof()
         return resp

@@ -19,6 +19,7 @@ from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
+from tests.ports import free_port as free_port  # re-exported: the tests import it from here
 from tests.redis_server import RedisServer, RedisServerMissing
 from tests.routers import start_router
 
@@ -90,12 +91,6 @@ def console_script(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 DaemonFactory = Callable[..., Awaitable["Daemon"]]

@@ -158,3 +158,29 @@ async def test_stop_through_the_api_stops_the_sessions_run(
         answer = await asyncio.wait_for(pending, 10)
     assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert answer["choices"][0]["message"]["content"].startswith("reply to:")  # the partial answer
+
+
+async def test_a_request_whose_turn_never_runs_still_gets_an_answer(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """A turn stopped while still queued never opens its reply: the waiting request must still end
+    (with the reason), not hang until the client gives up."""
+    provider.delay_s, provider.words = 0.1, 200
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, router={"busy": "queue"})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(20)) as http:
+        async def ask(text: str) -> tuple[int, dict[str, Any]]:
+            body = {"messages": [{"role": "user", "content": text}], "user": "eve"}
+            async with http.post(url, json=body, headers=_auth()) as resp:
+                return resp.status, dict(await resp.json())
+
+        running = asyncio.create_task(ask("a long one"))
+        await until(lambda: bool(provider.requests_for("a long one")), 10, "the first turn never started")
+        queued = asyncio.create_task(ask("and then this"))
+        await until(lambda: daemon.router.status("api:dm:eve").queued == 1, 10, "the second turn was never queued")
+        status, body = await ask("/stop")
+        assert (status, body["choices"][0]["message"]["content"]) == (200, "Stopped.")
+        for task in (running, queued):
+            status, answer = await asyncio.wait_for(task, 10)
+            assert status == 200
+            assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
+    assert len(provider.requests_for("and then this")) == 0
