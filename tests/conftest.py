@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
 from tests.pg_server import PgServer, PgServerMissing
+from tests.ports import free_port as free_port  # re-exported: the tests import it from here
 from tests.redis_server import RedisServer, RedisServerMissing
 from tests.routers import start_router
 
@@ -85,12 +87,12 @@ async def make_router(store: SqliteStore, provider: FakeProvider, tools: ToolReg
             await oa.close()
 
 
-def free_port() -> int:
-    import socket
+def console_script(name: str) -> str:
+    """The console script `name` of the Python running the tests (the one `pip install -e` made),
+    not whichever `name` comes first on PATH — that may be another checkout's."""
+    return str(Path(sys.executable).with_name(name))
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
 
 
 DaemonFactory = Callable[..., Awaitable["Daemon"]]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tests.ports import free_port
 
 BINARY = "redis-server"
 
@@ -47,12 +48,6 @@ def redis_server_binary() -> str:
     raise RedisServerMissing(
         "the Redis tests need the `redis-server` binary (Redis >= 7) and it could not be installed: "
         "run `apt-get install -y redis-server` (or `brew install redis`) and run the tests again")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
@@ -96,12 +91,12 @@ class RedisServer:
         fixed = self.port != 0
         for _attempt in range(1 if fixed else 5):
             if not fixed:
-                self.port = _free_port()
+                self.port = free_port()
             self.proc = subprocess.Popen([binary, *self._args()], cwd=self.dir,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if self._wait_ready():
                 return self
-            # Another process may have taken the port between _free_port() and the bind.
+            # Another process may have taken the port between free_port() and the bind.
             self._reap(signal.SIGKILL)
         raise RuntimeError(f"redis-server did not start on port {self.port}; log tail:\n{self._log_tail()}")
 

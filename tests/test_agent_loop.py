@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.agents.processes import group_alive
 from gateway.core.fencing import Fence
 from gateway.core.transcript import ChatMessage, ToolCall
 from tests.conftest import DaemonFactory
@@ -132,12 +133,13 @@ async def test_tool_calls_of_one_round_run_side_by_side_and_a_stop_reaches_each(
     async with aiohttp.ClientSession() as http:
         body = {"messages": [{"role": "user", "content": "three naps"}]}
         pending = asyncio.create_task(http.post(url, json=body, headers={"X-Session-Id": "par"}))
-        await until(lambda: daemon.reaper.live_groups() >= 3)  # all three at once, not one after another
+        # all three at once, not one after another
+        await until(lambda: sum(map(group_alive, daemon.reaper.live_groups)) >= 3)
         async with http.post(url, json={"messages": [{"role": "user", "content": "/stop"}]},
                              headers={"X-Session-Id": "par"}) as resp:
             assert resp.status == 200
         answer = await (await asyncio.wait_for(pending, 5)).json()
-        await until(lambda: daemon.reaper.live_groups() == 0)
+        await until(lambda: not any(map(group_alive, daemon.reaper.live_groups)))
     assert answer["switchboard"]["interrupted_by"] == "user"
     _, rows = await daemon.store.conversation("api:dm:par")
     tools = [r for r in rows if r.role == "tool"]

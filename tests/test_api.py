@@ -17,6 +17,7 @@ import pytest
 from gateway.core.cancellation import CLIENT_DISCONNECTED
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.procs import until
 
 KEY = "sk-test-0123456789"
 
@@ -108,11 +109,15 @@ async def test_a_streaming_client_that_disconnects_cancels_its_run(
     conn = provider.connections[-1]
     await provider.wait_closed(conn, timeout=2)
     assert not conn.completed
-    _, history = await daemon.store.conversation("api:dm:bob")
-    for _ in range(100):
-        _, history = await daemon.store.conversation("api:dm:bob")
-        if history[-1].role == "assistant":
-            break
+    history: list[Any] = []
+
+    async def recorded() -> bool:
+        history[:] = (await daemon.store.conversation("api:dm:bob"))[1]
+        return bool(history) and history[-1].role == "assistant"
+
+    deadline = time.monotonic() + 10
+    while not await recorded():
+        assert time.monotonic() < deadline, "the interrupted turn was never recorded"
         await asyncio.sleep(0.02)
     assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
 
@@ -126,11 +131,8 @@ async def test_a_silent_turn_still_notices_the_disconnect_within_a_second(
         body = {"messages": [{"role": "user", "content": "wait"}], "stream": False}
         task = asyncio.create_task(http.post(_url(daemon, "/v1/chat/completions"), json=body,
                                              headers=_auth(**{"X-Session-Id": "carol"})))
-        for _ in range(200):
-            if daemon.router.status("api:dm:carol").running:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+        await until(lambda: daemon.reaper.pending + len(daemon.reaper.live_groups) > 0, 10,
+                    "the tool never started")
         task.cancel()
     loop = asyncio.get_running_loop()
     gone_at = loop.time()
@@ -153,11 +155,12 @@ async def test_stop_through_the_api_stops_the_sessions_run(
                 return dict(await resp.json())
 
         pending = asyncio.create_task(ask())
-        await asyncio.sleep(0.3)
+        await until(lambda: bool(provider.requests_for("go on")), 10, "the turn never reached the provider")
+        await asyncio.sleep(0.3)  # a few words stream meanwhile
         async with http.post(url, json={"messages": [{"role": "user", "content": "/stop"}], "user": "dave"},
                              headers=_auth()) as resp:
             assert (await resp.json())["choices"][0]["message"]["content"] == "Stopped."
-        answer = await asyncio.wait_for(pending, 2)
+        answer = await asyncio.wait_for(pending, 10)
     assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert answer["choices"][0]["message"]["content"].startswith("reply to:")  # the partial answer
 
@@ -306,3 +309,27 @@ async def test_a_client_closing_its_socket_mid_tool_signals_the_tool_group_withi
     figures = [f"{x * 1000:.1f} ms" for x in latencies]
     print(f"disconnect mid-tool ({'sse' if stream else 'plain'}): tool group signalled {figures} after the client")
     assert max(latencies) < DISCONNECT_LIMIT_S, f"tool group signalled {figures} after the client"
+async def test_a_request_whose_turn_never_runs_still_gets_an_answer(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """A turn stopped while still queued never opens its reply: the waiting request must still end
+    (with the reason), not hang until the client gives up."""
+    provider.delay_s, provider.words = 0.1, 200
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, router={"busy": "queue"})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(20)) as http:
+        async def ask(text: str) -> tuple[int, dict[str, Any]]:
+            body = {"messages": [{"role": "user", "content": text}], "user": "eve"}
+            async with http.post(url, json=body, headers=_auth()) as resp:
+                return resp.status, dict(await resp.json())
+
+        running = asyncio.create_task(ask("a long one"))
+        await until(lambda: bool(provider.requests_for("a long one")), 10, "the first turn never started")
+        queued = asyncio.create_task(ask("and then this"))
+        await until(lambda: daemon.router.status("api:dm:eve").queued == 1, 10, "the second turn was never queued")
+        status, body = await ask("/stop")
+        assert (status, body["choices"][0]["message"]["content"]) == (200, "Stopped.")
+        for task in (running, queued):
+            status, answer = await asyncio.wait_for(task, 10)
+            assert status == 200
+            assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
+    assert len(provider.requests_for("and then this")) == 0

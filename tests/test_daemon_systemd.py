@@ -17,6 +17,7 @@ from gateway.ops.config import load_config
 from tests.conftest import free_port
 from tests.fakes.notify_socket import FakeSystemd
 from tests.fakes.openai_provider import FakeProvider
+from tests.procs import until
 
 
 def _daemon(tmp_path: Path, config: Path, notify: str, **env: str) -> subprocess.Popen[bytes]:
@@ -65,9 +66,8 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
         async with aiohttp.ClientSession() as http:
             body = {"messages": [{"role": "user", "content": "a long one"}], "user": "zed"}
             request = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body))
-            while not provider.requests_for("a long one"):
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)
+            await until(lambda: bool(provider.requests_for("a long one")), 10, "the turn never started")
+            await asyncio.sleep(0.3)  # a few words stream meanwhile
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 20) == 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -138,3 +140,53 @@ def test_a_stopped_turn_keeps_exactly_the_text_the_user_was_shown() -> None:
     assert recorder().interrupted(reason, shown="Let")[-1].content == ""
     # A platform that shows everything it is given (None) keeps the whole partial text.
     assert recorder().interrupted(reason)[-1].content == "The answer is 42"
+async def test_a_cancel_is_redelivered_until_the_task_ends() -> None:
+    run = Run("s")
+    swallowed = 0
+
+    async def stubborn() -> str:
+        nonlocal swallowed
+        while swallowed < 5:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                swallowed += 1
+        return "gave up"
+
+    task = asyncio.get_running_loop().create_task(stubborn())
+    run.attach(task)
+    await asyncio.sleep(0)  # it is inside its sleep now
+    assert run.cancel(STOPPED_BY_USER)
+    assert await asyncio.wait_for(run.join(grace_s=30), 10)
+    assert task.result() == "gave up" and swallowed == 5 and run.redeliveries >= 4
+
+
+async def test_join_gives_up_on_a_task_that_never_ends_only_after_the_grace() -> None:
+    run = Run("s")
+    release = asyncio.Event()
+
+    async def stuck() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # a library that swallows every cancel
+                await asyncio.sleep(3600)
+
+    task = asyncio.get_running_loop().create_task(stuck())
+    run.attach(task)
+    joining = asyncio.get_running_loop().create_task(run.join(grace_s=0.3))
+    await asyncio.sleep(0.05)
+    assert not joining.done()  # not cancelled: join waits for the task, however long
+    run.cancel(STOPPED_BY_USER)
+    assert await asyncio.wait_for(joining, 10) is False
+    assert run.cancelled_at is not None and time.perf_counter() - run.cancelled_at >= 0.3
+    release.set()
+    await asyncio.wait_for(asyncio.wait({task}), 10)  # the next re-delivery wakes it: it ends
+    assert run.done_at is not None
+    assert await run.join(grace_s=0.3)  # and join says so at once
+
+
+async def test_a_run_that_was_never_cancelled_is_joined_when_its_task_ends() -> None:
+    run = Run("s")
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(0.01, "done"))
+    run.attach(task)
+    assert await asyncio.wait_for(run.join(grace_s=0), 10)
+    assert task.result() == "done" and run.redeliveries == 0

@@ -72,7 +72,7 @@ class Worker:
                   **extra: Any) -> tuple[int, dict[str, Any]]:
         """A non-streaming chat completion in `session`; (HTTP status, JSON body)."""
         body = {"messages": [{"role": "user", "content": text}], **extra}
-        async with http.post(self.url + "/v1/chat/completions", json=body,
+        async with http.post(self.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(60),
                              headers={"X-Session-Id": session}) as resp:
             return resp.status, await resp.json()
 

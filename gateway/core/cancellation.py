@@ -92,16 +92,29 @@ _run_ids = itertools.count(1)
 _closer_ids = itertools.count(1)
 
 
+# A cancel is re-delivered until the run's task has ended: first after REDELIVER_FIRST_S, then at
+# doubling intervals up to REDELIVER_MAX_S. A task that swallows one CancelledError gets the next
+# at its next await (anyio's level-triggered cancellation, in asyncio's terms).
+REDELIVER_FIRST_S = 0.001
+REDELIVER_MAX_S = 0.1
+
+
 class Run:
     """The cancellation scope of one turn of one session.
 
     Created when a message is accepted (before it is queued), so a cancel that lands while the
     turn is still queued or starting finds it and wins. `cancel` is synchronous and returns at
-    once: it records the reason, closes every registered I/O handle and cancels the task.
+    once: it records the reason, closes every registered I/O handle and cancels the task — and
+    keeps cancelling it until it has ended, so a task that swallows `CancelledError` (a
+    third-party tool, a library) is cancelled again at its next await. The owner waits for the
+    task with `join(grace_s)`, which gives up `grace_s` after the cancel: the turn is recorded
+    and its lane freed even if a misbehaving task never ends (its output stays held back, since
+    `may_send` is false once cancelled, and its late end is logged).
     """
 
-    __slots__ = ("__weakref__", "_closers", "_ended", "_reason", "_task", "_thread_event", "_waiters",
-                 "cancelled_at", "done_at", "guard", "run_id", "session_key", "started_at")
+    __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
+                 "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
+                 "run_id", "session_key", "started_at")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
@@ -118,6 +131,10 @@ class Run:
         self._ended = False
         self._waiters: list[asyncio.Future[None]] = []
         self._thread_event: threading.Event | None = None  # made on first use: most runs never need it
+        self._on_cancelled: asyncio.Future[None] | None = None  # resolved by cancel(), for join()
+        self._redeliver: asyncio.TimerHandle | None = None
+        self._abandoned = False  # join() gave up on the task: it outlived the grace after its cancel
+        self.redeliveries = 0  # cancels delivered to the task after the first
 
     @property
     def thread_event(self) -> threading.Event:
@@ -146,7 +163,10 @@ class Run:
             raise RunCancelled(self._reason)
 
     def cancel(self, reason: ToolReason) -> bool:
-        """Stop this run for `reason`; False if it was already stopped or finished."""
+        """Stop this run for `reason`; False if it was already stopped or finished.
+
+        Synchronous: the reason is recorded, every closer has run and the task is cancelled when
+        this returns; the cancel is then re-delivered until the task has ended."""
         if not isinstance(reason, ToolReason):
             raise TypeError("cancel() needs a ToolReason; there is no default reason")
         if self._reason is not None or self.finished:
@@ -161,9 +181,22 @@ class Run:
                 close()
             except Exception:  # one bad closer must not keep the others from running
                 log.exception("closer failed while cancelling %s", self.run_id)
-        if self._task is not None:
-            self._task.cancel(reason.marker)
+        if (waiter := self._on_cancelled) is not None and not waiter.done():
+            waiter.set_result(None)
+        self._deliver(0.0)
         return True
+
+    def _deliver(self, interval: float) -> None:
+        """Cancel the task, and again after a while (doubling the interval) until it has ended."""
+        task, reason = self._task, self._reason
+        self._redeliver = None
+        if task is None or reason is None or task.done():
+            return
+        if interval:
+            self.redeliveries += 1
+        task.cancel(reason.marker)
+        interval = min(max(2 * interval, REDELIVER_FIRST_S), REDELIVER_MAX_S)
+        self._redeliver = task.get_loop().call_later(interval, self._deliver, interval)
 
     @contextmanager
     def on_cancel(self, close: Callable[[], object]) -> Iterator[None]:
@@ -188,16 +221,52 @@ class Run:
         self._task = task
         self.started_at = time.time()
         task.add_done_callback(self._on_done)
-        if self._reason is not None:
-            task.cancel(self._reason.marker)
+        self._deliver(0.0)  # a no-op unless a cancel came first
+
+    async def join(self, grace_s: float) -> bool:
+        """Wait for the task bound by `attach` to end — once the run is cancelled, for at most
+        `grace_s` after the cancel. True if it ended; False if it is still running then (it keeps
+        swallowing the cancel, which goes on being re-delivered): the caller records the turn and
+        moves on, the task's output stays held back and its eventual end is logged.
+
+        A cancel of the caller itself propagates at once (the run's own cancel stops the task).
+        """
+        task = self._task
+        if task is None:
+            raise RuntimeError("join() before attach()")
+        if not task.done() and self._reason is None:
+            waiter = self._on_cancelled = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._on_cancelled = None
+                waiter.cancel()
+        if not task.done() and self.cancelled_at is not None:
+            left = self.cancelled_at + grace_s - time.perf_counter()
+            if left > 0:
+                await asyncio.wait((task,), timeout=left)
+        if task.done():
+            return True
+        self._abandoned = True
+        log.warning("run %s did not end within %.1f s of its cancel (%d re-deliveries); its turn is recorded as "
+                    "interrupted, its output held back", self.run_id, grace_s, self.redeliveries)
+        return False
 
     @property
     def finished(self) -> bool:
         return self._ended or (self._task is not None and self._task.done())
 
-    def _on_done(self, _task: object) -> None:
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
         self.done_at = time.perf_counter()
         self._closers.clear()
+        if self._redeliver is not None:
+            self._redeliver.cancel()
+            self._redeliver = None
+        if self._abandoned:  # nobody awaits it any more: say how it ended
+            exc = None if task.cancelled() else task.exception()
+            late = self.done_at - self.cancelled_at if self.cancelled_at is not None else 0.0
+            log.warning("run %s ended %.1f s after its cancel, after its turn was recorded (%s)", self.run_id,
+                        late, "cancelled" if task.cancelled() else repr(exc) if exc else "returned")
 
     def end(self) -> None:
         """Called by the owner once the turn is over and recorded (ran, was cancelled, or never ran)."""

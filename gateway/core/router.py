@@ -110,8 +110,10 @@ class Router:
     def __init__(self, settings: RouterSettings, *, store: Store, agent: Agent, outlets: Outlets,
                  cache: CacheSettings | None = None, metrics: Metrics | None = None,
                  access: AccessControl | None = None, cluster: Ownership | None = None,
-                 resume_max_age_s: float = 600.0) -> None:
+                 resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0) -> None:
         self.settings = settings
+        # How long a cancelled turn's task may take to end before its lane moves on without it.
+        self.cancel_grace_s = cancel_grace_s
         self.store = store
         self.metrics = metrics or Metrics()
         self._agent = agent
@@ -133,7 +135,8 @@ class Router:
         self._turns = TurnRunner(store=store, metrics=self.metrics, cache=self.cache,
                                  interruptions=self.interruptions, agent=lambda: self._agent,
                                  timeout_s=lambda: self.settings.turn_timeout_s,
-                                 check_lease=cluster.check_lease if cluster else None)
+                                 check_lease=cluster.check_lease if cluster else None,
+                                 cancel_grace_s=lambda: self.cancel_grace_s)
         self._recovery = Recovery(store, outlets, requeue=self.resume, remember=self._remember,
                                   fence=self._fence, speaker=self._speaker, resume_max_age_s=resume_max_age_s)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))

@@ -2,6 +2,8 @@
 
 The run's task can be cancelled at any point; this code never is (hard_cancel only cancels the
 run), so every turn ends with a true record: answered, interrupted (with who and why), failed.
+A run's task that will not end (it swallows its cancel) is waited for only `cancel_grace_s`
+after the cancel: the turn is then recorded as interrupted and the lane moves on.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ class _Context:
 class TurnRunner:
     def __init__(self, *, store: Store, metrics: Metrics, cache: AgentCache[LiveConversation],
                  interruptions: Interruptions, agent: Callable[[], Agent], timeout_s: Callable[[], float],
-                 check_lease: Callable[[str], None] | None = None) -> None:
+                 check_lease: Callable[[str], None] | None = None,
+                 cancel_grace_s: Callable[[], float] = lambda: 2.0) -> None:
         self._store = store
         self._metrics = metrics
         self._cache = cache
@@ -166,6 +169,7 @@ class TurnRunner:
         self._agent = agent
         self._timeout_s = timeout_s
         self._check_lease = check_lease
+        self._cancel_grace_s = cancel_grace_s
         self.running: dict[Run, float] = {}  # run -> monotonic start
 
     async def watch_timeouts(self) -> None:
@@ -254,10 +258,10 @@ class TurnRunner:
         self._cache.mark_running(turn.key, True)
         self._metrics.turns_running.inc()
         try:
-            await task
-        except BaseException:
-            if not task.done():  # this lane worker itself is being cancelled (forced shutdown)
-                raise
+            # Until the task ends, or `cancel_grace_s` after a cancel it swallows (it is then left
+            # behind, still being cancelled, its output held back). A cancel of this lane worker
+            # itself (forced shutdown) propagates.
+            await run.join(self._cancel_grace_s())
         finally:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
-from gateway.agents.processes import ProcessReaper
+from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
 from gateway.core.access import AccessControl
@@ -122,7 +122,10 @@ class Daemon:
         self.notifier = Notifier.from_env()
         self.watchdog = Watchdog(self.notifier)
         self.metrics = Metrics()
-        self.reaper = ProcessReaper(config.tools.tool_kill_grace_s)
+        # Tool process groups are recorded in the data dir while they live, so none outlives the
+        # daemon: its sentinel, or the next start, kills what a daemon that died left behind.
+        self.ledger = GroupLedger(Path(config.store.data_dir) / "tool-groups")
+        self.reaper = ProcessReaper(config.tools.tool_kill_grace_s, ledger=self.ledger)
         self.store = build_store(config, retention=True)
         self.cluster = build_cluster(config, self.metrics)
         self.adapters = build_adapters(config, self.cluster)
@@ -131,7 +134,8 @@ class Daemon:
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
                              cache=config.agent_cache, metrics=self.metrics, access=self.access,
-                             cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s)
+                             cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
+                             cancel_grace_s=config.tools.tool_kill_grace_s)
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
@@ -156,9 +160,11 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         # Registered in the reverse of the order they must stop in: intake first, the store last.
+        self.ledger.sweep_stale()  # before any tool runs: what a daemon that died left behind
         self.notifier.status("opening the store")
         await self.store.open()
         self._on_stop(stack, "the store", self.store.close)
+        self._on_stop(stack, "the tool sentinel", self.ledger.close)  # after the tools are drained
         self._on_stop(stack, "the agents", self._close_agents)
         self._on_stop(stack, "tool processes", self._drain_tools)
         if self.cluster is not None:
@@ -290,6 +296,7 @@ class Daemon:
             self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
             self._agents.append(self.agent)
             self.router.use_agent(self.agent)
+            self.router.cancel_grace_s = self.reaper.grace_s = new.tools.tool_kill_grace_s
         if "router" in changed:
             self.router.apply_settings(new.router)
             from platforms.webchat import WebchatAdapter
