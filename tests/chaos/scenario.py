@@ -277,11 +277,12 @@ def load(path: Path) -> Records:
         open_inbound=[OpenInbound(**o) for o in d["open_inbound"]])
 
 
-def save(records: Records, report: Report, directory: Path) -> Path:
-    """Write the records and the report next to each other (for a look at a failed run)."""
+def save(records: Records, report: Report, directory: Path, variant: str = "redis") -> Path:
+    """Write the records and the report next to each other (for a look at a failed run), named
+    by seed and store variant so that the runs of one seed do not overwrite each other."""
     directory.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = dataclasses.asdict(records)
-    (directory / f"chaos-{records.seed}.json").write_text(json.dumps(data, indent=1, default=str))
-    path = directory / f"chaos-{records.seed}.txt"
+    (directory / f"chaos-{records.seed}-{variant}.json").write_text(json.dumps(data, indent=1, default=str))
+    path = directory / f"chaos-{records.seed}-{variant}.txt"
     path.write_text(report.text(limit=10_000) + "\n")
     return path

@@ -8,7 +8,7 @@ with Telegram (webhook) and HTTP API traffic; then the checker judges the run fr
 
 A failure prints the report: counts, the faults with their times, and per violation the session,
 the evidence and the seed to reproduce it with. Records and report are also written to the
-test's tmp directory, or to $CHAOS_OUT (chaos-<seed>.json / .txt).
+test's tmp directory, or to $CHAOS_OUT (chaos-<seed>-<store>.json / .txt).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ async def test_cluster_keeps_its_invariants_under_chaos(seed: int, store: str, t
     started = time.monotonic()
     settings = Settings(seed=seed) if store == "redis" else Settings(seed=seed, store=store, kinds=faults.PG_KINDS)
     records, report = await run_scenario(settings, tmp_path)
-    path = save(records, report, Path(os.environ.get("CHAOS_OUT") or tmp_path))
+    path = save(records, report, Path(os.environ.get("CHAOS_OUT") or tmp_path), store)
     where = f"({time.monotonic() - started:.0f} s; records and report: {path.with_suffix('.json')}, {path})"
     if report.counts["faults"] < 3 or report.counts["answered"] == 0:  # the harness did not do its part
         pytest.fail(f"the chaos run did not run as planned {where}\n{report.text()}", pytrace=False)
