@@ -219,4 +219,4 @@ def test_saved_records_check_the_same_after_loading(tmp_path: Path) -> None:
     rec.incarnations["w1.1"].stopped.append((1.5, 2.5))
     report = check(rec)
     save(rec, report, tmp_path)
-    assert check(load(tmp_path / "chaos-7.json")).text() == report.text()
+    assert check(load(tmp_path / "chaos-7-redis.json")).text() == report.text()
