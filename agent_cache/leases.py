@@ -154,6 +154,7 @@ class LeaseManager:
         # Releases on the wire, per name: an acquisition of the same name waits for them, so a
         # release sent before it can never land after it and delete the lease it just extended.
         self._releasing: dict[str, asyncio.Task[None]] = {}
+        self._confirming: dict[str, asyncio.Future[bool]] = {}  # one confirmation per lease at a time
         self._task: asyncio.Task[None] | None = None
         self._cluster = isinstance(redis, RedisCluster)
         self.last_ok: float = now()  # when Redis last answered a call of ours
@@ -178,6 +179,36 @@ class LeaseManager:
         if name in self.held:
             self._lose(name, expired=True)  # e.g. we were paused past the TTL: stop acting on it now
         return False
+
+    async def confirm(self, name: str, fence: int) -> bool:
+        """Is `name` (with this fencing number) still ours? Without I/O while our clock proves it;
+        else (e.g. right after a pause) renewed now, one call, shared by concurrent askers. False
+        once it is not ours — dropped and reported lost — or cannot be proven (Redis down)."""
+        if self.holds(name, fence):
+            return True
+        lease = self.held.get(name)
+        if lease is None or lease.fence != fence:
+            return False
+        pending = self._confirming.get(name)
+        if pending is None:
+            pending = self._confirming[name] = asyncio.ensure_future(self._confirm(lease))
+            pending.add_done_callback(lambda _f: self._confirming.pop(name, None))
+        return await asyncio.shield(pending)
+
+    async def _confirm(self, lease: Lease) -> bool:
+        sent = now()
+        try:
+            ok = (await self._renew_slice([lease]))[0] == 1
+        except (RedisError, OSError):
+            self.failing = True
+            return self.check_lease(lease.name)  # unproven and unreachable: past the TTL, it goes
+        if self.held.get(lease.name) is not lease:
+            return False
+        if not ok:
+            self._lose(lease.name, expired=False)
+            return False
+        self.renewed_at[lease.name] = sent
+        return True
 
     # --- acquire --------------------------------------------------------------------------
 

@@ -115,7 +115,8 @@ class EditStreamReply(Reply):
             return
         self._notice_shown = True
         await self._end()  # what the chat shows is settled from here on
-        if self._run.guard is not None and not self._run.guard():
+        guard = self._run.guard
+        if guard is not None and not (guard() or await guard.confirm()):
             return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
         target = self._last_message()
@@ -127,14 +128,15 @@ class EditStreamReply(Reply):
                                                     kind=NoticeKind.INTERRUPTED, reason=reason))
 
     async def failed(self, text: str) -> None:
-        if self._ended or not self._run.may_send():
+        if self._ended or not await self._run.may_send_now():
             return
         await self._end()
         self._text = f"{self._text}\n\n⚠️ {text}" if self._text.strip() else f"⚠️ {text}"
         await self._settle(self._deliver_final())
 
     async def settled(self, problem: str | None = None) -> None:
-        if problem and (self._run.guard is None or self._run.guard()):  # still ours to speak for
+        guard = self._run.guard
+        if problem and (guard is None or guard() or await guard.confirm()):  # still ours to speak for
             await self._adapter.notify(self._chat, f"⚠️ {problem}", reply_to=self._reply_to, kind=NoticeKind.ERROR)
 
     def shown_text(self) -> str | None:
@@ -310,8 +312,9 @@ class EditStreamReply(Reply):
 
     async def _call(self, index: int, text: str, end: int) -> None:
         """One send or edit, made by the chat's outbox worker (so its outcome is recorded even if
-        the reply stops waiting for it)."""
-        if not self._run.may_send():
+        the reply stops waiting for it). Where our own clock cannot prove the lease any more (a
+        pause just ended), the lease store decides: not sent only if the session is not ours."""
+        if not await self._run.may_send_now():
             return
         if index < len(self._parts):
             message = self._parts[index]

@@ -97,6 +97,36 @@ async def test_a_lease_is_given_up_locally_before_redis_expires_it(redis: Redis)
     assert await redis.pttl(keys.lease("s")) > 0  # Redis still has it: the local view errs early
 
 
+async def test_a_lease_our_clock_cannot_prove_is_confirmed_by_asking_redis_once(redis: Redis) -> None:
+    """Right after a pause, output that matters (a final text, a stop mark) asks Redis instead of
+    being dropped: still ours, the lease is renewed; someone else's, it is dropped and reported."""
+    m = LeaseManager(redis, "w1", "a", ttl_s=3)
+    lease = await take(m, "s")
+    assert lease is not None
+    m.renewed_at["s"] -= m.ttl_s - m.margin_s  # as if the process had been paused that long
+    assert not m.holds("s", lease.fence)
+    renewals = 0
+    renew = m._renew_slice
+
+    def counted(part: list[Lease]) -> object:
+        nonlocal renewals
+        renewals += 1
+        return renew(part)
+
+    m._renew_slice = counted  # type: ignore[method-assign]
+    assert await asyncio.gather(*(m.confirm("s", lease.fence) for _ in range(5))) == [True] * 5
+    assert renewals == 1 and m.holds("s", lease.fence)  # five askers, one call; proven again
+    assert await m.confirm("s", lease.fence) and renewals == 1  # proven by our clock: no call at all
+    assert not await m.confirm("s", lease.fence + 1)  # another fence is never ours
+
+    m.renewed_at["s"] -= m.ttl_s  # paused past the TTL, and another worker took the session
+    await redis.delete(keys.lease("s"))
+    assert await take(LeaseManager(redis, "w2", "b", ttl_s=3), "s") is not None
+    lost: list[bool] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append(expired)
+    assert not await m.confirm("s", lease.fence) and lost == [False] and "s" not in m.held
+
+
 def test_the_lease_clock_keeps_running_through_suspend() -> None:
     if not hasattr(time, "CLOCK_BOOTTIME"):
         pytest.skip("CLOCK_BOOTTIME is Linux-only; elsewhere the monotonic clock is used")

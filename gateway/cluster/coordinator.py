@@ -179,6 +179,9 @@ class Cluster:
     def holds(self, fence: Fence) -> bool:
         return self.leases.holds(fence.session_key, fence.number)
 
+    async def confirm(self, fence: Fence) -> bool:
+        return await self.leases.confirm(fence.session_key, fence.number)
+
     def check_lease(self, session: str) -> None:
         self.leases.check_lease(session)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Any, Literal, ParamSpec, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,16 @@ def stop_notice(reason: ToolReason) -> str:
     return f"⏹ interrupted: {reason.text}"
 
 
+class Guard(Protocol):
+    """Ownership of a session, as a run checks it before output (cluster mode)."""
+
+    def __call__(self) -> bool:
+        """Provably ours by our own clock: no I/O, no state change."""
+
+    async def confirm(self) -> bool:
+        """Ask the lease store once (renewing the lease if it is still ours); False: it is not ours."""
+
+
 class RunCancelled(Exception):
     """Raised inside thread-based tools by `Run.raise_if_cancelled`."""
 
@@ -121,7 +131,7 @@ class Run:
         self.session_key = session_key
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.
-        self.guard: Callable[[], bool] | None = None
+        self.guard: Guard | None = None
         self.started_at: float | None = None
         self.cancelled_at: float | None = None  # perf_counter() at cancel
         self.done_at: float | None = None  # perf_counter() when the run's task ended
@@ -157,6 +167,14 @@ class Run:
         """May output of this run still reach the chat? Not once cancelled, nor once its session's
         lease can no longer be proven. A question only: it changes nothing."""
         return self._reason is None and (self.guard is None or self.guard())
+
+    async def may_send_now(self) -> bool:
+        """`may_send`, but where our own clock can no longer prove the lease (a pause just ended)
+        the lease store is asked before the answer is no: output that matters (a final text, a
+        stop mark) is then neither dropped while the session is still ours nor sent once it is not."""
+        if self._reason is not None:
+            return False
+        return self.guard is None or self.guard() or await self.guard.confirm()
 
     def raise_if_cancelled(self) -> None:
         if self._reason is not None:

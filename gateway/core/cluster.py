@@ -69,6 +69,10 @@ class Ownership(Protocol):
     def holds(self, fence: Fence) -> bool:
         """Is `fence` still provably ours? A pure check, safe before every send."""
 
+    async def confirm(self, fence: Fence) -> bool:
+        """Is `fence` still ours? Asks Redis (renewing the lease) when `holds` can no longer tell;
+        drops the lease, as `check_lease` does, if it is not."""
+
     def check_lease(self, session: str) -> None:
         """State change: if the lease can no longer be proven, drop it (and say so via
         `ClusterEvents.lease_lost`)."""
@@ -79,3 +83,20 @@ class Ownership(Protocol):
 
     def unwatch(self, session: str) -> None:
         """`session` has no work open any more."""
+
+
+class FenceGuard:
+    """The `Guard` of runs and notices for one session in cluster mode: its fence, checked against
+    this worker's leases."""
+
+    __slots__ = ("_fence", "_ownership")
+
+    def __init__(self, ownership: Ownership, fence: Fence) -> None:
+        self._ownership = ownership
+        self._fence = fence
+
+    def __call__(self) -> bool:
+        return self._ownership.holds(self._fence)
+
+    async def confirm(self) -> bool:
+        return await self._ownership.confirm(self._fence)

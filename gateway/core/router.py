@@ -8,7 +8,6 @@ starting or streaming; commands never wait on the lane or on anything a turn hol
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import time
@@ -28,7 +27,7 @@ from gateway.core.cancellation import (
     Run,
     ToolReason,
 )
-from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Ownership, Route
+from gateway.core.cluster import ClusterEvents, ClusterUnavailable, FenceGuard, Ownership, Route
 from gateway.core.commands import STOPPED, Command, parse_command
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage, session_key
@@ -332,7 +331,7 @@ class Router:
     def _speaker(self, outlet: Outlet, fence: Fence) -> Speaker:
         if self._cluster is None or fence.is_local:
             return Speaker(outlet)
-        return Speaker(outlet, functools.partial(self._cluster.holds, fence))
+        return Speaker(outlet, FenceGuard(self._cluster, fence))
 
     async def _reject(self, outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
                       kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:

@@ -20,6 +20,7 @@ from gateway.core.cancellation import (
     GATEWAY_RESTART,
     LEASE_LOST,
     SESSION_RESET,
+    Guard,
     Run,
     ToolReason,
     current_run,
@@ -94,16 +95,20 @@ class Speaker:
 
     __slots__ = ("guard", "outlet")
 
-    def __init__(self, outlet: Outlet, guard: Callable[[], bool] | None = None) -> None:
+    def __init__(self, outlet: Outlet, guard: Guard | None = None) -> None:
         self.outlet = outlet
         self.guard = guard  # None: a single process, which owns every session
 
     def may_speak(self) -> bool:
         return self.guard is None or self.guard()
 
+    async def may_speak_now(self) -> bool:
+        """`may_speak`, asking the lease store when our own clock can no longer tell."""
+        return self.guard is None or self.guard() or await self.guard.confirm()
+
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
-        if not self.may_speak():
+        if not await self.may_speak_now():
             log.info("not sent (this worker no longer owns the session): %s", text[:60])
             return
         await self.outlet.notify(chat, text, reply_to=reply_to, kind=kind, reason=reason)
@@ -303,7 +308,7 @@ class TurnRunner:
                 await reply.delta(event.text)
             elif separate and self._may_send(run):  # the continuation starts below the answer so far
                 await reply.delta(ROUND_SEPARATOR)
-        if self._may_send(run):
+        if await run.may_send_now():  # after a pause, the lease store decides: not our own clock
             await reply.finish(recorder.final_text)
 
     def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:

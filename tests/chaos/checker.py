@@ -562,6 +562,8 @@ class _Checker:
                 calls = [c for c in self.calls_by_chat.get(m.chat_id, []) if self._concerns(c, m)]
                 if any(back < c.at <= limit for c in calls):
                     continue
+                if not calls and m.next_sent_at is not None and m.next_sent_at <= limit:
+                    continue  # superseded: the user's next message replaced it before it showed anything
                 before = [c.at for c in calls if c.at <= back]
                 after = [c.at for c in calls if c.at > limit]
                 self.add("stall", m.session,
