@@ -258,6 +258,10 @@ class LeaseManager:
             if isinstance(result, Exception):
                 fut.set_exception(result)
             elif int(result[0]) == 1:
+                if (old := self.held.get(name)) is not None and old.fence != int(result[1]):
+                    # It lapsed in Redis while we still held it here (a slow renewal): the turns
+                    # acting on the old fence are zombies now; report it lost before it is reused.
+                    self._lose(name, expired=False)
                 if name not in self.held:
                     self.acquisitions += 1
                 lease = self.held[name] = Lease(key, name, int(result[1]))

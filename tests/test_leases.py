@@ -127,6 +127,26 @@ async def test_a_lease_our_clock_cannot_prove_is_confirmed_by_asking_redis_once(
     assert not await m.confirm("s", lease.fence) and lost == [False] and "s" not in m.held
 
 
+async def test_a_lease_that_lapsed_unnoticed_is_reported_lost_before_it_is_taken_again(redis: Redis) -> None:
+    """A renewal late enough for Redis to expire the lease, then a message for the session: the
+    new acquisition has a new fence, so whatever acted on the old one is told it lost the lease
+    first (its turns are zombies; recovery replays their records) - never two turns for one."""
+    m = LeaseManager(redis, "w1", "a", ttl_s=3)
+    first = await take(m, "s")
+    assert first is not None
+    lost: list[tuple[int, bool]] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append((lease.fence, expired))
+    m.renewed_at["s"] -= m.ttl_s  # our clock lapsed, and nobody called check_lease yet
+    await redis.delete(keys.lease("s"))  # Redis expired it meanwhile
+    again = await take(m, "s")
+    assert again is not None and again.fence > first.fence
+    assert lost == [(first.fence, False)] and m.held["s"] is again
+
+    m.renewed_at["s"] -= m.ttl_s  # lapsed by our clock only: Redis still has it, under our token
+    kept = await take(m, "s")
+    assert kept is not None and kept.fence == again.fence and len(lost) == 1  # continuity: nothing lost
+
+
 def test_the_lease_clock_keeps_running_through_suspend() -> None:
     if not hasattr(time, "CLOCK_BOOTTIME"):
         pytest.skip("CLOCK_BOOTTIME is Linux-only; elsewhere the monotonic clock is used")
