@@ -24,11 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.attachments import MB, Attachment
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Outcome, Reply, Submitted
 from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter
+from platforms.content_parts import BadContent, parse_content
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +94,10 @@ class ApiAdapter(Adapter):
     capabilities = Capabilities(max_message_len=1 << 20, can_edit=False, can_stream=True)
     can_steer = False  # each request waits for an answer of its own
 
-    def __init__(self, *, keys: list[str], model_name: str = "switchboard") -> None:
+    def __init__(self, *, keys: list[str], model_name: str = "switchboard",
+                 max_attachment_bytes: int = 10 * MB) -> None:
         self._keys = [k.encode() for k in keys]
+        self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
         self.model_name = model_name
         self._replies: dict[str, _ApiReply] = {}
 
@@ -130,16 +134,16 @@ class ApiAdapter(Adapter):
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             return _error(400, "The request body must be JSON.")
-        parsed = _parse(body)
+        parsed = _parse(body, self.max_attachment_bytes)
         if isinstance(parsed, web.Response):
             return parsed
-        history, text, stream = parsed
+        history, text, attachments, stream = parsed
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)
         mid = uuid.uuid4().hex
         chat_id = session or f"ephemeral-{mid}"
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
-                             user_name=chat_id, message_id=mid, text=text)
+                             user_name=chat_id, message_id=mid, text=text, attachments=attachments)
         reply = self._replies[mid] = _ApiReply()
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
@@ -242,35 +246,31 @@ def _client_gone(submit: asyncio.Future[Submitted]) -> None:
         run.cancel(CLIENT_DISCONNECTED)
 
 
-def _parse(body: Any) -> tuple[list[ChatMessage], str, bool] | web.Response:
-    """Validate a chat completion request: (earlier messages, new user text, stream)."""
+def _parse(body: Any, max_bytes: int) -> tuple[list[ChatMessage], str, tuple[Attachment, ...], bool] | web.Response:
+    """Validate a chat completion request: (earlier messages, new user text, its attachments, stream)."""
     if not isinstance(body, dict):
         return _error(400, "The request body must be a JSON object.")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return _error(400, "'messages' must be a non-empty array.", param="messages")
     history: list[ChatMessage] = []
+    attachments: tuple[Attachment, ...] = ()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
             return _error(400, f"messages[{i}]: role must be system, user or assistant.", param="messages")
-        content = _text(m.get("content"))
-        if content is None:
-            return _error(400, f"messages[{i}].content must be a string or text parts.", param="messages")
-        history.append(ChatMessage(m["role"], content))
+        latest = i == len(messages) - 1
+        try:  # only the new message's images and files are decoded; earlier ones leave a placeholder
+            content = parse_content(m.get("content"), latest=latest and m["role"] == "user", max_bytes=max_bytes)
+        except BadContent as exc:
+            return _error(400, f"messages[{i}].content {exc}.", param="messages")
+        if content.attachments and not latest:  # pragma: no cover - parse_content decodes only the last
+            return _error(400, f"messages[{i}]: only the last message may carry images or files.")
+        attachments = content.attachments if latest else attachments
+        history.append(ChatMessage(m["role"], content.text))
     last = history.pop()
     if last.role != "user":
         return _error(400, "The last message must have role 'user'.", param="messages")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _error(400, "'stream' must be a boolean.", param="stream")
-    return history, last.content, stream
-
-
-def _text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if all(isinstance(p, str) for p in parts) and parts:
-            return "".join(p for p in parts if isinstance(p, str))
-    return None
+    return history, last.content, attachments, stream

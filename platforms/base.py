@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gateway.core.attachments import Attachment
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Reply
@@ -85,6 +86,11 @@ class Adapter(ABC):
 
     async def typing(self, chat: ChatRef) -> None:
         """Show a typing indicator, if the platform has one."""
+
+    async def attachment_url(self, att: Attachment) -> str:
+        """Where to download an attachment this platform reported (asked in the turn, not at
+        intake). Raises `LookupError` with a reason safe to show if it cannot be fetched."""
+        raise LookupError("this platform does not serve files")
 
     def measure(self, text: str) -> int:
         """How long the platform counts `text` to be (its limit is `capabilities.max_message_len`)."""

@@ -23,6 +23,7 @@ import discord
 from discord import app_commands
 
 from gateway.core import commands
+from gateway.core.attachments import Attachment, mime_of
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
@@ -323,10 +324,13 @@ class DiscordAdapter(Adapter):
                 user_id=str(message.author.id), user_name=message.author.display_name,
                 message_id=str(message.id), text=text, timestamp=message.created_at.timestamp(),
                 reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None,
-                media=bool(message.attachments or message.stickers))
+                attachments=tuple(_attachment(a) for a in message.attachments), media=bool(message.stickers))
             await self.gateway.submit(msg, self)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
+
+    async def attachment_url(self, att: Attachment) -> str:
+        return att.ref  # the attachment's CDN URL, as the message carried it
 
     async def _on_app_command(self, interaction: Interaction, name: str) -> None:
         """Run `/name` as the router's text command; the interaction is always answered."""
@@ -474,3 +478,9 @@ class _DiscordReply(EditStreamReply):
 
 
 __all__ = ["DiscordAdapter"]
+
+
+def _attachment(a: discord.Attachment) -> Attachment:
+    """A Discord attachment as the router sees it (its URL is how it is fetched in the turn)."""
+    mime = mime_of(a.content_type, a.filename)
+    return Attachment("image" if mime.startswith("image/") else "file", a.filename, mime, a.size, a.url)

@@ -22,7 +22,7 @@ import logging
 import random
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
@@ -32,6 +32,7 @@ from telegram.error import BadRequest, Conflict, Forbidden, InvalidToken, Networ
 from telegram.request import HTTPXRequest
 
 from gateway.core import commands
+from gateway.core.attachments import Attachment, mime_of
 from gateway.core.cancellation import ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome
@@ -333,13 +334,25 @@ class TelegramAdapter(Adapter):
         if text and mentions:
             text = _strip_spans(text, mentions)
         reply = m.reply_to_message
+        files = _attachments(m)
         return InboundMessage(
             platform=PLATFORM, chat_id=str(m.chat.id), chat_type=chat_type,
             user_id=str(user.id), user_name=user.full_name, user_handle=user.username,
             message_id=str(m.message_id), text=text or "",
             thread_id=str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None,
             reply_to=str(reply.message_id) if reply is not None else None,
-            timestamp=m.date.timestamp(), media=m.effective_attachment is not None)
+            timestamp=m.date.timestamp(), attachments=files,
+            media=m.effective_attachment is not None and not files)  # a sticker, a poll...
+
+    async def attachment_url(self, att: Attachment) -> str:
+        """getFile, asked in the turn: its download URL (which carries the token: never logged)."""
+        try:
+            file = await self.bot.get_file(att.ref)
+        except TelegramError as exc:
+            raise LookupError(f"Telegram would not hand it out ({self._scrub(str(exc))})") from None
+        if not file.file_path:
+            raise LookupError("Telegram gave no download path for it")
+        return file.file_path
 
     def _mentions(self, entities: dict[MessageEntity, str]) -> list[tuple[int, int]]:
         """(offset, length) in UTF-16 units of every @mention of this bot."""
@@ -435,6 +448,27 @@ class TelegramAdapter(Adapter):
     def _scrub(self, text: str) -> str:
         """Belt and braces next to the log redactor: PTB puts the token in some messages."""
         return text.replace(self._token, "***")
+
+
+def _attachments(m: Message) -> tuple[Attachment, ...]:
+    """A photo (its largest size) or a file (a document, voice note, audio or video) as attachments;
+    the router decides which are read. Stickers, polls, locations... are not files."""
+    if m.photo:
+        best = m.photo[-1]
+        return (Attachment("image", f"photo_{m.message_id}.jpg", "image/jpeg", best.file_size, best.file_id),)
+    if m.document is not None:
+        d = m.document
+        name = d.file_name or f"file_{m.message_id}"
+        mime = mime_of(d.mime_type, name)
+        kind: Literal["image", "file"] = "image" if mime.startswith("image/") else "file"
+        return (Attachment(kind, name, mime, d.file_size, d.file_id),)
+    for media, name in ((m.voice, "voice"), (m.audio, "audio"), (m.video, "video"), (m.video_note, "video note"),
+                        (m.animation, "animation")):
+        if media is not None:
+            mime = getattr(media, "mime_type", None) or ("video/mp4" if name == "video note" else "")
+            fname = getattr(media, "file_name", None) or f"{name.replace(' ', '_')}_{m.message_id}"
+            return (Attachment("file", fname, mime or "application/octet-stream", media.file_size, media.file_id),)
+    return ()
 
 
 def _strip_spans(text: str, spans: list[tuple[int, int]]) -> str:

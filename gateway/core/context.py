@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.core.transcript import ChatMessage
 
+IMAGE_TOKENS = 800  # what one image counts for, whatever its size (providers scale large ones down)
 MESSAGE_OVERHEAD = 4  # role, separators: what a chat template adds per message
 SHORTENED = "\n[… output shortened to fit the context …]\n"
 KEEP_OF_OLD_TOOL_OUTPUT = 400  # characters kept of a shortened tool output (its start and end)
@@ -31,6 +32,8 @@ def message_tokens(m: ChatMessage) -> int:
     n = estimate(m.content) + MESSAGE_OVERHEAD
     for call in m.tool_calls:
         n += estimate(call.arguments) + estimate(call.name) + MESSAGE_OVERHEAD
+    for part in m.media:  # an image at a fixed cost, never by the length of its base64
+        n += (part.tokens or IMAGE_TOKENS if part.kind == "image" else estimate(part.text)) + MESSAGE_OVERHEAD
     return n
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from gateway.core.attachments import Attachment, MediaPart
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage
@@ -53,6 +54,14 @@ class Agent(Protocol):
     def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
                  context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
         """Stream one turn. Tool calls run inside; cancellation arrives as CancelledError."""
+
+
+class MediaLoader(Protocol):
+    """Fetches a message's attachments for its turn (in the run's task, so a stop cancels it)."""
+
+    async def load(self, platform: str, attachments: Sequence[Attachment]) -> tuple[MediaPart, ...]:
+        """One part per attachment not refused: the bytes or text, from the stored copy when there
+        is one, else downloaded — or a note saying why not. Raises only CancelledError."""
 
 
 # --- the store --------------------------------------------------------------------------------

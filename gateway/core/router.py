@@ -8,6 +8,7 @@ starting or streaming; commands never wait on the lane or on anything a turn hol
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
@@ -18,6 +19,7 @@ from typing import Literal
 
 from agent_cache import AgentCache, CacheSettings
 from gateway.core.access import AccessControl
+from gateway.core.attachments import MediaSettings, refusal_sentence, screen
 from gateway.core.cancellation import (
     EVICTED,
     LEASE_LOST,
@@ -34,6 +36,7 @@ from gateway.core.messages import ChatRef, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
     Agent,
+    MediaLoader,
     NoticeKind,
     Outcome,
     Outlet,
@@ -53,7 +56,7 @@ log = logging.getLogger(__name__)
 BusyPolicy = Literal["interrupt", "queue", "steer"]
 BUSY_POLICIES: tuple[BusyPolicy, ...] = ("interrupt", "queue", "steer")
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
-MEDIA_ONLY = "I can only read text for now."
+MEDIA_ONLY = "I can only read text, images and text files; that kind of message is not supported."
 STEERED = "↪ added to the current answer"
 UNAVAILABLE_RETRY_S = 5.0
 UNAVAILABLE_NOTICE_EVERY_S = 60.0
@@ -109,7 +112,9 @@ class Router:
     def __init__(self, settings: RouterSettings, *, store: Store, agent: Agent, outlets: Outlets,
                  cache: CacheSettings | None = None, metrics: Metrics | None = None,
                  access: AccessControl | None = None, cluster: Ownership | None = None,
-                 resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0) -> None:
+                 resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0,
+                 media: MediaSettings | None = None, vision: bool = True,
+                 media_loader: MediaLoader | None = None) -> None:
         self.settings = settings
         # How long a cancelled turn's task may take to end before its lane moves on without it.
         self.cancel_grace_s = cancel_grace_s
@@ -119,6 +124,8 @@ class Router:
         self._outlets = outlets
         self._access = access
         self._cluster = cluster
+        self.media = media or MediaSettings()
+        self.vision = vision  # may images go to the model (`[agent] vision`)
         cache = cache or CacheSettings()
         self.cache: AgentCache[LiveConversation] = AgentCache(
             max_agents=cache.max_agents, idle_ttl_s=cache.idle_ttl_s, when_full=cache.when_full,
@@ -135,7 +142,7 @@ class Router:
                                  interruptions=self.interruptions, agent=lambda: self._agent,
                                  timeout_s=lambda: self.settings.turn_timeout_s,
                                  check_lease=cluster.check_lease if cluster else None,
-                                 cancel_grace_s=lambda: self.cancel_grace_s)
+                                 cancel_grace_s=lambda: self.cancel_grace_s, media=media_loader)
         self._recovery = Recovery(store, outlets, requeue=self.resume, remember=self._remember,
                                   fence=self._fence, speaker=self._speaker, resume_max_age_s=resume_max_age_s)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
@@ -239,14 +246,19 @@ class Router:
     async def _route(self, msg: InboundMessage, outlet: Outlet, ephemeral: Sequence[ChatMessage] | None,
                      key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
-        media_only = msg.media and not msg.text.strip()
+        if msg.attachments:  # each gets its verdict now, before the message is stored
+            msg = dataclasses.replace(msg, attachments=screen(msg.attachments, self.media, vision=self.vision))
+        readable = any(a.refused is None for a in msg.attachments)
+        refused = refusal_sentence(msg.attachments)
+        media_only = (msg.media or bool(msg.attachments)) and not msg.text.strip() and not readable
         if not _encodable(key, msg.text, msg.chat_id, msg.user_id, msg.user_name, msg.message_id,
-                          msg.thread_id, msg.user_handle, msg.reply_to):
+                          msg.thread_id, msg.user_handle, msg.reply_to,
+                          *(a.name for a in msg.attachments), *(a.mime for a in msg.attachments)):
             # Lone surrogates (e.g. "\ud800" in JSON) cannot be stored or sent on: refuse them now,
             # before anything is acknowledged, rather than poison the store.
             return await self._reject(outlet, msg, key, "That message contains characters that are not valid "
                                       "text; please send it again.")
-        if not media_only and (problem := self._validate(msg.text)) is not None:
+        if not media_only and not (readable and not msg.text.strip()) and (problem := self._validate(msg.text)):
             return await self._reject(outlet, msg, key, problem)
         cmd = parse_command(msg.text, outlet.bot_username)
         if self._closing and cmd is None:  # commands still work while turns drain: /stop must stop
@@ -258,7 +270,7 @@ class Router:
                 return await self._reject(outlet, msg, key, notice, kind=NoticeKind.INFO,
                                           detail="not allowed (notice throttled)")
         if media_only:
-            return await self._reject(outlet, msg, key, MEDIA_ONLY)
+            return await self._reject(outlet, msg, key, refused or MEDIA_ONLY)
         if cmd is None and ephemeral is None:  # commands always get through: /stop must work
             allowed, notice = self._rate_limit.check(msg.platform, msg.user_id)
             if not allowed:
@@ -284,6 +296,8 @@ class Router:
         if ephemeral is None and self._seen(msg, hops):
             return Submitted(Outcome.DUPLICATE)
 
+        if refused:  # the rest of the message is answered; the user learns why this part is not read
+            await speaker.notify(msg.chat, refused, reply_to=msg.message_id, kind=NoticeKind.INFO)
         turn = Turn(msg, key, speaker, fence, ephemeral)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.core.attachments import MediaPart
 from gateway.core.cancellation import ReasonKind, ToolReason
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -34,6 +35,8 @@ class ChatMessage:
     interrupted_by: ReasonKind | None = None
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
+    # This turn's images and files as the model gets them; never stored (the content keeps placeholders).
+    media: tuple[MediaPart, ...] = field(default=(), compare=False, repr=False)
 
     def model_content(self) -> str:
         """The content as the model should see it: interrupted assistant text carries its marker."""
@@ -44,6 +47,8 @@ class ChatMessage:
 
     def to_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.model_content()}
+        if self.media:  # content parts: the text, then each image or file
+            out["content"] = [{"type": "text", "text": out["content"]}, *(p.to_openai() for p in self.media)]
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id:

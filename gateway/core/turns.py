@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
+from gateway.core.attachments import note, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     LEASE_LOST,
@@ -35,6 +37,7 @@ from gateway.core.ports import (
     AgentError,
     FencedOut,
     InboundStatus,
+    MediaLoader,
     NoticeKind,
     Outlet,
     Reply,
@@ -155,7 +158,7 @@ class _Context:
             return None
         turn.steered = [t for t in turn.steered if t not in ready]
         turn.absorbed += ready
-        return "\n\n".join(t.msg.text for t in ready)
+        return "\n\n".join(with_placeholders(t.msg.text, t.msg.attachments) for t in ready)
 
     @property
     def token_ratio(self) -> float:
@@ -166,8 +169,9 @@ class TurnRunner:
     def __init__(self, *, store: Store, metrics: Metrics, cache: AgentCache[LiveConversation],
                  interruptions: Interruptions, agent: Callable[[], Agent], timeout_s: Callable[[], float],
                  check_lease: Callable[[str], None] | None = None,
-                 cancel_grace_s: Callable[[], float] = lambda: 2.0) -> None:
+                 cancel_grace_s: Callable[[], float] = lambda: 2.0, media: MediaLoader | None = None) -> None:
         self._store = store
+        self._media = media
         self._metrics = metrics
         self._cache = cache
         self._interruptions = interruptions
@@ -231,7 +235,7 @@ class TurnRunner:
                                if isinstance(exc, CacheFull) else
                                "Sorry, I could not load this conversation (storage error).")
             return None
-        user = ChatMessage("user", msg.text, created_at=msg.timestamp)
+        user = ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
         recorder = TurnRecorder()
         if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
             return None
@@ -298,6 +302,8 @@ class TurnRunner:
     async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
                       recorder: TurnRecorder, context: _Context) -> None:
         run = turn.run
+        if any(a.refused is None for a in turn.msg.attachments):
+            user = await self._with_media(turn, user)
         async for event in agent.run_turn(history, user, context):
             if isinstance(event, Usage):
                 self._usage(turn, context, event)
@@ -310,6 +316,23 @@ class TurnRunner:
                 await reply.delta(ROUND_SEPARATOR)
         if await run.may_send_now():  # after a pause, the lease store decides: not our own clock
             await reply.finish(recorder.final_text)
+
+    async def _with_media(self, turn: Turn, user: ChatMessage) -> ChatMessage:
+        """The user's message with its images and files, fetched now — in the run's task, so a stop
+        or the turn's timeout cancels a slow download. One that fails is a note to the model, and
+        the user is told why."""
+        msg = turn.msg
+        taken = [a for a in msg.attachments if a.refused is None]
+        if self._media is None:
+            parts = tuple(note(a, "files cannot be fetched here") for a in taken)
+        else:
+            parts = await self._media.load(msg.platform, taken)
+        failed = [p.text for p in parts if p.kind == "note"]
+        if failed and turn.speaker.may_speak():
+            log.info("attachments not read: %s", "; ".join(failed), extra={"session": turn.key})
+            await turn.speaker.notify(msg.chat, "Some of what you sent could not be read: "
+                                      + "; ".join(f.strip("[]") for f in failed) + ".", reply_to=msg.message_id)
+        return dataclasses.replace(user, media=parts)
 
     def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:
         turn.usage[0] += usage.prompt_tokens

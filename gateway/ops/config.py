@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_cache import CacheSettings
+from gateway.core.attachments import MediaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
@@ -69,6 +70,7 @@ class AgentConfig:
     context_tokens: int = 32_000  # the model's context window
     reply_tokens: int = 4_000  # of it, kept free for the answer
     include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
+    vision: bool = False  # the model reads images: photos go to it as image_url parts
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Config:
     discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    media: MediaSettings = field(default_factory=MediaSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -327,8 +330,23 @@ def _validate(c: Config) -> None:
                        ("discord.edit_interval_s", c.discord.edit_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    _validate_media(c.media)
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
+
+
+def _validate_media(m: MediaSettings) -> None:
+    for key in ("max_image_bytes", "max_file_bytes", "max_message_bytes", "max_per_message", "download_timeout_s",
+                "inline_chars"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"media.{key}: must be greater than 0 (got {getattr(m, key)})")
+    for key in ("image_tokens", "retention_hours"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"media.{key}: must not be negative")
+    for key in ("image_types", "file_types"):
+        for mime in getattr(m, key):
+            if "/" not in mime:
+                raise ConfigError(f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)")
 
 
 def render(config: Config) -> str:

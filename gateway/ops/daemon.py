@@ -37,6 +37,7 @@ from gateway.ops.http import build_app, start_sites
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
 from gateway.store.sqlite import SqliteStore
+from platforms.media import MediaStore
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +133,13 @@ class Daemon:
         self.access = AccessControl(self.store, access_policies(config))
         self.agent = build_agent(config, self.reaper)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
+        # Attachments are fetched in their turn, and a copy kept for replays, under the data dir.
+        self.media = MediaStore(config.media, Path(config.store.data_dir) / "media", self.adapters)
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
                              cache=config.agent_cache, metrics=self.metrics, access=self.access,
                              cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
-                             cancel_grace_s=config.tools.tool_kill_grace_s)
+                             cancel_grace_s=config.tools.tool_kill_grace_s, media=config.media,
+                             vision=config.agent.vision, media_loader=self.media)
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
@@ -166,6 +170,7 @@ class Daemon:
         self._on_stop(stack, "the store", self.store.close)
         self._on_stop(stack, "the tool sentinel", self.ledger.close)  # after the tools are drained
         self._on_stop(stack, "the agents", self._close_agents)
+        self._on_stop(stack, "attachment downloads", self.media.close)
         self._on_stop(stack, "tool processes", self._drain_tools)
         if self.cluster is not None:
             await self.cluster.start(self.router.cluster_events())
@@ -174,7 +179,10 @@ class Daemon:
             self.notifier.status(f"starting {name}")
             await adapter.start(self.router)
             self._on_stop(stack, f"the {name} client", adapter.close)
-        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
+        # Room for an API request carrying images as base64 (a third larger than the bytes).
+        max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
+        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
+                        max_body=max_body)
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
@@ -292,6 +300,8 @@ class Daemon:
         needs_restart = [name for name in changed if name not in RELOADABLE]
         for secret in new.secrets():
             redactor.add(secret)
+        if "agent" in changed:
+            self.router.vision = new.agent.vision
         if "agent" in changed or "tools" in changed:
             self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
             self._agents.append(self.agent)

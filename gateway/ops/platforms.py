@@ -56,7 +56,9 @@ def _webchat(config: Config, _cluster: Cluster | None) -> Adapter:
 def _api(config: Config, _cluster: Cluster | None) -> Adapter:
     from platforms.api import ApiAdapter
 
-    return ApiAdapter(keys=[k.reveal() for k in config.api.keys], model_name=config.api.model_name)
+    m = config.media
+    return ApiAdapter(keys=[k.reveal() for k in config.api.keys], model_name=config.api.model_name,
+                      max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes))
 
 
 PLATFORMS: tuple[PlatformEntry, ...] = (
