@@ -462,12 +462,13 @@ def _attachments(m: Message) -> tuple[Attachment, ...]:
         mime = mime_of(d.mime_type, name)
         kind: Literal["image", "file"] = "image" if mime.startswith("image/") else "file"
         return (Attachment(kind, name, mime, d.file_size, d.file_id),)
-    for media, name in ((m.voice, "voice"), (m.audio, "audio"), (m.video, "video"), (m.video_note, "video note"),
-                        (m.animation, "animation")):
-        if media is not None:
-            mime = getattr(media, "mime_type", None) or ("video/mp4" if name == "video note" else "")
-            fname = getattr(media, "file_name", None) or f"{name.replace(' ', '_')}_{m.message_id}"
-            return (Attachment("file", fname, mime or "application/octet-stream", media.file_size, media.file_id),)
+    for media, name, default in ((m.voice, "voice", "audio/ogg"), (m.audio, "audio", "audio/mpeg"),
+                                 (m.video, "video", "video/mp4"), (m.video_note, "video_note", "video/mp4"),
+                                 (m.animation, "animation", "video/mp4")):
+        if media is not None:  # offered to the router, which says why it is not read
+            fname = getattr(media, "file_name", None) or f"{name}_{m.message_id}"
+            mime = mime_of(getattr(media, "mime_type", None) or default, fname)
+            return (Attachment("file", fname, mime, media.file_size, media.file_id),)
     return ()
 
 

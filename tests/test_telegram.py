@@ -153,17 +153,28 @@ async def test_group_all_mode_and_forum_topics_reply_in_their_topic(
     assert [len(h) for h in history] == [2, 2]  # one session per topic
 
 
-async def test_media_gets_a_text_only_reply_and_captions_count_as_text(
+async def test_media_the_model_cannot_read_gets_a_reason_and_captions_count_as_text(
         start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
     provider.delay_s, provider.words = 0.0, 1
-    await start()
+    await start()  # vision off (the default): photos are refused, with the reason
     fake.push_photo(42, user_id=42)
     voice = fake.user_message(42, user_id=42, voice={"file_id": "v1", "file_unique_id": "u1", "duration": 2})
     fake.push_update({"message": voice})
+    sticker = fake.user_message(42, user_id=42, sticker={
+        "file_id": "s1", "file_unique_id": "us1", "type": "regular", "width": 1, "height": 1,
+        "is_animated": False, "is_video": False})
+    fake.push_update({"message": sticker})
     fake.push_photo(42, user_id=42, caption="look at this")
-    await shown(fake, 42, lambda t: t == "reply to: look at this w0 ")
-    assert [r.text for r in bot_sends(fake, 42)][:2] == [MEDIA_NOTICE, MEDIA_NOTICE]
-    assert [c.last_user for c in provider.connections] == ["look at this"]
+    await shown(fake, 42, lambda t: t.startswith("reply to: look at this"))
+    notices = [r.text for r in bot_sends(fake, 42)][:4]
+    assert re.fullmatch(r"I could not read photo_\d+\.jpg: this model cannot see images\.", notices[0])
+    assert re.fullmatch(r"I could not read voice_\d+: audio/ogg files are not supported \(text files only\)\.",
+                        notices[1])
+    assert notices[2] == MEDIA_NOTICE  # a sticker is not a file at all
+    assert re.fullmatch(r"I could not read photo_\d+\.jpg: this model cannot see images\.", notices[3])
+    (asked,) = provider.connections
+    assert asked.last_user.startswith("look at this\n[image not read: photo_")
+    assert asked.last_user_parts == []  # nothing but text went to the model
 
 
 async def test_stop_mid_stream_leaves_other_chats_alone(

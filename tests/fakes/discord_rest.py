@@ -378,7 +378,7 @@ class RestMixin(FakeState):
         data = self._files.get(int(request.match_info["attachment_id"]))
         if data is None:
             return web.Response(status=404)
-        return web.Response(body=data, content_type="application/octet-stream")
+        return await self.file_serving.serve(request, data)
 
     # ----- application commands ---------------------------------------------
     async def _commands_route(self, request: web.Request) -> web.Response:

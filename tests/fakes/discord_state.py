@@ -25,6 +25,7 @@ from tests.fakes.discord_models import (
     member_payload,
     user_payload,
 )
+from tests.fakes.file_serving import FileServing
 
 _MENTION_RE = re.compile(r"<@!?(\d+)>")
 
@@ -59,6 +60,7 @@ class FakeState:
         self.ids = Snowflakes()
         self._messages: dict[int, Json] = {}
         self._files: dict[int, bytes] = {}
+        self.file_serving = FileServing()  # how fast attachments download, and every download so far
         self._interactions: dict[str, FakeInteraction] = {}
         self._commands: dict[int | None, list[Json]] = {}
         self._latency: dict[int, float] = {}

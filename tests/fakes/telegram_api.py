@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 
 from aiohttp import ClientSession, web
 
+from .file_serving import FileServing
 from .telegram_html import HtmlParseError, parse_html, utf16_len
 
 JSONDict = dict[str, Any]
@@ -226,6 +227,7 @@ class FakeTelegramAPI:
         self._msgs: dict[int | str, dict[int, JSONDict]] = {}
         self._last_msg_id: dict[int | str, int] = {}
         self._files: dict[str, bytes] = {}
+        self.file_serving = FileServing()  # how fast files download, and every download so far
         self._callbacks: dict[str, _Callback] = {}
         self._faults: dict[str, list[tuple[ApiError, int | str | None]]] = {}
         self._latency: dict[int | str, float] = {}
@@ -366,7 +368,7 @@ class FakeTelegramAPI:
         data = self._files.get(path.removeprefix("files/"))
         if request.match_info["token"] != self.token or data is None:
             return _error(404, "Not Found")
-        return web.Response(body=data, content_type="application/octet-stream")
+        return await self.file_serving.serve(request, data)
 
     def _raise_fault(self, method: str, params: JSONDict) -> None:
         faults = self._faults.get(method.lower(), [])
@@ -786,6 +788,22 @@ class FakeTelegramAPI:
             sizes.append({"file_id": file_id, "file_unique_id": f"u-{file_id}",
                           "width": side, "height": side, "file_size": len(data)})  # fmt: skip
         msg = self.user_message(chat_id, user_id=user_id, photo=sizes, caption=caption, **kw)
+        return self.push_update({"message": msg})
+
+    def push_document(
+        self, chat_id: int, data: bytes, *, user_id: int, file_name: str | None = "notes.txt",
+        mime_type: str | None = "text/plain", caption: str | None = None, declared_size: int | None = -1,
+        **kw: Any,
+    ) -> int:  # fmt: skip
+        """Queue a document message (downloadable via getFile); `declared_size` is the file_size the
+        message claims (-1: the true size, None: none). Returns update_id."""
+        file_id = f"doc{next(self._update_ids)}"
+        self._files[file_id] = data
+        doc: JSONDict = {"file_id": file_id, "file_unique_id": f"u-{file_id}", "file_name": file_name,
+                         "mime_type": mime_type,
+                         "file_size": len(data) if declared_size == -1 else declared_size}  # fmt: skip
+        doc = {k: v for k, v in doc.items() if v is not None}
+        msg = self.user_message(chat_id, user_id=user_id, document=doc, caption=caption, **kw)
         return self.push_update({"message": msg})
 
     def push_callback(
