@@ -70,6 +70,7 @@ class MediaPart:
     mime: str = ""
     text: str = ""  # kind "text": the file's text (already cut to the budget); "note": the note
     tokens: int = 0  # kind "image": its fixed cost in the context budget (0: the default)
+    problem: str = ""  # kind "note": why it could not be read, for the user
 
     def to_openai(self) -> dict[str, Any]:
         """An OpenAI-compatible content part."""
@@ -112,7 +113,7 @@ def human_size(n: int) -> str:
         return f"{n} B"
     if n < MB:
         return f"{n / 1024:.0f} KB"
-    return f"{n / MB:.1f} MB"
+    return f"{n // MB} MB" if n % MB == 0 else f"{n / MB:.1f} MB"
 
 
 def _allowed(mime: str, patterns: Sequence[str]) -> bool:
@@ -183,4 +184,4 @@ def with_placeholders(text: str, attachments: Sequence[Attachment]) -> str:
 
 
 def note(att: Attachment, why: str) -> MediaPart:
-    return MediaPart("note", att, text=f"[{att.kind} {att.name} could not be read: {why}]")
+    return MediaPart("note", att, text=f"[{att.kind} not read: {att.name} — {why}]", problem=why)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
-from gateway.core.attachments import note, with_placeholders
+from gateway.core.attachments import note, refusal_sentence, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     LEASE_LOST,
@@ -327,11 +327,10 @@ class TurnRunner:
             parts = tuple(note(a, "files cannot be fetched here") for a in taken)
         else:
             parts = await self._media.load(msg.platform, taken)
-        failed = [p.text for p in parts if p.kind == "note"]
-        if failed and turn.speaker.may_speak():
-            log.info("attachments not read: %s", "; ".join(failed), extra={"session": turn.key})
-            await turn.speaker.notify(msg.chat, "Some of what you sent could not be read: "
-                                      + "; ".join(f.strip("[]") for f in failed) + ".", reply_to=msg.message_id)
+        failed = [dataclasses.replace(p.attachment, refused=p.problem) for p in parts if p.kind == "note"]
+        if failed and (sentence := refusal_sentence(failed)) is not None and turn.speaker.may_speak():
+            log.info("attachments not read: %s", sentence, extra={"session": turn.key})
+            await turn.speaker.notify(msg.chat, sentence, reply_to=msg.message_id)
         return dataclasses.replace(user, media=parts)
 
     def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:

@@ -44,6 +44,7 @@ class FileServing:
             for start in range(0, len(data), self.chunk):
                 await resp.write(data[start:start + self.chunk])
                 record.sent = min(len(data), start + self.chunk)
+                self._wake()
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
             await resp.write_eof()
