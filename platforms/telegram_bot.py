@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import hmac
 import logging
 import random
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
@@ -50,6 +51,7 @@ ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not ask
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 UNAVAILABLE_RETRY_S = 2.0
 CLOSE_FLUSH_S = 5.0  # on close, how long queued replies and notices may still take
+ALBUM_WAIT_S = 0.5  # how long the rest of an album may take to arrive after its first part
 # Bad Requests about the message rather than its text: retrying with other text will not help.
 _GONE = ("message to edit not found", "message_id_invalid", "message can't be edited")
 _CHAT = ("chat not found", "not enough rights", "have no rights", "chat_write_forbidden", "bot is not a member",
@@ -202,13 +204,20 @@ class TelegramAdapter(Adapter):
             offset=offset, timeout=self.config.poll_timeout_s, allowed_updates=list(ALLOWED_UPDATES)))
         self._confirmed = offset
         self._recovered("polling")
-        for update in updates:
+        if updates and _album_of(updates[-1]) is not None:
+            # An album arrives as one message per photo, often split across polls: wait a moment
+            # and ask again from the same offset (nothing is confirmed yet) to have all of it.
+            await self._waiting(asyncio.sleep(ALBUM_WAIT_S))
+            updates = await self._waiting(self.bot.get_updates(
+                offset=offset, timeout=0, allowed_updates=list(ALLOWED_UPDATES))) or updates
+        for group in _albums(updates):
             if self._closing:
                 return  # the rest stays unconfirmed and is fetched again by the next process
-            if not await self._handle(update):
+            if not await self._handle(group[0], group[1:]):
                 # Not stored (storage or Redis down): leave it unconfirmed, fetch it again later.
                 await self._waiting(asyncio.sleep(UNAVAILABLE_RETRY_S))
                 return
+            update = group[-1]
             self._offset = update.update_id + 1
             if self.leader is not None:
                 await self.leader.save("offset", str(self._offset))
@@ -287,15 +296,21 @@ class TelegramAdapter(Adapter):
 
     # --- intake: updates to messages ------------------------------------------------------
 
-    async def _handle(self, update: Update) -> bool:
-        """Turn one update into a router submission; never raises (a bad update is skipped).
-        Returns once the router has stored the message: it never waits on outbound calls.
-        False when it could not be taken now (storage down) and must be delivered again."""
+    async def _handle(self, update: Update, album: Sequence[Update] = ()) -> bool:
+        """Turn one update (with the rest of its `album`, if any) into a router submission; never
+        raises (a bad update is skipped). Returns once the router has stored the message: it never
+        waits on outbound calls. False when it could not be taken now (storage down) and must be
+        delivered again."""
         try:
             m = update.message
             if m is None:
                 return True
             msg = self._inbound(m)
+            if msg is not None and album:  # one message: the first part's id, every part's files
+                parts = [u.message for u in album if u.message is not None]
+                caption = msg.text or next((p.caption for p in parts if p.caption), "")
+                msg = dataclasses.replace(msg, text=caption, attachments=msg.attachments + tuple(
+                    a for p in parts for a in _attachments(p)))
             if msg is not None:
                 return (await self.gateway.submit(msg, self)).outcome is not Outcome.UNAVAILABLE
         except Exception:
@@ -448,6 +463,23 @@ class TelegramAdapter(Adapter):
     def _scrub(self, text: str) -> str:
         """Belt and braces next to the log redactor: PTB puts the token in some messages."""
         return text.replace(self._token, "***")
+
+
+def _album_of(update: Update) -> tuple[int, str] | None:
+    m = update.message
+    return (m.chat.id, m.media_group_id) if m is not None and m.media_group_id else None
+
+
+def _albums(updates: Sequence[Update]) -> list[list[Update]]:
+    """Updates in order, the consecutive parts of one album (same chat, same media group) together."""
+    groups: list[list[Update]] = []
+    for update in updates:
+        album = _album_of(update)
+        if groups and album is not None and _album_of(groups[-1][0]) == album:
+            groups[-1].append(update)
+        else:
+            groups.append([update])
+    return groups
 
 
 def _attachments(m: Message) -> tuple[Attachment, ...]:

@@ -206,3 +206,20 @@ async def test_a_turn_cut_off_by_a_restart_resumes_with_its_image_from_the_local
     assert "Continue from where you stopped" in resumed.last_user
     assert resumed.last_user_parts[1] == {"type": "image_url", "image_url": {"url": data_url(JPEG)}}
     assert len(fake.file_serving.downloads) == 1  # fetched once, before the restart
+
+
+async def test_an_album_split_across_polls_is_one_message_with_every_photo(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.0, 1
+    daemon = await start()
+    photos = [JPEG + bytes([i]) for i in range(3)]
+    first = fake.push_photo(12, user_id=12, data=photos[0], caption="our trip", media_group_id="album-1")
+    await fake.wait_until(lambda: any(first in p.returned for p in fake.polls))  # the first part alone
+    for data in photos[1:]:
+        fake.push_photo(12, user_id=12, data=data, media_group_id="album-1")
+    await said(fake, 12, lambda t: t.startswith("reply to: our trip"))
+    await idle(daemon)
+    (album,) = provider.connections
+    assert album.last_user.startswith("our trip\n[image: photo_")
+    assert [p["image_url"]["url"] for p in album.last_user_parts[1:]] == [data_url(d) for d in photos]
+    assert not any("stopped" in t for t in fake.messages(12).values())  # no part interrupted another
