@@ -223,3 +223,17 @@ async def test_an_album_split_across_polls_is_one_message_with_every_photo(
     assert album.last_user.startswith("our trip\n[image: photo_")
     assert [p["image_url"]["url"] for p in album.last_user_parts[1:]] == [data_url(d) for d in photos]
     assert not any("stopped" in t for t in fake.messages(12).values())  # no part interrupted another
+
+
+async def test_with_busy_steer_a_photo_sent_mid_answer_gets_a_turn_of_its_own(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.03, 30
+    daemon = await start(router={"busy": "steer"})
+    fake.push_text(13, "tell me a story", user_id=13)
+    await said(fake, 13, lambda t: "w2" in t)
+    fake.push_photo(13, user_id=13, data=JPEG, caption="and this one")  # steering would hand over text only
+    await said(fake, 13, lambda t: t.startswith("reply to: and this one"), timeout=10)
+    await idle(daemon)
+    story, photo = provider.connections
+    assert story.completed and story.last_user_parts == []
+    assert photo.last_user_parts[1] == {"type": "image_url", "image_url": {"url": data_url(JPEG)}}

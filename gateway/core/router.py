@@ -305,7 +305,8 @@ class Router:
         # A message that arrives late (held up in a forward while its owner was paused) must not
         # cut off the answer to one the user sent after it: it waits its turn instead.
         late = busy and lane is not None and _newer_in(lane, msg)
-        steer = (policy == "steer" and busy and not late and ephemeral is None and outlet.can_steer
+        # A message with images or files is a turn of its own: steering hands the model text only.
+        steer = (policy == "steer" and busy and not late and ephemeral is None and outlet.can_steer and not readable
                  and lane is not None and lane.current is not None and not lane.pending
                  and not lane.current.run.is_cancelled())
         queue = policy != "interrupt" or late
