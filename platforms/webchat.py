@@ -1,7 +1,8 @@
 """The built-in web chat: one page and a websocket, one session per browser (cookie).
 
-Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ...}`,
-`{"type": "command", "name": "stop" | "new"}`. To the browser:
+Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ..., "parts": [...]}`
+(`parts`, optional: images and files pasted or dropped on the page, as OpenAI `file` or `image_url`
+content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`. To the browser:
 
 - `hello` {history, running, queued, agent, max_chars}: the whole current conversation; the page
   replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
@@ -37,6 +38,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from gateway.core.attachments import MB, Attachment, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     PROCESS_DIED,
@@ -51,6 +53,7 @@ from gateway.core.recovery import is_resume_prompt
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
+from platforms.content_parts import BadContent, parse_content
 from platforms.streaming import EditStreamReply
 
 log = logging.getLogger(__name__)
@@ -70,8 +73,11 @@ class WebchatAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=64_000, can_edit=True, can_stream=True, edit_interval_s=0.05)
 
-    def __init__(self, *, max_message_chars: int | None = None) -> None:
+    def __init__(self, *, max_message_chars: int | None = None, max_attachment_bytes: int = 10 * MB,
+                 max_frame_bytes: int = 4 * MB) -> None:
         self.max_message_chars = max_message_chars
+        self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
+        self.max_frame_bytes = max_frame_bytes  # a message frame with its attachments (base64)
         self._sockets: dict[str, set[web.WebSocketResponse]] = {}
         self._ids = itertools.count(1)
         # Bot message ids stay unique across restarts, so a page never confuses two daemons' ids.
@@ -162,7 +168,7 @@ class WebchatAdapter(Adapter):
             return web.json_response({"error": "cross-origin websocket refused"}, status=403)
         if self._closing:  # the page retries; its next try reaches the restarted daemon
             return web.json_response({"error": "restarting"}, status=503)
-        ws = web.WebSocketResponse(heartbeat=20)
+        ws = web.WebSocketResponse(heartbeat=20, max_msg_size=self.max_frame_bytes)
         await ws.prepare(request)
         held: list[str] = []
         self._held[ws] = held
@@ -198,15 +204,25 @@ class WebchatAdapter(Adapter):
         try:
             frame = json.loads(data)
             kind = frame["type"]
+            attachments: tuple[Attachment, ...] = ()
             if kind == "command":
                 body = "/" + str(frame["name"])
             elif kind == "message":
                 body = str(frame["text"])
+                if frame.get("parts"):
+                    attachments = parse_content(frame["parts"], latest=True,
+                                                max_bytes=self.max_attachment_bytes).attachments
             else:
                 raise ValueError(kind)
             # A frame without an id (the page's commands) gets one that no restart can repeat:
             # a repeated id would be dropped as a duplicate by the router.
             client_id = str(frame.get("id") or f"srv-{secrets.token_hex(8)}")[:64]
+        except BadContent as exc:  # refused for good (acknowledged as such): resending would not help
+            await ws.send_json({"type": "notice", "kind": "error", "text": f"That attachment {exc}.",
+                                "reply_to": frame.get("id")}, dumps=_dumps)
+            await ws.send_json({"type": "ack", "id": str(frame.get("id")), "outcome": Outcome.REJECTED.value},
+                               dumps=_dumps)
+            return
         except (ValueError, KeyError, TypeError):
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
@@ -216,7 +232,7 @@ class WebchatAdapter(Adapter):
             await ws.send_json({"type": "notice", "kind": "restart", "text": text}, dumps=_dumps)
             return
         msg = InboundMessage(platform=PLATFORM, chat_id=sid, chat_type=ChatType.DM, user_id=sid,
-                             user_name="web user", message_id=client_id, text=body)
+                             user_name="web user", message_id=client_id, text=body, attachments=attachments)
         # Don't hold the socket's read loop: /stop must be read while a turn streams.
         task = asyncio.get_running_loop().create_task(self._submit(ws, msg, is_command=kind == "command"))
         self._tasks.add(task)
@@ -230,7 +246,8 @@ class WebchatAdapter(Adapter):
             await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)
         if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
             # Other tabs of this session show it too (a tab still connecting sees it in its history later).
-            data = json.dumps({"type": "user", "id": msg.message_id, "text": msg.text}, ensure_ascii=False)
+            shown = with_placeholders(msg.text, msg.attachments)
+            data = json.dumps({"type": "user", "id": msg.message_id, "text": shown}, ensure_ascii=False)
             for other in list(self._sockets.get(msg.chat_id, ())):
                 if other is not ws and other not in self._held:
                     with contextlib.suppress(ConnectionError, RuntimeError):

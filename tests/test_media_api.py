@@ -3,6 +3,7 @@ what an image costs in the context budget."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -108,3 +109,38 @@ def test_an_image_costs_a_fixed_number_of_tokens_not_its_base64() -> None:
     fitted = fit(history, with_image, budget_tokens=2_000)
     assert fitted.left_out == 0 and fitted.estimated_tokens < 2_000
     assert json.dumps(with_image.to_openai()).count("base64") == 1
+
+
+async def test_the_web_chat_sends_pasted_images_and_files_as_parts(make_daemon: DaemonFactory,
+                                                                    provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.0, 1
+    daemon = await make_daemon(agent={"vision": True}, media={"max_image_bytes": 1000, "max_file_bytes": 1000})
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    pasted = {"type": "file", "file": {"filename": "screen.gif", "file_data": _data(GIF, "image/gif")}}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        async with http.get(base + "/") as resp:
+            assert resp.status == 200
+        ws = await http.ws_connect(base + "/ws", origin=base)
+        assert (await ws.receive_json())["type"] == "hello"
+
+        async def until(pred: Any) -> list[dict[str, Any]]:
+            seen: list[dict[str, Any]] = []
+            async with asyncio.timeout(5):
+                while not seen or not pred(seen[-1]):
+                    seen.append(await ws.receive_json())
+            return seen
+
+        await ws.send_json({"type": "message", "id": "m1", "text": "", "parts": [pasted]})
+        frames = await until(lambda f: f == {"type": "state", "running": False})
+        assert [f["text"] for f in frames if f["type"] == "edit"][-1] == "reply to: [image: screen.gif, 106 B] w0 "
+        assert provider.connections[-1].last_user_parts[1] == _image(_data(GIF, "image/gif"))
+        # Too big to even decode: refused for good (acknowledged), with the reason.
+        big = {"type": "file", "file": {"filename": "big.gif", "file_data": _data(GIF + bytes(2000), "image/gif")}}
+        await ws.send_json({"type": "message", "id": "m2", "text": "and this", "parts": [big]})
+        frames = await until(lambda f: f["type"] == "ack")
+        assert frames[-1] == {"type": "ack", "id": "m2", "outcome": "rejected"}
+        assert frames[0]["text"] == "That attachment part 0: the data URL is larger than 1000 bytes."
+        hello = await (await http.ws_connect(base + "/ws", origin=base)).receive_json()
+        assert [r["text"] for r in hello["history"] if r["role"] == "user"] == ["[image: screen.gif, 106 B]"]
+        await ws.close()
+    assert len(provider.connections) == 1

@@ -50,7 +50,10 @@ def _discord(config: Config, cluster: Cluster | None) -> Adapter:
 def _webchat(config: Config, _cluster: Cluster | None) -> Adapter:
     from platforms.webchat import WebchatAdapter
 
-    return WebchatAdapter(max_message_chars=config.router.max_message_chars)
+    m = config.media
+    return WebchatAdapter(max_message_chars=config.router.max_message_chars,
+                          max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes),
+                          max_frame_bytes=max(4 * 1024 * 1024, m.max_message_bytes * 4 // 3 + 1024 * 1024))
 
 
 def _api(config: Config, _cluster: Cluster | None) -> Adapter:
