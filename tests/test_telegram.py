@@ -166,7 +166,7 @@ async def test_media_the_model_cannot_read_gets_a_reason_and_captions_count_as_t
     fake.push_update({"message": sticker})
     fake.push_photo(42, user_id=42, caption="look at this")
     await shown(fake, 42, lambda t: t.startswith("reply to: look at this"))
-    notices = [r.text for r in bot_sends(fake, 42)][:4]
+    notices = [r.text or "" for r in bot_sends(fake, 42)][:4]
     assert re.fullmatch(r"I could not read photo_\d+\.jpg: this model cannot see images\.", notices[0])
     assert re.fullmatch(r"I could not read voice_\d+: audio/ogg files are not supported \(text files only\)\.",
                         notices[1])

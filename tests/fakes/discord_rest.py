@@ -374,7 +374,7 @@ class RestMixin(FakeState):
             return _error(404, 10008, "Unknown Message")
         return web.Response(status=204)
 
-    async def _get_attachment(self, request: web.Request) -> web.Response:
+    async def _get_attachment(self, request: web.Request) -> web.StreamResponse:
         data = self._files.get(int(request.match_info["attachment_id"]))
         if data is None:
             return web.Response(status=404)
