@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import random
 import re
 import time
@@ -237,3 +238,19 @@ async def test_with_busy_steer_a_photo_sent_mid_answer_gets_a_turn_of_its_own(
     story, photo = provider.connections
     assert story.completed and story.last_user_parts == []
     assert photo.last_user_parts[1] == {"type": "image_url", "image_url": {"url": data_url(JPEG)}}
+
+
+async def test_a_file_telegram_no_longer_has_is_said_and_the_token_stays_out_of_the_logs(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    provider.delay_s, provider.words = 0.0, 1
+    caplog.set_level(logging.DEBUG)
+    await start()
+    fake.push_photo(14, user_id=14, data=JPEG, caption="gone?")
+    fake._files.clear()  # getFile now answers 400 "invalid file_id"
+    await said(fake, 14, lambda t: t.startswith("reply to: gone?"))
+    await fake.wait_for(lambda r: bool(re.fullmatch(
+        r"I could not read photo_\d+\.jpg: Telegram would not hand it out \(Invalid file_id\)\.", r.text or "")))
+    assert provider.connections[-1].last_user_parts[1]["text"].startswith("[image not read: photo_")
+    # Our own records, before any redaction: the download URL (token inside) is never in them.
+    ours = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("gateway", "platforms")))
+    assert "not read" in ours and TOKEN not in ours
