@@ -53,7 +53,8 @@ async def test_operator_stop_metrics_and_the_session_table(make_daemon: DaemonFa
             table = (await resp.json())["sessions"]
         running = [row for row in table if row["state"] == "running"]
         assert len(running) == 2 and all(row["platform"] == "webchat" for row in running)
-        victim = "webchat:dm:" + a.cookie_jar.filter_cookies(URL(base))["switchboard_session"].value
+        cookie = a.cookie_jar.filter_cookies(URL(base))["switchboard_session"].value
+        victim = "webchat:dm:" + daemon.adapters["webchat"].session_id(cookie)
         async with op.post(admin + "/admin/api/sessions/stop", json={"key": victim}) as resp:
             assert await resp.json() == {"key": victim, "stopped": True}
         frames = await _until(wa, lambda f: f == {"type": "state", "running": False})
