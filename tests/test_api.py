@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED
+from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
-from platforms.tenants import key_id
 from tests.procs import until
 
 KEY = "sk-test-0123456789"

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import GATEWAY_RESTART
-from tests.conftest import DaemonFactory
 from platforms.tenants import key_id
+from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 
 KEY = "sk-settle-0123456789"
