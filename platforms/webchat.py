@@ -227,6 +227,7 @@ class WebchatAdapter(Adapter):
             # A frame without an id (the page's commands) gets one that no restart can repeat:
             # a repeated id would be dropped as a duplicate by the router.
             client_id = str(frame.get("id") or f"srv-{secrets.token_hex(8)}")[:64]
+            client_id.encode()  # an id that is not text (a lone surrogate) could not even be acked
         except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
