@@ -137,9 +137,9 @@ async def test_hostile_websocket_frames_are_refused_and_the_socket_lives_on(
             pass
         ws = await http.ws_connect(base + "/ws", origin=base)
         await ws.receive_json()
-        for frame in ("[" * 100_000, '{"type": "message", "id": "n", "text": ' + "[" * 100_000 + "}",
+        for hostile in ("[" * 100_000, '{"type": "message", "id": "n", "text": ' + "[" * 100_000 + "}",
                       '{"type": "message", "id": "d", "text": ' + "[" * 900 + "]" * 900 + "}"):
-            await ws.send_str(frame)
+            await ws.send_str(hostile)
             reply = await asyncio.wait_for(ws.receive_json(), 10)
             assert reply["type"] in ("notice", "ack"), reply
             if reply["type"] == "notice":
