@@ -60,7 +60,9 @@ from platforms.webchat_sessions import session_id
 
 log = logging.getLogger(__name__)
 
-COOKIE = "switchboard_session"
+# Named anew when sessions stopped being named by it: a value logged by an older version (whose
+# session keys were the cookie) opens nothing now; such a browser is simply given a new cookie.
+COOKIE = "switchboard_chat"
 _dumps = functools.partial(json.dumps, ensure_ascii=False)  # text as text in every frame
 PLATFORM = "webchat"
 RESTARTING = "The gateway is restarting; your message will be sent again when it is back."

@@ -54,7 +54,7 @@ async def test_operator_stop_metrics_and_the_session_table(make_daemon: DaemonFa
             table = (await resp.json())["sessions"]
         running = [row for row in table if row["state"] == "running"]
         assert len(running) == 2 and all(row["platform"] == "webchat" for row in running)
-        cookie = a.cookie_jar.filter_cookies(URL(base))["switchboard_session"].value
+        cookie = a.cookie_jar.filter_cookies(URL(base))["switchboard_chat"].value
         webchat = daemon.adapters["webchat"]
         assert isinstance(webchat, WebchatAdapter)
         victim = "webchat:dm:" + webchat.session_id(cookie)

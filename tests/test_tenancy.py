@@ -143,7 +143,7 @@ async def test_the_cookie_never_appears_in_keys_logs_metrics_or_the_admin_api(
     async with _browser() as victim, aiohttp.ClientSession() as op:
         async with victim.get(base + "/") as resp:
             set_cookie = resp.headers["Set-Cookie"]
-        cookie = next(c.value for c in victim.cookie_jar if c.key == "switchboard_session")
+        cookie = next(c.value for c in victim.cookie_jar if c.key == "switchboard_chat")
         assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie
         ws = await victim.ws_connect(base + "/ws", origin=base)
         await ws.receive_json()
@@ -188,7 +188,7 @@ async def test_a_session_id_sent_back_as_a_cookie_opens_nothing(
         async with attacker.get(admin + "/admin/api/sessions") as resp:
             (row,) = [r for r in (await resp.json())["sessions"] if r["platform"] == "webchat"]
         ws = await attacker.ws_connect(base + "/ws", origin=base,
-                                       headers={"Cookie": f"switchboard_session={row['chat']}"})
+                                       headers={"Cookie": f"switchboard_chat={row['chat']}"})
         hello = await ws.receive_json()
         await ws.close()
     assert hello["history"] == [], "a session id opened the session it names"
@@ -202,7 +202,7 @@ async def test_the_server_secret_survives_a_restart_and_is_private(
     async with _browser() as http:
         async with http.get(base + "/"):
             pass
-        cookie = next(c.value for c in http.cookie_jar if c.key == "switchboard_session")
+        cookie = next(c.value for c in http.cookie_jar if c.key == "switchboard_chat")
         ws = await http.ws_connect(base + "/ws", origin=base)
         await ws.receive_json()
         await ws.send_json({"type": "message", "id": "r1", "text": "remember me"})
@@ -214,7 +214,7 @@ async def test_the_server_secret_survives_a_restart_and_is_private(
     again = await make_daemon()
     base = f"http://127.0.0.1:{again.config.http.port}"
     async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(base + "/ws", origin=base, headers={"Cookie": f"switchboard_session={cookie}"})
+        ws = await http.ws_connect(base + "/ws", origin=base, headers={"Cookie": f"switchboard_chat={cookie}"})
         hello = await ws.receive_json()
         await ws.close()
     assert hello["history"][0]["text"] == "remember me"
@@ -222,3 +222,15 @@ async def test_the_server_secret_survives_a_restart_and_is_private(
     await again.stop()
     configured = await make_daemon(webchat={"session_secret": "a-configured-webchat-secret-0123456789"})
     assert configured.adapters["webchat"].session_id(cookie) != again.adapters["webchat"].session_id(cookie)  # type: ignore[attr-defined]
+
+
+async def test_cluster_workers_share_one_webchat_secret_through_redis(
+        make_daemon: DaemonFactory, redis_server: Any, tmp_path: Path) -> None:
+    """A browser's next connection may reach another worker: every worker must derive the same id."""
+    workers = [await make_daemon(redis={"url": redis_server.url}, cluster={"worker_id": f"w{i}"},
+                                 webchat={"enabled": True}, store={"data_dir": str(tmp_path / f"w{i}")})
+               for i in (1, 2)]
+    cookie = "c" * 32
+    ids = {w.adapters["webchat"].session_id(cookie) for w in workers}  # type: ignore[attr-defined]
+    assert len(ids) == 1, "two workers name one browser's session differently"
+    assert not any((tmp_path / f"w{i}" / SECRET_FILE).exists() for i in (1, 2))  # it lives in Redis

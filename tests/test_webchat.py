@@ -163,7 +163,7 @@ async def test_hello_gives_the_message_limit_and_keeps_the_stop_mark_of_a_tool_t
 
 
 def _cookie(http: aiohttp.ClientSession) -> str:
-    return next(c.value for c in http.cookie_jar if c.key == "switchboard_session")
+    return next(c.value for c in http.cookie_jar if c.key == "switchboard_chat")
 
 
 def _key(daemon: Any, http: aiohttp.ClientSession) -> str:

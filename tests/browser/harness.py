@@ -65,4 +65,4 @@ async def session_key(context: BrowserContext, daemon: Daemon) -> str:
     cookies = {c.get("name"): c.get("value") for c in await context.cookies()}
     webchat = daemon.adapters["webchat"]
     assert isinstance(webchat, WebchatAdapter)
-    return f"webchat:dm:{webchat.session_id(str(cookies['switchboard_session']))}"
+    return f"webchat:dm:{webchat.session_id(str(cookies['switchboard_chat']))}"
