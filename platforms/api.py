@@ -144,7 +144,7 @@ class ApiAdapter(Adapter):
         # The tenant's namespace: another key's "alice" is another conversation.
         chat_id = f"{tenant}/{session or f'ephemeral-{mid}'}" if tenant else session or f"ephemeral-{mid}"
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
-                             user_name=chat_id, message_id=mid, text=text)
+                             user_name=chat_id, message_id=mid, text=text, tenant=tenant or None)
         reply = self._replies[mid] = _ApiReply()
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.

@@ -69,6 +69,12 @@ async def test_another_key_with_the_same_session_id_never_sees_the_first_keys_hi
     assert [r.content for r in a_rows if r.role == "user"] == ["my pin is 4711", "and again?"]
     assert [r.content for r in b_rows if r.role == "user"] == ["what is my pin?"]
     assert await daemon.store.conversation("api:dm:alice") == (1, [])  # no shared, un-namespaced session
+    # Token use is counted per tenant, by name: never by key.
+    async with aiohttp.ClientSession() as http, http.get(
+            f"http://127.0.0.1:{daemon.config.admin.port}/metrics") as resp:
+        metrics = await resp.text()
+    assert 'tenant="team-a"' in metrics and f'tenant="{B}"' in metrics
+    assert K1 not in metrics and K2 not in metrics
 
 
 async def test_another_keys_stop_status_and_new_cannot_touch_a_running_turn(
