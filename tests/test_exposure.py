@@ -283,3 +283,14 @@ async def test_text_that_cannot_be_stored_is_never_left_accepted_nor_replayed_af
     assert again.router.sessions() == [] or not any(s.running or s.queued for s in again.router.sessions())
     await asyncio.sleep(0.2)  # a replay would have reached the provider by now (recovery ran in start)
     assert len(provider.connections) == requests, "something was replayed after the restart"
+
+
+def test_the_telegram_webhook_host_is_served_by_itself() -> None:
+    from gateway.ops.config import load_config
+    from gateway.ops.daemon import http_hosts
+
+    config = load_config(None, {"SWITCHBOARD_TELEGRAM__TOKEN": "1:x", "SWITCHBOARD_TELEGRAM__MODE": "webhook",
+                                "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://Bot.Example.test/tg",
+                                "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "s3cret-token"})
+    hosts = http_hosts(config)
+    assert hosts.host_ok("bot.example.test") and not hosts.host_ok("example.test")
