@@ -96,6 +96,22 @@ async def test_hostile_api_requests_get_a_clean_4xx_and_no_traceback(
         assert resp.status == 200  # and the listener is still fine
 
 
+async def test_a_flood_of_bad_requests_is_a_few_log_lines(
+        make_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    port = daemon.config.http.port
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for i in range(60):
+        bad = _post(CHAT, port, NESTED) if i % 2 else _post(CHAT, port, b"{}", headers=b"X-A: \x00\r\n")
+        assert (await _raw(port, bad))[0] == 400
+    elapsed = loop.time() - started
+    lines = [r for r in caplog.records if "client fault" in r.getMessage()]
+    assert 1 <= len(lines) <= 2 + elapsed / client_faults.LOG_EVERY_S, f"{len(lines)} lines in {elapsed:.1f} s"
+    _no_error_records(caplog)
+
+
 async def test_hostile_admin_requests_get_a_clean_4xx_and_no_traceback(
         make_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)

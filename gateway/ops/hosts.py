@@ -88,7 +88,8 @@ def host_guard(policy: HostPolicy) -> Middleware:
         if host is not None:
             name = _hostname(host)
             if name is None or not policy.host_ok(name):
-                note(f"{request.method} {request.path} from {request.remote}: Host not served here")
+                # The name, so the operator can tell a misconfiguration (add it to allowed_hosts) from an attack.
+                note(f"{request.method} {request.path} from {request.remote}: Host {host[:100]!r} is not served here")
                 return web.json_response({"error": "this host name is not served here (allowed_hosts)"}, status=421)
         origin = request.headers.get("Origin")
         changing = request.method not in SAFE_METHODS or request.headers.get("Upgrade", "").lower() == "websocket"
