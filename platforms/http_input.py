@@ -1,4 +1,5 @@
-"""Reading a client's JSON body: every way it can be wrong is a 4xx, never an exception.
+"""Reading a client's request: its JSON body (every way it can be wrong is a 4xx, never an
+exception) and whether it came over https.
 
 The ways: a body over the size limit (413), a charset Python does not know (415), bytes that are
 not text in the declared charset, JSON that does not parse, or JSON nested deeper than the parser
@@ -37,3 +38,13 @@ async def read_json(request: web.Request, error: ErrorResponse = json_error) -> 
         return error(400, "The request body is nested too deeply.")
     except ValueError:
         return error(400, "The request body must be JSON.")
+
+
+def served_over_https(request: web.Request) -> bool:
+    """Did the browser use https (directly, or through a TLS proxy that says so)? Used only to
+    mark cookies `Secure`: a client that lies about it only spoils its own cookie, so the proxy
+    headers need no trust here."""
+    if request.secure or request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower() == "https":
+        return True
+    first = request.headers.get("Forwarded", "").split(",")[0]
+    return any(part.strip().lower() == "proto=https" for part in first.split(";"))

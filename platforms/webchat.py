@@ -55,6 +55,7 @@ from gateway.core.recovery import is_resume_prompt
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
+from platforms.http_input import served_over_https
 from platforms.streaming import EditStreamReply
 from platforms.webchat_sessions import session_id
 
@@ -169,7 +170,7 @@ class WebchatAdapter(Adapter):
         resp = static_response(request, "webchat.html", page=True)
         if _cookie(request) is None:
             resp.set_cookie(COOKIE, secrets.token_hex(16), httponly=True, samesite="Strict",
-                            secure=request.secure, max_age=365 * 86400)
+                            secure=served_over_https(request), max_age=365 * 86400)
         return resp
 
     async def _static(self, request: web.Request) -> web.StreamResponse:

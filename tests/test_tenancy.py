@@ -176,6 +176,20 @@ async def test_the_cookie_never_appears_in_keys_logs_metrics_or_the_admin_api(
     assert all(cookie not in s.key for s in await daemon.store.sessions(limit=50))
 
 
+async def test_the_cookie_is_secure_when_the_page_is_served_over_https(make_daemon: DaemonFactory) -> None:
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with aiohttp.ClientSession() as http:  # no cookie jar of note: every request is a new browser
+        for headers, secure in (({}, False), ({"X-Forwarded-Proto": "https"}, True),
+                                ({"Forwarded": "for=1.2.3.4;proto=https"}, True),
+                                ({"X-Forwarded-Proto": "http"}, False)):
+            async with http.get(base + "/", headers=headers) as resp:
+                cookie = resp.headers["Set-Cookie"]
+            assert ("; Secure" in cookie) is secure, (headers, cookie)
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+            http.cookie_jar.clear()
+
+
 async def test_a_session_id_sent_back_as_a_cookie_opens_nothing(
         make_daemon: DaemonFactory, provider: FakeProvider) -> None:
     provider.words = 1

@@ -26,7 +26,7 @@ from gateway.ops.client_faults import client_faults
 from gateway.ops.hosts import HostPolicy, host_guard
 from gateway.ops.http import ReadinessCheck
 from platforms.assets import static_response
-from platforms.http_input import read_json
+from platforms.http_input import read_json, served_over_https
 from platforms.tenants import as_bytes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,7 +60,8 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
 
     def signed_in(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
         assert token is not None
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/", secure=request.secure)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/",
+                            secure=served_over_https(request))
         return response
 
     async def console(request: web.Request) -> web.StreamResponse:
