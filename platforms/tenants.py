@@ -35,6 +35,8 @@ def problem(keys: Sequence[str], named: Mapping[str, str]) -> str | None:
         if not NAME.fullmatch(name):
             return (f"api.tenants: {name!r} is not a valid tenant name (letters, digits, '_', '.', '-'; "
                     "at most 64; starting with a letter or digit)")
+        if name.startswith("key-"):  # else a named key could share a plain key's namespace
+            return f"api.tenants: {name!r}: names starting with 'key-' are kept for the keys of api.keys"
     seen: set[str] = set()
     for key in [*keys, *named.values()]:
         if key in seen:
