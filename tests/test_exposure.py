@@ -6,14 +6,16 @@ hostile bodies and malformed HTTP (never a 5xx, never an error traceback in the 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.ops import client_faults
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, free_port
 from tests.fakes.openai_provider import FakeProvider
 from tests.procs import until
 
@@ -310,3 +312,30 @@ def test_the_telegram_webhook_host_is_served_by_itself() -> None:
                                 "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": "s3cret-token"})
     hosts = http_hosts(config)
     assert hosts.host_ok("bot.example.test") and not hosts.host_ok("example.test")
+
+
+async def test_the_middleware_turns_what_a_naive_handler_trips_over_into_400_and_nothing_else() -> None:
+    """The safety net under every route: a handler that parses carelessly still answers 400 to
+    hostile input, while a bug of our own (a KeyError) stays a 500."""
+
+    async def naive(request: web.Request) -> web.Response:
+        body = json.loads(await request.text())  # no guard at all: RecursionError, LookupError
+        return web.json_response({"keys": sorted(body)})
+
+    async def buggy(_request: web.Request) -> web.Response:
+        table: dict[str, int] = {}
+        return web.json_response(table["not there"])  # KeyError: a LookupError, but ours
+
+    app = web.Application(middlewares=[client_faults.client_faults])
+    app.add_routes([web.post("/naive", naive), web.post("/buggy", buggy)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        assert (await _raw(port, _post("/naive", port, b'{"a": 1}')))[0] == 200
+        assert (await _raw(port, _post("/naive", port, NESTED)))[0] == 400
+        assert (await _raw(port, _post("/naive", port, b"{}", content_type=b"text/plain; charset=bogus")))[0] == 400
+        assert (await _raw(port, _post("/buggy", port, b"{}")))[0] == 500
+    finally:
+        await runner.cleanup()

@@ -65,7 +65,7 @@ async def client_faults(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except Exception as exc:
         why = _client_caused(exc)
-        if why is None:
+        if why is None or request.writer.output_size > 0:  # not the client's, or too late for an answer
             raise
         note(f"{request.method} {request.path} from {request.remote}: {why}")
         return web.json_response({"error": f"bad request: {why}"}, status=400)
