@@ -198,7 +198,8 @@ class GatewayMixin(FakeState):
             member = member_payload(user, iso_time(gid))
             payload.update(guild_id=str(gid), guild_locale="en-US", context=0, member=member)
             payload["guild"] = {"id": str(gid), "locale": "en-US", "features": []}
-            payload["member"]["permissions"] = payload["app_permissions"] = "2147483647"
+            payload["app_permissions"] = "2147483647"
+            payload["member"]["permissions"] = str(self.member_permissions.get(user.id, 2147483647))
             payload["authorizing_integration_owners"] = {"0": str(gid)}
         else:
             payload.update(user=user_payload(user), context=1, authorizing_integration_owners={"1": str(user.id)})
