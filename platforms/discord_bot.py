@@ -404,8 +404,8 @@ class DiscordAdapter(Adapter):
 
         try:
             press = await self.stop_buttons.press(
-                self.gateway, self, stop_button.token_of(raw), user_id=str(interaction.user.id),
-                user_name=interaction.user.display_name, press_id=f"b{interaction.id}", is_admin=is_admin)
+                self.gateway, self, self._chat_for(interaction.channel), raw, user_id=str(interaction.user.id),
+                user_name=interaction.user.display_name, press_id=f"dc{interaction.id}", is_admin=is_admin)
         except Exception:
             log.exception("discord: could not handle a Stop button press")
             press = stop_button.Press(PressOutcome.FAILED, "Something went wrong; please try /stop.")
@@ -523,15 +523,14 @@ class _DiscordReply(EditStreamReply):
             await self._owner._reply_done(self)
 
 
-def _stop_view(token: str | None) -> discord.ui.View | None:
+def _stop_view(data: str | None) -> discord.ui.View | None:
     """A message's Stop button, as a component layout. The view is stopped before it is sent, so
     discord.py does not keep it: presses arrive in `on_interaction`, whether discord.py still
     knows the message or not (a restart, a re-IDENTIFY)."""
-    if token is None:
+    if data is None:
         return None
     view = discord.ui.View(timeout=None)
-    view.add_item(discord.ui.Button(label=stop_button.LABEL, style=discord.ButtonStyle.secondary,
-                                    custom_id=stop_button.custom_id(token)))
+    view.add_item(discord.ui.Button(label=stop_button.LABEL, style=discord.ButtonStyle.secondary, custom_id=data))
     view.stop()
     return view
 

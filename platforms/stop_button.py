@@ -1,37 +1,39 @@
 """One-tap Stop: the tokens behind the Stop buttons of streaming answers, and what a press does.
 
-A button carries a random token (`stop:<token>`), never a run id: run ids restart with the
-process, so an old button could otherwise name a new turn. A press is exactly `/stop` for the
-button's session — submitted through the router like a typed one, so access rules, metrics and
-the stop itself are the same — but only while the button's own run is still running: a press on
-an answer that has ended (or on a button from before a restart) stops nothing and says so.
-In a group only the person who asked, or an admin of the chat, may press it.
+A button carries its run's token and the asker's id (`stop:<run token>:<user id>`), never a
+run id: run ids restart with the process, so an old button could otherwise name a new turn. A
+press is exactly `/stop` for the button's session — submitted through the router as
+`/stop run:<token>`, so access rules, metrics, cluster forwarding and the stop itself are those of
+a typed /stop — except that it stops only while the button's own run is the one running: a press
+on an answer that has ended (or on a button from before a restart) stops nothing and says so. In a
+group only the person who asked, or an admin of the chat, may press it; the payload says who asked,
+so any worker can tell.
 
-The router's "Stopped." notice for a press is not sent to the chat: the platform shows it as
-the press's own answer (a Telegram toast, a Discord interaction), and the answer's message is
-marked "⏹ stopped" as for a typed /stop.
+The router's "Stopped." notice for a press is not sent to the chat: the platform shows it as the
+press's own answer (a Telegram toast, a Discord interaction), and the answer's message is marked
+"⏹ stopped" as for a typed /stop.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from gateway.core.cancellation import Run
-from gateway.core.commands import STOPPED
+from gateway.core.commands import ENDED, RUN_ARG, STOPPED
 from gateway.core.messages import ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Outcome, Outlet
 
 log = logging.getLogger(__name__)
 
 PREFIX = "stop:"
+PRESS_PREFIX = "stop-press:"  # message ids of the `/stop` a press submits
 LABEL = "⏹ Stop"
-ENDED = "This answer has already ended."
-MAX_LIVE = 10_000  # tokens of answers still streaming; older ones are forgotten (their presses: ENDED)
+MAX_LIVE = 10_000  # answers still streaming here; older ones are forgotten (their presses: forwarded)
+__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButtons"]
 
 
 class PressOutcome(StrEnum):
@@ -60,16 +62,22 @@ class StopTarget:
         return not self.run.finished and not self.run.is_cancelled()
 
 
-def custom_id(token: str) -> str:
-    """The button's payload (Telegram callback_data, Discord custom_id): 17 bytes."""
-    return PREFIX + token
+def custom_id(run: Run, asker_id: str) -> str:
+    """The button's payload (Telegram callback_data: at most 64 bytes; Discord custom_id: 100)."""
+    return f"{PREFIX}{run.token}:{asker_id}"
 
 
-def token_of(data: str | None) -> str | None:
-    """The token in a button payload, or None if it is not a Stop button's."""
+def parse(data: str | None) -> tuple[str, str] | None:
+    """(run token, asker id) from a button payload, or None if it is not a Stop button's."""
     if data is None or not data.startswith(PREFIX):
         return None
-    return data[len(PREFIX):] or None
+    token, _, asker = data[len(PREFIX):].partition(":")
+    return (token, asker) if token and asker else None
+
+
+def is_press(reply_to: str | None) -> bool:
+    """Is this notice about a press (answered by the press itself, never sent to the chat)?"""
+    return reply_to is not None and reply_to.startswith(PRESS_PREFIX)
 
 
 class StopButtons:
@@ -81,50 +89,53 @@ class StopButtons:
         self._absorbing: dict[str, list[str]] = {}  # press id -> notices the router sent for it
 
     def open(self, msg: InboundMessage, run: Run) -> str:
-        """A token for the answer to `msg`, live until `close`."""
-        token = secrets.token_urlsafe(9)
-        self._live[token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
+        """The payload of the Stop button of the answer to `msg`; the run is known here until `close`."""
+        self._live[run.token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
         while len(self._live) > MAX_LIVE:
             self._live.popitem(last=False)
-        return token
+        return custom_id(run, msg.user_id)
 
-    def close(self, token: str | None) -> None:
-        if token is not None:
-            self._live.pop(token, None)
-
-    def target(self, token: str) -> StopTarget | None:
-        return self._live.get(token)
+    def close(self, data: str | None) -> None:
+        parsed = parse(data)
+        if parsed is not None:
+            self._live.pop(parsed[0], None)
 
     def absorb(self, reply_to: str | None, text: str) -> bool:
-        """A notice the router sends about a press: kept for the press's answer, not sent. True if taken."""
-        notices = self._absorbing.get(reply_to) if reply_to is not None else None
-        if notices is None:
+        """A notice the router sends about a press: kept for the press's answer (or, for a press
+        another worker received, dropped: that worker answers it). True if taken."""
+        if not is_press(reply_to):
             return False
-        notices.append(text)
+        notices = self._absorbing.get(reply_to or "")
+        if notices is not None:
+            notices.append(text)
         return True
 
-    async def press(self, gateway: Gateway, outlet: Outlet, token: str | None, *, user_id: str, user_name: str,
-                    press_id: str, is_admin: Callable[[], Awaitable[bool]]) -> Press:
-        """Handle a press of the button for `token` by `user_id`; returns once the cancel is issued."""
-        target = self._live.get(token) if token is not None else None
-        if target is None or not target.live():
+    async def press(self, gateway: Gateway, outlet: Outlet, chat: ChatRef | None, data: str | None, *,
+                    user_id: str, user_name: str, press_id: str,
+                    is_admin: Callable[[], Awaitable[bool]]) -> Press:
+        """Handle a press of the button with payload `data` in `chat` by `user_id`; returns once the
+        cancel is issued (or handed to the worker that runs the answer)."""
+        parsed = parse(data)
+        target = self._live.get(parsed[0]) if parsed is not None else None
+        if parsed is None or chat is None or (target is not None and not target.live()):
             return Press(PressOutcome.ENDED, ENDED)
-        if target.chat.chat_type is not ChatType.DM and user_id != target.asker_id and not await is_admin():
-            return Press(PressOutcome.REFUSED, f"Only {target.asker_name} or an admin can stop this answer.")
-        if not target.live():  # it ended while the admin check ran
-            return Press(PressOutcome.ENDED, ENDED)
-        chat = target.chat
+        token, asker = parsed
+        if chat.chat_type is not ChatType.DM and user_id != asker and not await is_admin():
+            who = target.asker_name if target is not None else "the person who asked"
+            return Press(PressOutcome.REFUSED, f"Only {who} or an admin can stop this answer.")
+        if target is not None:
+            chat = target.chat  # where the answer streams: its topic or thread included
         msg = InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
                              thread_id=chat.thread_id, user_id=user_id, user_name=user_name,
-                             message_id=press_id, text="/stop")
+                             message_id=PRESS_PREFIX + press_id, text=f"/stop {RUN_ARG}{token}")
         notices: list[str] = []
-        self._absorbing[press_id] = notices
+        self._absorbing[msg.message_id] = notices
         try:
-            result = await gateway.submit(msg, outlet, key=target.run.session_key)
+            # The session: known here if the answer streams here; else the chat's, as for a typed /stop.
+            result = await gateway.submit(msg, outlet, key=target.run.session_key if target is not None else None)
         finally:
-            self._absorbing.pop(press_id, None)
-        log.info("%s: Stop button pressed: %s", self.platform, result.outcome.value,
-                 extra={"session": target.run.session_key, "run": target.run.run_id})
+            self._absorbing.pop(msg.message_id, None)
+        log.info("%s: Stop button pressed: %s %s", self.platform, result.outcome.value, result.detail)
         if result.outcome is Outcome.COMMAND:
             return Press(PressOutcome.STOPPED if result.detail == STOPPED else PressOutcome.ENDED,
                          result.detail or ENDED)

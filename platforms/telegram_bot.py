@@ -470,19 +470,19 @@ class TelegramAdapter(Adapter):
 
     async def _on_callback(self, query: CallbackQuery) -> None:
         """A button press: a Stop button's is `/stop` for its answer; the query is always answered."""
-        token = stop_button.token_of(query.data)
         text: str | None = None
         alert = False
         try:
-            if token is not None or (query.data or "").startswith(stop_button.PREFIX):
+            if (query.data or "").startswith(stop_button.PREFIX):
                 user = query.from_user
-                chat_id = query.message.chat.id if query.message is not None else None
+                message = query.message if isinstance(query.message, Message) else None
+                chat = self._chat_of(message) if message is not None else None
 
                 async def is_admin() -> bool:
-                    return chat_id is not None and await self._is_admin(chat_id, user.id)
+                    return chat is not None and await self._is_admin(int(chat.chat_id), user.id)
 
-                press = await self.stop_buttons.press(self.gateway, self, token, user_id=str(user.id),
-                                                      user_name=user.full_name, press_id=f"cb{query.id}",
+                press = await self.stop_buttons.press(self.gateway, self, chat, query.data, user_id=str(user.id),
+                                                      user_name=user.full_name, press_id=f"tg{query.id}",
                                                       is_admin=is_admin)
                 text, alert = press.text, press.outcome is PressOutcome.REFUSED
         except Exception:
@@ -492,6 +492,18 @@ class TelegramAdapter(Adapter):
             await self.bot.answer_callback_query(query.id, text=(text or "")[:200] or None, show_alert=alert)
         except TelegramError as exc:  # too old, or answered already: the stop itself stands
             log.info("telegram: could not answer a button press: %s", self._scrub(str(exc)))
+
+    @staticmethod
+    def _chat_of(m: Message) -> ChatRef | None:
+        """Where a message is: its chat (private or group) and forum topic."""
+        if m.chat.type == TgChatType.PRIVATE:
+            chat_type = ChatType.DM
+        elif m.chat.type in (TgChatType.GROUP, TgChatType.SUPERGROUP):
+            chat_type = ChatType.GROUP
+        else:
+            return None
+        thread = str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None
+        return ChatRef(PLATFORM, str(m.chat.id), chat_type, thread)
 
     async def _is_admin(self, chat_id: int, user_id: int) -> bool:
         try:
@@ -610,11 +622,10 @@ class _TelegramDraftReply(DraftStreamReply):
         await super().settled(problem)
 
 
-def _stop_markup(token: str | None) -> InlineKeyboardMarkup | None:
-    if token is None:
+def _stop_markup(data: str | None) -> InlineKeyboardMarkup | None:
+    if data is None:
         return None
-    return InlineKeyboardMarkup([[InlineKeyboardButton(stop_button.LABEL,
-                                                       callback_data=stop_button.custom_id(token))]])
+    return InlineKeyboardMarkup([[InlineKeyboardButton(stop_button.LABEL, callback_data=data)]])
 
 
 def _thread(chat: ChatRef) -> int | None:
