@@ -4,6 +4,7 @@ daemon and python-telegram-bot against the fake Bot API."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -248,3 +249,36 @@ async def test_a_press_from_a_user_the_bot_does_not_serve_is_refused(
     assert answer.text and "allowlist" in answer.text
     await asyncio.sleep(0.1)
     assert conn.closed_at is None
+
+
+async def test_presses_at_random_moments_always_keep_what_the_chat_shows(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """A Stop pressed at a random moment of a draft (seeded; the seed is in the failure message):
+    the chat ends with exactly the transcript's text, marked, and nothing of the turn is left behind."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    provider.delay_s, provider.words = 0.01, 2000
+    daemon, _ = await start(streaming="draft", draft_interval_s=0.05)
+    chat = 47
+    for turn in range(4):
+        before = set(fake.messages(chat))
+        fake.push_text(chat, f"turn {turn}", user_id=chat)
+        await fake.wait_until(lambda t=turn: bool(provider.requests_for(f"turn {t}")), 5)  # type: ignore[misc]
+        status, data = await stop_button(fake, chat)
+        await asyncio.sleep(rng.uniform(0.0, 0.6))  # anywhere: before the first draft, or well into it
+        (conn,) = provider.requests_for(f"turn {turn}")
+        query = fake.push_callback(chat, status, data, user_id=chat)
+        await provider.wait_closed(conn, 3)
+        assert (await answered(fake, query)).text == "Stopped.", f"seed {seed}"
+        await settled(daemon)
+        await fake.wait_until(lambda s=status: s not in fake.messages(chat), 3)  # type: ignore[misc]
+        new = {m: t for m, t in fake.messages(chat).items() if m not in before}
+        _, history = await daemon.store.conversation(f"telegram:dm:{chat}")
+        shown = history[-1].content
+        drafts = fake.draft_history(chat)
+        assert all(d.ended is not None for d in drafts), f"seed {seed}: a draft left behind"
+        if new:  # a draft was up: it ended in one message, what it showed, marked
+            (text,) = new.values()
+            assert text == (f"{shown}\n\n⏹ stopped" if shown.strip() else "⏹ stopped"), f"seed {seed}"
+        else:  # stopped before any draft: nothing was shown, nothing is kept
+            assert not shown.strip() or shown.startswith("[interrupted"), f"seed {seed}: {shown!r}"
