@@ -108,7 +108,7 @@ class Adapter(ABC):
         return chat.chat_id
 
     def count(self, kind: str) -> None:
-        """Metrics: one outbound `send`/`edit`/`notice`, or a `429` from the platform."""
+        """Metrics: one outbound `send`/`edit`/`draft`/`notice`, or a `429` from the platform."""
         if self._gateway is not None:
             self._gateway.count_outbound(self.name, kind)
 

@@ -55,6 +55,8 @@ def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
     ('[http]\nhost = "0.0.0.0"\n[api]\nenabled = true\n', {}, "api.keys: required when http.host is not loopback"),
     ("[http\n", {}, "is not valid TOML"),
     ('[agent]\napi_key_file = "/nonexistent/key"\n', {}, "agent.api_key_file: cannot read /nonexistent/key"),
+    ('[telegram]\nstreaming = "live"\n', {}, "telegram.streaming: must be one of 'draft', 'edit', 'off'"),
+    ("[telegram]\ndraft_refresh_s = 45\n", {}, "telegram.draft_refresh_s: must be between 0 and 30"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml: str, env: dict[str, str],
                                                               message: str) -> None:
