@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from gateway.core.cancellation import Run, ToolReason, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
-from platforms.errors import OutboundError
+from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Priority, Withdrawn
 from platforms.splitting import iter_parts
 from platforms.streaming import EditStreamReply
@@ -117,8 +117,11 @@ class DraftStreamReply(EditStreamReply):
         while self._drafting and not self._ended and self._run.may_send():
             due = self._drafted_at + self._refresh_s
             if self._draft_text is None or time.monotonic() >= due:
-                await self._push_draft(empty=self._draft_text is None, again=self._draft_text is not None)
-                due = max(self._drafted_at, time.monotonic()) + self._refresh_s  # a failure: retried then
+                try:
+                    await self._push_draft(empty=self._draft_text is None, again=self._draft_text is not None)
+                    due = max(self._drafted_at, time.monotonic()) + self._refresh_s  # a failure: retried then
+                except RateLimited as exc:
+                    due = time.monotonic() + exc.retry_after
             if not self.drafting:  # refused just now
                 break
             await asyncio.sleep(max(0.0, due - time.monotonic()))

@@ -282,3 +282,27 @@ async def test_presses_at_random_moments_always_keep_what_the_chat_shows(
             assert text == (f"{shown}\n\n⏹ stopped" if shown.strip() else "⏹ stopped"), f"seed {seed}"
         else:  # stopped before any draft: nothing was shown, nothing is kept
             assert not shown.strip() or shown.startswith("[interrupted"), f"seed {seed}: {shown!r}"
+
+
+@pytest.mark.filterwarnings("ignore:.*retry_after.*")  # PTB 22 warns when it builds RetryAfter
+async def test_a_429_on_a_draft_skips_states_and_the_answer_arrives_whole(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.02, 150  # 3 s: the 429 (1 s) passes mid-answer
+    await start(streaming="draft", draft_interval_s=0.05)
+    fake.fail_next("sendMessageDraft", 429, retry_after=1, times=2)
+    fake.push_text(48, "hi", user_id=48)
+    await shown(fake, 48, lambda t: t.endswith("w149 "), timeout=15)
+    assert [c for c in fake.calls if c.method == "sendMessageDraft" and c.status == 429]
+    assert [d for d in fake.drafts if d.chat_id == 48], "drafting resumed after the 429"
+    await fake.wait_until(lambda: len(fake.messages(48)) == 1)
+
+
+async def test_streaming_off_sends_the_final_text_only(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.02, 20
+    await start(streaming="off")
+    fake.push_text(49, "hi", user_id=49)
+    await shown(fake, 49, lambda t: t.endswith("w19 "))
+    assert [r.method for r in fake.sent if r.chat_id == 49 and r.method != "sendChatAction"] == ["sendMessage"]
+    (mid,) = fake.messages(49)
+    assert keyboard(fake, 49, mid) == []
