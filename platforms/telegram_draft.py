@@ -149,10 +149,14 @@ class DraftStreamReply(EditStreamReply):
             async def call() -> None:  # made by the outbox worker: a cancel of this task cannot lose it
                 self._status = await self._tg.send_status(self._chat, STATUS_TEXT, stop=stop)
 
-            job: Job[None] = self._outbox.put(self._key, call, priority=Priority.NOTICE, attempts=3)
-            self._jobs.append(job)  # `_end` waits for it to land, so the status is always deleted
+            # Owned by the reply: `_end` withdraws it if it has not started, or waits for it to land,
+            # so a status message is never sent after the answer (nor left behind).
+            job: Job[None] = self._outbox.put(self._key, call, priority=Priority.NOTICE, attempts=3, owner=self)
+            self._jobs.append(job)
             try:
                 await job.wait()
+            except Withdrawn:
+                return
             except Exception as exc:  # cosmetic: the answer streams without its button
                 log.info("telegram: could not send a Stop button beside a draft in chat %s: %s",
                          self._chat.chat_id, exc)

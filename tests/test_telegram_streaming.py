@@ -306,3 +306,23 @@ async def test_streaming_off_sends_the_final_text_only(
     assert [r.method for r in fake.sent if r.chat_id == 49 and r.method != "sendChatAction"] == ["sendMessage"]
     (mid,) = fake.messages(49)
     assert keyboard(fake, 49, mid) == []
+
+
+async def test_an_answer_ending_as_its_status_message_goes_out_leaves_no_status_behind(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """Quick answers that end around the moment the Stop button's status message is sent (0.2 s
+    in), on a slow chat: seeded random timings; the seed is in the failure message."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    daemon, _ = await start(streaming="draft", draft_interval_s=0.05)
+    chat = 50
+    fake.set_latency(chat, 0.08)
+    for turn in range(6):
+        provider.by_text[f"q{turn}"] = Script(text=f"answer {turn}", think_s=rng.uniform(0.1, 0.4), delay_s=0.0)
+        fake.push_text(chat, f"q{turn}", user_id=chat)
+        await shown(fake, chat, f"answer {turn} ".__eq__, timeout=5)
+        await settled(daemon)
+        await asyncio.sleep(0.3)  # a late status message would have landed by now
+        texts = sorted(fake.messages(chat).values())
+        assert texts == sorted(f"answer {i} " for i in range(turn + 1)), f"seed {seed}: {texts}"
+        assert all(keyboard(fake, chat, m) == [] for m in fake.messages(chat)), f"seed {seed}"
