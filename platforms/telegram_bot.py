@@ -39,7 +39,16 @@ from telegram import (
 )
 from telegram.constants import ChatAction, ChatMemberStatus, ParseMode
 from telegram.constants import ChatType as TgChatType
-from telegram.error import BadRequest, Conflict, Forbidden, InvalidToken, NetworkError, RetryAfter, TelegramError
+from telegram.error import (
+    BadRequest,
+    Conflict,
+    EndPointNotFound,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
 from telegram.request import HTTPXRequest
 
 from gateway.core import commands
@@ -119,6 +128,7 @@ class TelegramAdapter(Adapter):
         self.stop_buttons = StopButtons(PLATFORM)
         self._no_drafts: set[str] = set()  # chats that refused a draft: they stream by edits
         self._drafts_refusal_logged = False
+        self._drafts_off = False  # the Bot API server has no sendMessageDraft
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -427,6 +437,11 @@ class TelegramAdapter(Adapter):
             try:
                 await self.bot.send_message_draft(int(chat.chat_id), draft_id, body, parse_mode=mode,
                                                   message_thread_id=_thread(chat))
+            except (EndPointNotFound, InvalidToken) as exc:
+                # PTB reports a 404 (an unknown method: a Bot API server from before 9.3) as InvalidToken.
+                if isinstance(exc, InvalidToken) and "not found" not in str(exc).lower():
+                    raise
+                raise DraftsRefused("sendMessageDraft is not known to this Bot API server", everywhere=True) from None
             except BadRequest as exc:
                 if _kind(exc) != "refused" or "draft" in str(exc).lower() or "peer" in str(exc).lower():
                     raise DraftsRefused(self._scrub(str(exc))) from None
@@ -446,8 +461,10 @@ class TelegramAdapter(Adapter):
             with contextlib.suppress(TelegramError):
                 await self.bot.edit_message_reply_markup(int(chat.chat_id), int(message_id), reply_markup=None)
 
-    def drafts_refused(self, chat: ChatRef, why: str) -> None:
-        """Remember that `chat` takes no drafts (logged once per bot, then per chat at debug)."""
+    def drafts_refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
+        """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
+        then per chat at debug level."""
+        self._drafts_off = self._drafts_off or everywhere
         self._no_drafts.add(chat.chat_id)
         if len(self._no_drafts) > 100_000:
             self._no_drafts.clear()
@@ -460,7 +477,8 @@ class TelegramAdapter(Adapter):
         streaming = self.config.streaming
         token = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
         reply: EditStreamReply
-        if streaming == "draft" and draft_chat(msg.chat) and msg.chat_id not in self._no_drafts:
+        drafts = streaming == "draft" and not self._drafts_off and msg.chat_id not in self._no_drafts
+        if drafts and draft_chat(msg.chat):
             reply = _TelegramDraftReply(self, msg, run, token)
         else:
             reply = _TelegramReply(self, msg, run, token, stream=streaming != "off")

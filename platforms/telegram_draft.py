@@ -41,7 +41,12 @@ STATUS_TEXT = "✍️ writing…"
 
 
 class DraftsRefused(OutboundError):
-    """This chat does not take drafts (a group, a topic, a Bot API before 9.3)."""
+    """This chat does not take drafts (a group, a topic); `everywhere`: nor does any chat (the Bot
+    API server predates sendMessageDraft)."""
+
+    def __init__(self, detail: str, *, everywhere: bool = False) -> None:
+        super().__init__(detail)
+        self.everywhere = everywhere
 
 
 class DraftStreamReply(EditStreamReply):
@@ -181,7 +186,7 @@ class DraftStreamReply(EditStreamReply):
         except Withdrawn:
             return
         except DraftsRefused as exc:
-            self._fall_back(str(exc))
+            self._fall_back(str(exc), everywhere=exc.everywhere)
         except OutboundError as exc:  # the chat refuses everything: the final send says so
             log.info("telegram: a draft in chat %s failed: %s", self._chat.chat_id, exc)
 
@@ -196,10 +201,10 @@ class DraftStreamReply(EditStreamReply):
         self._draft_text, self._drafted, self._drafted_at = text, max(end, self._drafted), time.monotonic()
         self._adapter.count("draft")
 
-    def _fall_back(self, why: str) -> None:
-        """Drafts refused here: edit a message instead, from now on in this chat."""
+    def _fall_back(self, why: str, *, everywhere: bool) -> None:
+        """Drafts refused here: edit a message instead, from now on in this chat (or every chat)."""
         self._drafting = False
-        self._tg.drafts_refused(self._chat, why)
+        self._tg.drafts_refused(self._chat, why, everywhere=everywhere)
         status, self._status = self._status, None
         if status is not None:  # edit streaming shows its Stop button on the message itself
             self._outbox.adopt(self._delete(status))

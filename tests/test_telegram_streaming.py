@@ -326,3 +326,21 @@ async def test_an_answer_ending_as_its_status_message_goes_out_leaves_no_status_
         texts = sorted(fake.messages(chat).values())
         assert texts == sorted(f"answer {i} " for i in range(turn + 1)), f"seed {seed}: {texts}"
         assert all(keyboard(fake, chat, m) == [] for m in fake.messages(chat)), f"seed {seed}"
+
+
+async def test_a_bot_api_server_without_drafts_turns_them_off_for_every_chat(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    fake.drop_method("sendMessageDraft")  # a self-hosted Bot API server from before 9.3: 404
+    provider.delay_s, provider.words = 0.03, 20
+    daemon, _ = await start(streaming="draft", draft_interval_s=0.05)
+    fake.push_text(51, "one", user_id=51)
+    await shown(fake, 51, lambda t: t.endswith("w19 "))
+    await settled(daemon)
+    def statuses(chat: int) -> list[SentRecord]:  # the status message goes out only to stand beside a draft
+        return [r for r in fake.sent if r.chat_id == chat and r.method == "sendMessage" and r.text == "✍️ writing…"]
+
+    assert statuses(51), "the first chat tried a draft"
+    fake.push_text(52, "two", user_id=52)  # another chat: drafts are not tried again
+    await stop_button(fake, 52)
+    await shown(fake, 52, lambda t: t.endswith("w19 "))
+    assert not statuses(52) and [r for r in fake.sent if r.chat_id == 52 and r.method == "editMessageText"]

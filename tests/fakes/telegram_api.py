@@ -311,6 +311,10 @@ class FakeTelegramAPI:
         """Add or replace an API method (handler gets decoded params, returns `result`)."""
         self._handlers[method.lower()] = (method, handler)
 
+    def drop_method(self, method: str) -> None:
+        """Answer `method` 404 Not Found, as a Bot API server older than the method does."""
+        self._handlers.pop(method.lower(), None)
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
