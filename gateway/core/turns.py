@@ -398,8 +398,11 @@ class TurnRunner:
                                  lambda: self._store.finish_inbound(turn.fence, inbound_id, status, detail))
 
     async def _write(self, turn: Turn, what: str, write: Callable[[], Awaitable[object]]) -> bool:
-        """A write the turn's record needs, retried through a short store outage (a Redis restart)
-        while the session is still ours. False, and said loudly in the log, if it never lands."""
+        """A write the turn's record needs, retried through a short store outage (a Redis restart).
+        Retried even once our own clock can no longer prove the lease (it lapses during an outage):
+        the write is fenced, so the store alone decides — it lands if the lease is still ours there,
+        and is refused (FencedOut) once another worker holds it. False, and said loudly in the log,
+        if it never lands."""
         deadline = time.monotonic() + WRITE_RETRY_S
         delay = 0.05
         while True:
@@ -410,11 +413,11 @@ class TurnRunner:
                 log.warning("not storing a turn's %s: %s", what, exc, extra={"session": turn.key})
                 return True
             except StoreError as exc:
-                if time.monotonic() + delay > deadline or not turn.speaker.may_speak():
+                if time.monotonic() + delay > deadline:
                     log.error("could not store a turn's %s: %s", what, exc, extra={"session": turn.key})
                     return False
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 0.25)  # soon after the store is back: before the lease's TTL runs out
 
 
 UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."
