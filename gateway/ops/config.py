@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_cache import CacheSettings
+from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
@@ -121,6 +122,7 @@ class Config:
     discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -250,6 +252,20 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: must be a list")
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
+    if origin is dict:  # a table of strings (an MCP server's env)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f"{where}: must be a table of strings")
+        return dict(value)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a table")
+        item = hint()
+        hints = typing.get_type_hints(hint)
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}.{key}: unknown key")
+            setattr(item, key, _coerce(f"{where}.{key}", v, hints[key], from_env=False))
+        return item
     if hint is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -327,6 +343,10 @@ def _validate(c: Config) -> None:
                        ("discord.edit_interval_s", c.discord.edit_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    try:
+        check_mcp(c.mcp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
 
@@ -351,4 +371,8 @@ def _toml(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _toml({k: v for k, v in vars(value).items() if v is not None})
     return json.dumps(value, ensure_ascii=False)

@@ -1,0 +1,346 @@
+"""MCP servers as tools: each configured server kept connected (restarted with backoff when it
+fails), its tools offered to the model as `<server>__<tool>` while it is up.
+
+A server that fails to start or dies is logged once per outage (a warning, and one more line when
+it is back), shown in `/readyz` and `/status`, and retried after 1, 2, 4 … up to `max_backoff_s`
+seconds; its tools leave the offer until it is back. Nothing here can stop the daemon: every
+failure of a server stays inside its supervisor task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcp import McpError, types
+from mcp.client.stdio import get_default_environment
+
+from gateway.agents.mcp_config import McpServerConfig
+from gateway.agents.mcp_session import (
+    CancellingSession,
+    call_deadline,
+    http_streams,
+    is_transport_error,
+    stdio_streams,
+)
+from gateway.agents.processes import ProcessReaper
+from gateway.agents.tools import Tool
+from gateway.core.logs import redactor
+from gateway.core.ports import Health
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 64  # what OpenAI-compatible providers accept for a function name
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def read_pairs(path: str, sep: str) -> dict[str, str]:
+    """`KEY<sep>VALUE` lines of a secret file (blank lines and # comments skipped); every value
+    is added to the log redactor. Raises ValueError naming the bad line's number, never its text."""
+    pairs: dict[str, str] = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, found, value = line.partition(sep)
+        if not found or not key.strip():
+            raise ValueError(f"{path}: line {number} is not KEY{sep}VALUE")
+        pairs[key.strip()] = value.strip()
+        if value.strip():
+            redactor.add(value.strip())
+    return pairs
+
+
+def tool_name(server: str, tool: str, taken: Iterable[str] = ()) -> str:
+    """`<server>__<tool>` in the characters providers accept, at most 64 long; a name that had to
+    be shortened or would collide gets a short hash of the original."""
+    name = f"{server}__{_UNSAFE.sub('_', tool)}"
+    if len(name) > NAME_MAX or name in set(taken):
+        digest = hashlib.sha256(f"{server}/{tool}".encode()).hexdigest()[:8]
+        name = f"{name[:NAME_MAX - 9]}_{digest}"
+    return name
+
+
+def _wanted(tool: str, settings: McpServerConfig) -> bool:
+    if settings.enabled_tools and not any(fnmatch.fnmatchcase(tool, p) for p in settings.enabled_tools):
+        return False
+    return not any(fnmatch.fnmatchcase(tool, p) for p in settings.disabled_tools)
+
+
+def _schema(tool: types.Tool) -> dict[str, Any]:
+    schema = dict(tool.inputSchema or {})
+    schema.setdefault("type", "object")
+    if schema.get("type") == "object":
+        schema.setdefault("properties", {})
+    return schema
+
+
+def format_result(result: types.CallToolResult, max_output: int) -> str:
+    """A tool result as the text the model reads: text parts as they are, other parts named."""
+    parts: list[str] = []
+    for item in result.content:
+        if isinstance(item, types.TextContent):
+            parts.append(item.text)
+        elif isinstance(item, (types.ImageContent, types.AudioContent)):
+            parts.append(f"[{item.type}: {item.mimeType}, {len(item.data) * 3 // 4} bytes, not shown]")
+        elif isinstance(item, types.EmbeddedResource):
+            res = item.resource
+            parts.append(res.text if isinstance(res, types.TextResourceContents) else f"[resource {res.uri}]")
+        elif isinstance(item, types.ResourceLink):
+            parts.append(f"[resource {item.uri}]")
+    if not parts and result.structuredContent is not None:
+        parts.append(json.dumps(result.structuredContent, ensure_ascii=False))
+    text = "\n".join(parts) or "(no output)"
+    if len(text) > max_output:
+        text = text[:max_output] + "\n[output truncated]"
+    return f"error: {text}" if result.isError else text
+
+
+class McpServer:
+    """One server: its supervisor task, its live session, its tools while it is up."""
+
+    def __init__(self, settings: McpServerConfig, reaper: ProcessReaper, *, max_output: int = 16_000) -> None:
+        self.settings = settings
+        self.reaper = reaper
+        self.max_output = max_output
+        self.session: CancellingSession | None = None
+        self.tools: dict[str, Tool] = {}  # offered name -> tool, while up
+        self.state = "starting"
+        self.detail = "starting"
+        self.failures = 0  # consecutive failed starts or deaths
+        self.restarts = 0
+        self.pid: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lost = asyncio.Event()
+        self._lost_reason = ""
+        self._listed = asyncio.Event()  # the tool list changed: list again
+        self.up_changed = asyncio.Event()  # for tests and status: set at every up/down change
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"mcp:{self.settings.name}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def health(self) -> Health:
+        return Health(self.up or not self.settings.required, f"{self.settings.name}: {self.detail}")
+
+    # --- supervision --------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        s = self.settings
+        while True:
+            started = time.monotonic()
+            try:
+                reason = await self._connected_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure of one server stays here
+                reason = _describe(exc)
+            self._set_down(reason)
+            if time.monotonic() - started > max(60.0, s.max_backoff_s):
+                self.failures = 0  # it had been up a good while: a fresh outage starts from 1 s
+            delay = min(s.max_backoff_s, 2.0 ** self.failures)
+            self.failures += 1
+            self.detail = f"down: {reason}; retry in {delay:g} s"
+            self.state = "down"
+            await asyncio.sleep(delay)
+            self.restarts += 1
+
+    async def _connected_once(self) -> str:
+        """Connect, list, serve until the connection is lost; returns why it ended."""
+        s = self.settings
+        self._lost.clear()
+        async with contextlib.AsyncExitStack() as stack:
+            async with asyncio.timeout(s.connect_timeout_s):
+                if s.command is not None:
+                    env = {**get_default_environment(), **s.env}
+                    if s.env_file:
+                        env.update(read_pairs(s.env_file, "="))
+                    read, write, pipes = await stack.enter_async_context(
+                        stdio_streams(self.reaper, [s.command, *s.args], env, s.cwd, s.name))
+                    self.pid = pipes.pid
+                    watch = asyncio.ensure_future(self._watch_process(pipes.ended, pipes.describe_exit))
+                    stack.callback(watch.cancel)
+                else:
+                    assert s.url is not None
+                    headers = read_pairs(s.headers_file, ":") if s.headers_file else {}
+                    read, write = await stack.enter_async_context(http_streams(s.url, headers, s.connect_timeout_s))
+                session = await stack.enter_async_context(
+                    CancellingSession(read, write, message_handler=self._on_message))
+                stack.push_async_callback(session.settle)
+                await session.initialize()
+                await self._list(session)
+            self.session = session
+            self._set_up()
+            try:
+                return await self._serve(session)
+            finally:
+                self.session = None
+                self.tools = {}
+
+    async def _serve(self, session: CancellingSession) -> str:
+        s = self.settings
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            while True:
+                relist = asyncio.ensure_future(self._listed.wait())
+                done, _ = await asyncio.wait({lost, relist}, timeout=s.ping_interval_s)
+                relist.cancel()
+                if lost in done:
+                    return self._lost_reason or "connection lost"
+                if relist in done:
+                    self._listed.clear()
+                    await asyncio.wait_for(self._list(session), s.connect_timeout_s)
+                    continue
+                try:
+                    await asyncio.wait_for(session.send_ping(), s.connect_timeout_s)
+                except TimeoutError:
+                    return f"did not answer a ping within {s.connect_timeout_s:g} s"
+        finally:
+            lost.cancel()
+
+    async def _watch_process(self, ended: asyncio.Event, describe: Any) -> None:
+        await ended.wait()
+        await asyncio.sleep(0.05)  # let the exit status arrive
+        self.mark_lost(describe())
+
+    def mark_lost(self, reason: str) -> None:
+        if not self._lost.is_set():
+            self._lost_reason = reason
+            self._lost.set()
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ServerNotification) and isinstance(message.root,
+                                                                       types.ToolListChangedNotification):
+            self._listed.set()
+
+    async def _list(self, session: CancellingSession) -> None:
+        listed: list[types.Tool] = []
+        cursor: str | None = None
+        while True:
+            page = await session.list_tools(cursor=cursor) if cursor else await session.list_tools()
+            listed += page.tools
+            cursor = page.nextCursor
+            if not cursor:
+                break
+        tools: dict[str, Tool] = {}
+        for t in listed:
+            if _wanted(t.name, self.settings):
+                name = tool_name(self.settings.name, t.name, tools)
+                tools[name] = Tool(name, (t.description or t.title or t.name)[:1024], _schema(t), self._caller(t.name))
+        self.tools = tools
+        if self.up:
+            self.detail = f"up, {len(tools)} tool(s)"
+
+    def _set_up(self) -> None:
+        s = self.settings
+        if self.state == "down":
+            log.warning("MCP server %s is back (%d tool(s))", s.name, len(self.tools))
+        else:
+            log.info("MCP server %s is up (%d tool(s))", s.name, len(self.tools))
+        self.state = "up"
+        self.detail = f"up, {len(self.tools)} tool(s)"
+        self.up_changed.set()
+
+    def _set_down(self, reason: str) -> None:
+        if self.state != "down":  # once per outage; the retries say nothing more
+            log.warning("MCP server %s is down: %s; its tools are withdrawn, retrying with backoff",
+                        self.settings.name, reason)
+        self.state = "down"
+        self.up_changed.set()
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    def _caller(self, remote: str) -> Any:
+        async def call(args: dict[str, Any]) -> str:
+            return await self.call(remote, args)
+
+        return call
+
+    async def call(self, remote: str, args: dict[str, Any]) -> str:
+        """Call tool `remote` under the per-call deadline. A failure is an error text for the model;
+        the run's cancel propagates (and the server is told, see `CancellingSession`)."""
+        s = self.settings
+        session = self.session
+        if session is None:
+            return f"error: MCP server {s.name} is not available ({self.detail})"
+        token = call_deadline.set((time.monotonic() + s.timeout_s, f"timed out after {s.timeout_s:g} s"))
+        try:
+            async with asyncio.timeout(s.timeout_s):
+                result = await session.call_tool(remote, args)
+        except TimeoutError:
+            return f"error: {s.name}__{remote} timed out after {s.timeout_s:g} s (the server was told to stop)"
+        except McpError as exc:
+            if exc.error.code == types.CONNECTION_CLOSED:
+                self.mark_lost("connection closed")
+            return f"error: {s.name}: {redactor(exc.error.message)[:300]}"
+        except Exception as exc:
+            if is_transport_error(exc):
+                self.mark_lost(_describe(exc))
+                return f"error: MCP server {s.name} failed during the call ({_describe(exc)})"
+            return f"error: {s.name}__{remote} failed: {_describe(exc)}"
+        finally:
+            call_deadline.reset(token)
+        return format_result(result, self.max_output)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, McpError):
+        return redactor(exc.error.message)[:200]
+    if isinstance(exc, ExceptionGroup):
+        inner = exc.exceptions[0] if exc.exceptions else exc
+        return _describe(inner)
+    text = str(exc)
+    return redactor(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)[:200]
+
+
+@dataclass(slots=True)
+class McpHub:
+    """Every configured server; a tool source for the registry; one readiness check."""
+
+    servers: list[McpServer] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: Sequence[McpServerConfig], reaper: ProcessReaper, *, max_output: int) -> McpHub:
+        return cls([McpServer(s, reaper, max_output=max_output) for s in settings])
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.servers))
+
+    def tools(self) -> list[Tool]:
+        """The tools of the servers that are up now."""
+        return [t for s in self.servers if s.up for t in s.tools.values()]
+
+    def health(self) -> Health:
+        parts = [s.health() for s in self.servers]
+        return Health(all(p.ok for p in parts), "; ".join(p.detail for p in parts))
+
+    def status_line(self) -> str | None:
+        if not self.servers:
+            return None
+        return "MCP: " + ", ".join(f"{s.settings.name} {'up' if s.up else s.state}"
+                                   + (f" ({len(s.tools)} tools)" if s.up else "") for s in self.servers)
