@@ -28,6 +28,7 @@ from mcp.client.stdio import get_default_environment
 from gateway.agents.mcp_config import McpServerConfig
 from gateway.agents.mcp_session import (
     CancellingSession,
+    ProcessPipes,
     call_deadline,
     http_streams,
     is_transport_error,
@@ -168,16 +169,17 @@ class McpServer:
         """Connect, list, serve until the connection is lost; returns why it ended."""
         s = self.settings
         self._lost.clear()
+        pipes: ProcessPipes | None = None
         async with contextlib.AsyncExitStack() as stack:
             async with asyncio.timeout(s.connect_timeout_s):
                 if s.command is not None:
                     env = {**get_default_environment(), **s.env}
                     if s.env_file:
                         env.update(read_pairs(s.env_file, "="))
-                    read, write, pipes = await stack.enter_async_context(
+                    read, write, started = await stack.enter_async_context(
                         stdio_streams(self.reaper, [s.command, *s.args], env, s.cwd, s.name))
-                    self.pid = pipes.pid
-                    watch = asyncio.ensure_future(self._watch_process(pipes.ended, pipes.describe_exit))
+                    pipes, self.pid = started, started.pid
+                    watch = asyncio.ensure_future(self._watch_process(started))
                     stack.callback(watch.cancel)
                 else:
                     assert s.url is not None
@@ -186,12 +188,20 @@ class McpServer:
                 session = await stack.enter_async_context(
                     CancellingSession(read, write, message_handler=self._on_message))
                 stack.push_async_callback(session.settle)
-                await session.initialize()
-                await self._list(session)
+                try:
+                    await session.initialize()
+                    await self._list(session)
+                except McpError:
+                    if pipes is not None and pipes.ended.is_set():  # it exited: say how, not "connection closed"
+                        return await pipes.exit_reason()
+                    raise
             self.session = session
             self._set_up()
             try:
-                return await self._serve(session)
+                reason = await self._serve(session)
+                if pipes is not None and pipes.ended.is_set():  # the process's own account beats "connection closed"
+                    reason = await pipes.exit_reason()
+                return reason
             finally:
                 self.session = None
                 self.tools = {}
@@ -202,7 +212,8 @@ class McpServer:
         try:
             while True:
                 relist = asyncio.ensure_future(self._listed.wait())
-                done, _ = await asyncio.wait({lost, relist}, timeout=s.ping_interval_s)
+                done, _ = await asyncio.wait({lost, relist}, timeout=s.ping_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
                 relist.cancel()
                 if lost in done:
                     return self._lost_reason or "connection lost"
@@ -217,10 +228,9 @@ class McpServer:
         finally:
             lost.cancel()
 
-    async def _watch_process(self, ended: asyncio.Event, describe: Any) -> None:
-        await ended.wait()
-        await asyncio.sleep(0.05)  # let the exit status arrive
-        self.mark_lost(describe())
+    async def _watch_process(self, pipes: ProcessPipes) -> None:
+        await pipes.ended.wait()
+        self.mark_lost(await pipes.exit_reason())
 
     def mark_lost(self, reason: str) -> None:
         if not self._lost.is_set():

@@ -30,7 +30,8 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp import ClientSession, types
-from mcp.client.streamable_http import streamablehttp_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, create_mcp_http_client
 from mcp.shared.message import SessionMessage
 from mcp.shared.session import ProgressFnT
 
@@ -122,6 +123,13 @@ class ProcessPipes:
     def pid(self) -> int | None:
         return self.spawn.proc.pid if self.spawn.proc is not None else None
 
+    async def exit_reason(self) -> str:
+        """How the process ended, once its output has: its exit status has a moment to arrive."""
+        if (proc := self.spawn.proc) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 1.0)
+        return self.end_reason or self.describe_exit()
+
     def describe_exit(self) -> str:
         proc = self.spawn.proc
         code = proc.returncode if proc is not None else None
@@ -210,8 +218,11 @@ async def stdio_streams(reaper: ProcessReaper, argv: Sequence[str], env: Mapping
 async def http_streams(url: str, headers: Mapping[str, str], timeout_s: float
                        ) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
                                                 MemoryObjectSendStream[SessionMessage]]]:
-    """The SDK's streamable HTTP transport (the session is ended with a DELETE when it closes)."""
-    async with streamablehttp_client(url, headers=dict(headers), timeout=timeout_s) as (read, write, _session_id):
+    """The SDK's streamable HTTP transport (the session is ended with a DELETE when it closes). Reads
+    may wait long (a call's result streams when it is ready): calls have their own deadline."""
+    timeout = httpx.Timeout(timeout_s, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    async with create_mcp_http_client(headers=dict(headers), timeout=timeout) as client, \
+            streamable_http_client(url, http_client=client) as (read, write, _session_id):
         yield read, write
 
 

@@ -1,6 +1,6 @@
 """A small MCP server written with the official SDK's FastMCP, for the tests (stdio or streamable HTTP).
 
-    python -m tests.fakes.mcp_server --record FILE [--http PORT] [--extra-tools N]
+    python -m tests.fakes.mcp_server --record FILE [--http PORT] [--fail-if FILE]
 
 Tools: `echo`, `add` (a typed schema), `slow` (sleeps; records when it starts and when it is
 cancelled), `crash` (the process exits at once), `spawn_child` (starts a `sleep` in the same
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 import anyio
@@ -25,7 +26,11 @@ def main() -> None:
     parser.add_argument("--record", required=True)
     parser.add_argument("--http", type=int, default=0, help="serve streamable HTTP on this port (else stdio)")
     parser.add_argument("--name", default="fake")
+    parser.add_argument("--fail-if", help="exit at once (status 1) while this file exists")
     args = parser.parse_args()
+    if args.fail_if and os.path.exists(args.fail_if):
+        print("refusing to start: the test blocked it", file=sys.stderr, flush=True)
+        sys.exit(1)
 
     def record(event: str, **fields: object) -> None:
         with open(args.record, "a") as fh:
