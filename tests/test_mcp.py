@@ -22,6 +22,7 @@ import pytest
 from gateway.agents.mcp_config import McpServerConfig
 from gateway.agents.mcp_servers import McpHub, tool_name
 from gateway.agents.processes import ProcessReaper, group_alive
+from gateway.ops.config import ConfigError, load_config, render
 from gateway.ops.daemon import Daemon
 from tests.conftest import DaemonFactory, free_port
 from tests.fakes.openai_provider import FakeProvider, Script
@@ -358,3 +359,46 @@ async def test_shutdown_terminates_the_stdio_server(make_daemon: DaemonFactory, 
     assert not group_alive(pid)
     assert not daemon.reaper.live_groups
 
+
+
+# --- config ------------------------------------------------------------------------------------------------
+
+
+def test_the_example_configs_servers_load(tmp_path: Path) -> None:
+    example = (ROOT / "deploy" / "switchboard.example.toml").read_text()
+    section = example.split("\n[mcp]", 1)[1].split("\n[", 1)[0]
+    block = [line[4:] for line in section.splitlines() if line.startswith("#   ")]
+    headers = tmp_path / "search.headers"
+    headers.write_text("Authorization: Bearer tok-123456789\n")
+    text = "\n".join(block).replace("/etc/switchboard/search.headers", str(headers))
+    path = tmp_path / "mcp.toml"
+    path.write_text(text)
+    servers = load_config(path, env={}).mcp.servers
+    assert [s.name for s in servers] == ["files", "search"]
+    assert servers[0].command == "npx" and servers[0].env == {"NODE_OPTIONS": "--max-old-space-size=256"}
+    assert servers[0].disabled_tools == ["write_*", "move_file"]
+    assert servers[1].url == "http://127.0.0.1:8000/mcp" and servers[1].enabled_tools == ["web_search"]
+    assert "tok-123456789" not in render(load_config(path, env={}))
+
+
+@pytest.mark.parametrize(("entry", "error"), [
+    ({"name": "a b", "command": "x"}, "mcp.servers[0].name"),
+    ({"name": "a", "command": "x", "url": "http://h/mcp"}, "set either command"),
+    ({"name": "a"}, "set either command"),
+    ({"name": "a", "url": "ftp://h/mcp"}, "must be an http(s) URL"),
+    ({"name": "a", "url": "http://h/mcp", "args": ["x"]}, "are for stdio servers"),
+    ({"name": "a", "command": "x", "timeout_s": 0}, "timeout_s: must be greater than 0"),
+    ({"name": "a", "command": "x", "env": {"A": 1}}, "must be a table of strings"),
+    ({"name": "a", "command": "x", "bogus": 1}, "mcp.servers[0].bogus: unknown key"),
+    ({"name": "a", "url": "http://h/mcp", "headers_file": "/nonexistent/h"}, "headers_file: cannot read"),
+])
+def test_bad_server_entries_are_refused_by_key(entry: dict[str, Any], error: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, {"SWITCHBOARD_MCP__SERVERS": json.dumps([entry])})
+    assert error in str(exc.value)
+
+
+def test_two_servers_may_not_share_a_name() -> None:
+    with pytest.raises(ConfigError, match="used twice"):
+        load_config(None, {"SWITCHBOARD_MCP__SERVERS": json.dumps([{"name": "a", "command": "x"},
+                                                                   {"name": "a", "url": "http://h/mcp"}])})
