@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 from gateway.agents.mcp_config import McpServerConfig
 from gateway.agents.mcp_servers import McpHub, tool_name
 from gateway.agents.processes import ProcessReaper, group_alive
+from gateway.core.cancellation import STOPPED_BY_USER, Run, current_run
 from gateway.ops.config import ConfigError, load_config, render
 from gateway.ops.daemon import Daemon
 from tests.conftest import DaemonFactory, free_port
@@ -226,6 +228,94 @@ async def test_a_call_past_its_timeout_is_an_error_result_and_the_server_is_told
     assert answer["choices"][0]["message"]["content"].startswith("reply to: slow please")  # the turn went on
     await record.wait("slow_cancelled", timeout=10)
     assert daemon.mcp.servers[0].up
+
+
+async def test_calls_stopped_at_random_offsets_each_reach_the_server(tmp_path: Path, record: Record) -> None:
+    """Stops at random instants of a call (before it is sent, while it is sent, while the server runs it):
+    every call the server started is cancelled there, none finishes, and the connection stays up."""
+    seed = int(os.environ.get("MCP_CANCEL_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    reaper = ProcessReaper(grace_s=0.5)
+    hub = McpHub.build([McpServerConfig(**stdio_server(record))], reaper, max_output=1000)
+    hub.start()
+    server = hub.servers[0]
+    try:
+        await until(lambda: server.up, 30, f"never up: {server.detail}")
+        tags = [f"r{i}" for i in range(12)]
+        for tag in tags:
+            run = Run(f"test:{tag}")
+            token = current_run.set(run)
+            try:
+                task = asyncio.ensure_future(server.call("slow", {"seconds": 30, "tag": tag}))
+            finally:
+                current_run.reset(token)
+            run.attach(task)
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            run.cancel(STOPPED_BY_USER)
+            assert await run.join(2.0), f"seed {seed}: the call did not end after its cancel"
+            assert task.cancelled(), f"seed {seed}: {tag} was not cancelled"
+        started = {e["tag"] for e in record.events("slow_started")}
+        # Every call the server saw is cancelled there (the notices are sent by tasks of their own).
+        await until(lambda: {e["tag"] for e in record.events("slow_cancelled")} >= started, 10,
+                    f"seed {seed}: some calls were never cancelled on the server")
+        assert not record.events("slow_finished"), f"seed {seed}"
+        assert server.up and server.restarts == 0, f"seed {seed}"
+        assert server.session is not None and server.session.cancels_sent >= len(started), f"seed {seed}"
+        assert await server.call("echo", {"text": "after"}) == "after", f"seed {seed}"
+    finally:
+        await hub.close()
+        await reaper.drain()
+
+
+async def test_a_slow_call_blocks_no_other_session(make_daemon: DaemonFactory, provider: FakeProvider,
+                                                   record: Record) -> None:
+    provider.words = 2
+    daemon = await make_daemon(api={"enabled": True}, mcp={"servers": [stdio_server(record)]})
+    await mcp_up(daemon)
+    provider.then(Script(tool_calls=[("fake__slow", {"seconds": 60, "tag": "long"})]))  # for "nap"
+    provider.then(Script(tool_calls=[("fake__echo", {"text": "fast"})]))  # for "quick", asked next
+    async with aiohttp.ClientSession() as http:
+        slow = asyncio.create_task(ask(daemon, http, "nap", "a"))
+        await record.wait("slow_started")
+        answer = await asyncio.wait_for(ask(daemon, http, "quick", "b"), 15)  # while the other call runs
+        assert not slow.done()
+        await ask(daemon, http, "/stop", "a")
+        await asyncio.wait_for(slow, 10)
+    assert answer["choices"][0]["message"]["content"].startswith("reply to: quick")
+    assert [e["text"] for e in record.events("echo")] == ["fast"]
+
+
+async def test_access_can_be_limited_to_listed_sessions_and_tenants(
+        make_daemon: DaemonFactory, provider: FakeProvider, record: Record) -> None:
+    provider.words = 2
+    entry = stdio_server(record, allow_sessions=["api:dm:team-*"], allow_tenants=["acme"])
+    daemon = await make_daemon(api={"enabled": True}, mcp={"servers": [entry]})
+    await mcp_up(daemon)
+    async with aiohttp.ClientSession() as http:
+        provider.then(Script(tool_calls=[("fake__echo", {"text": "for the team"})]))
+        await ask(daemon, http, "use it", "team-1")
+        team = provider.connections[-2:]
+        provider.then(Script(tool_calls=[("fake__echo", {"text": "for the team"})]))
+        await ask(daemon, http, "use it", "outsider")
+        outsider = provider.connections[-2:]
+    assert "fake__echo" in {t["function"]["name"] for t in team[0].body["tools"]}
+    assert [m["content"] for m in team[1].body["messages"] if m["role"] == "tool"] == ["for the team"]
+    offered_outside = {t["function"]["name"] for t in outsider[0].body["tools"]}
+    assert "sleep" in offered_outside and not any(n.startswith("fake__") for n in offered_outside)
+    # Even a model that names the tool anyway cannot reach it from another session.
+    assert [m["content"] for m in outsider[1].body["messages"] if m["role"] == "tool"] == [
+        "error: unknown tool 'fake__echo'"]
+    assert [e["text"] for e in record.events("echo")] == ["for the team"]
+    assert "MCP: fake up" in daemon.router.status_text("api:dm:team-1")
+    assert "MCP" not in daemon.router.status_text("api:dm:outsider")
+    # A tenant named in allow_tenants may use it from any session.
+    hub = daemon.mcp
+    run = Run("api:dm:elsewhere")
+    assert not hub.servers[0].allows(run) and not hub.servers[0].allows(None)
+    run.tenant = "acme"
+    assert hub.servers[0].allows(run)
+    run.tenant = "acme2"
+    assert not hub.servers[0].allows(run)
 
 
 # --- failures ------------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ class McpServerConfig:
     ping_interval_s: float = 15.0  # a server that stops answering pings is restarted
     max_backoff_s: float = 60.0  # restarts wait 1, 2, 4 ... up to this many seconds
     required: bool = False  # while down, /readyz fails (else it is only reported there)
+    # Who may use it: session keys (globs, e.g. "telegram:dm:12345", "discord:*") or tenants (API key
+    # names). Both empty: every session.
+    allow_sessions: list[str] = field(default_factory=list)
+    allow_tenants: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from gateway.agents.mcp_session import (
 )
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import Tool
+from gateway.core.cancellation import Run, get_run
 from gateway.core.logs import redactor
 from gateway.core.ports import Health
 
@@ -142,6 +143,16 @@ class McpServer:
 
     def health(self) -> Health:
         return Health(self.up or not self.settings.required, f"{self.settings.name}: {self.detail}")
+
+    def allows(self, run: Run | None) -> bool:
+        """May this run's session use the server? (Outside any run, only an unrestricted one.)"""
+        s = self.settings
+        if not s.allow_sessions and not s.allow_tenants:
+            return True
+        if run is None:
+            return False
+        return (any(fnmatch.fnmatchcase(run.session_key, p) for p in s.allow_sessions)
+                or (run.tenant is not None and run.tenant in s.allow_tenants))
 
     # --- supervision --------------------------------------------------------------------------
 
@@ -342,15 +353,19 @@ class McpHub:
         await asyncio.gather(*(s.close() for s in self.servers))
 
     def tools(self) -> list[Tool]:
-        """The tools of the servers that are up now."""
-        return [t for s in self.servers if s.up for t in s.tools.values()]
+        """The tools of the servers that are up now and open to the current run's session."""
+        run = get_run()
+        return [t for s in self.servers if s.up and s.allows(run) for t in s.tools.values()]
 
     def health(self) -> Health:
         parts = [s.health() for s in self.servers]
         return Health(all(p.ok for p in parts), "; ".join(p.detail for p in parts))
 
-    def status_line(self) -> str | None:
-        if not self.servers:
+    def status_line(self, session_key: str) -> str | None:
+        """For /status: the servers this session may use, and their state."""
+        shown = [s for s in self.servers if not (s.settings.allow_sessions or s.settings.allow_tenants)
+                 or any(fnmatch.fnmatchcase(session_key, p) for p in s.settings.allow_sessions)]
+        if not shown:
             return None
         return "MCP: " + ", ".join(f"{s.settings.name} {'up' if s.up else s.state}"
-                                   + (f" ({len(s.tools)} tools)" if s.up else "") for s in self.servers)
+                                   + (f" ({len(s.tools)} tools)" if s.up else "") for s in shown)

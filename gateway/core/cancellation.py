@@ -124,11 +124,12 @@ class Run:
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
                  "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
-                 "run_id", "session_key", "started_at")
+                 "run_id", "session_key", "started_at", "tenant")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
         self.session_key = session_key
+        self.tenant: str | None = None  # whose turn this is, where the platform knows (tools may be limited by it)
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.
         self.guard: Guard | None = None

@@ -140,7 +140,7 @@ class Daemon:
                              cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
                              cancel_grace_s=config.tools.tool_kill_grace_s)
         if self.mcp.servers:
-            self.router.status_extras.append(lambda _key: self.mcp.status_line())
+            self.router.status_extras.append(self.mcp.status_line)
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
