@@ -333,7 +333,9 @@ async def test_a_crashed_server_is_reported_its_tools_withdrawn_and_it_is_restar
     await mcp_up(daemon)
     server = daemon.mcp.servers[0]
     first_pid = server.pid
-    assert first_pid is not None and (first := stat(first_pid)) is not None
+    assert first_pid is not None
+    first = stat(first_pid)
+    assert first is not None
     provider.then(Script(tool_calls=[("fake__crash", {})]))
     block.touch()  # it may not come back until the test says so
     base = f"http://127.0.0.1:{daemon.config.http.port}"
