@@ -267,6 +267,34 @@ async def test_calls_stopped_at_random_offsets_each_reach_the_server(tmp_path: P
         await reaper.drain()
 
 
+async def test_an_answer_that_arrives_after_the_stop_is_dropped(tmp_path: Path, record: Record) -> None:
+    """The SDK's server answers a cancelled request anyway (an error, "Request cancelled"): it comes
+    after the call was given up, finds no waiter, and is dropped without harm to the connection."""
+    reaper = ProcessReaper(grace_s=0.5)
+    hub = McpHub.build([McpServerConfig(**stdio_server(record))], reaper, max_output=1000)
+    hub.start()
+    server = hub.servers[0]
+    try:
+        await until(lambda: server.up, 30, f"never up: {server.detail}")
+        run = Run("test:late")
+        token = current_run.set(run)
+        try:
+            task = asyncio.ensure_future(server.call("slow", {"seconds": 30, "tag": "late"}))
+        finally:
+            current_run.reset(token)
+        run.attach(task)
+        await record.wait("slow_started")
+        run.cancel(STOPPED_BY_USER)
+        assert await run.join(2.0) and task.cancelled()  # the stop does not wait for the server
+        await record.wait("slow_cancelled", timeout=10)
+        await until(lambda: server.late_results >= 1, 10, "the late answer never arrived")
+        assert await server.call("echo", {"text": "next"}) == "next"  # the connection is unharmed
+        assert server.up and server.restarts == 0
+    finally:
+        await hub.close()
+        await reaper.drain()
+
+
 async def test_a_slow_call_blocks_no_other_session(make_daemon: DaemonFactory, provider: FakeProvider,
                                                    record: Record) -> None:
     provider.words = 2

@@ -121,6 +121,7 @@ class McpServer:
         self.detail = "starting"
         self.failures = 0  # consecutive failed starts or deaths
         self.restarts = 0
+        self.late_results = 0  # answers that came after their call was stopped, dropped
         self.pid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
@@ -135,11 +136,15 @@ class McpServer:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"mcp:{self.settings.name}")
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Disconnect (a stdio server's group gets SIGTERM, then SIGKILL from the reaper). An HTTP
+        server that does not answer the session's closing DELETE holds the shutdown up `timeout_s` at most."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                log.warning("MCP server %s did not disconnect within %.0f s", self.settings.name, timeout_s)
 
     def health(self) -> Health:
         return Health(self.up or not self.settings.required, f"{self.settings.name}: {self.detail}")
@@ -252,6 +257,10 @@ class McpServer:
         if isinstance(message, types.ServerNotification) and isinstance(message.root,
                                                                        types.ToolListChangedNotification):
             self._listed.set()
+        elif isinstance(message, RuntimeError) and "unknown request ID" in str(message):
+            # The answer to a call that was stopped or timed out: nobody waits for it any more.
+            self.late_results += 1
+            log.debug("MCP server %s: a late result was dropped", self.settings.name)
 
     async def _list(self, session: CancellingSession) -> None:
         listed: list[types.Tool] = []

@@ -3,9 +3,9 @@
     python -m tests.fakes.mcp_server --record FILE [--http PORT] [--fail-if FILE]
 
 Tools: `echo`, `add` (a typed schema), `slow` (sleeps; records when it starts and when it is
-cancelled), `crash` (the process exits at once), `spawn_child` (starts a `sleep` in the same
-process group and returns its PID), `secret` (for the filter tests). Every event is one JSON line
-appended to the record file, so a test can await it.
+cancelled), `crash` (the process exits at once), `spawn_child` (starts a `sleep` in the same process
+group and returns its PID), `secret` (for the filter tests). Every event is one JSON line appended
+to the record file, so a test can await it.
 """
 
 from __future__ import annotations
