@@ -24,6 +24,7 @@ from gateway.agents.mcp_config import McpServerConfig
 from gateway.agents.mcp_servers import McpHub, tool_name
 from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.core.cancellation import STOPPED_BY_USER, Run, current_run
+from gateway.core.logs import redactor
 from gateway.ops.config import ConfigError, load_config, render
 from gateway.ops.daemon import Daemon
 from tests.conftest import DaemonFactory, free_port
@@ -75,6 +76,10 @@ class HttpServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/mcp"
+
+    async def start_on(self, port: int) -> HttpServer:
+        self.port = port
+        return await self.start()
 
     async def start(self) -> HttpServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.mcp_server", "--record", str(self.record.path),
@@ -140,6 +145,10 @@ async def test_tools_are_offered_namespaced_with_the_servers_schemas_and_a_call_
     provider.then(Script(tool_calls=[("fake__echo", {"text": "hello over mcp"}), ("fake__add", {"a": 2, "b": 40})]))
     async with aiohttp.ClientSession() as http:
         await ask(daemon, http, "use the tools")
+        if transport == "http":  # the headers file's header reaches the server with every call
+            provider.then(Script(tool_calls=[("fake__header", {"name": "X-Api-Key"})]))
+            await ask(daemon, http, "which key", "h")
+            assert tool_results(provider) == ["hdr-secret-7781"]
     tools = offered(provider, 0)
     assert {"sleep", "fake__echo", "fake__add", "fake__slow", "fake__crash"} <= set(tools)
     assert tools["fake__add"]["parameters"]["properties"] == {"a": {"title": "A", "type": "integer"},
@@ -147,6 +156,8 @@ async def test_tools_are_offered_namespaced_with_the_servers_schemas_and_a_call_
     assert tools["fake__add"]["parameters"]["required"] == ["a", "b"]
     assert tools["fake__echo"]["description"] == "Return the text unchanged."
     assert tool_results(provider, 1) == ["hello over mcp", "42"]
+    if transport == "http":  # the logs mask the header's value (the formatters apply the redactor)
+        assert "hdr-secret-7781" not in redactor("sent hdr-secret-7781")
     assert [e["text"] for e in record.events("echo")] == ["hello over mcp"]
     _, rows = await daemon.store.conversation("api:dm:m")
     assert [r.content for r in rows if r.role == "tool"] == ["hello over mcp", "42"]
@@ -165,6 +176,50 @@ async def test_filters_choose_the_tools_offered(tmp_path: Path, record: Record) 
         await hub.close()
         await reaper.drain()
     assert not reaper.live_groups
+
+
+async def test_a_stdio_server_gets_a_minimal_environment_plus_its_own(
+        tmp_path: Path, record: Record, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHBOARD_AGENT__API_KEY", "daemon-only-key-5521")
+    env_file = tmp_path / "server.env"
+    env_file.write_text("# tokens\nSERVICE_TOKEN=tok-from-file-9931\n")
+    reaper = ProcessReaper(grace_s=0.5)
+    settings = McpServerConfig(**stdio_server(record, env={"PLAIN": "visible"}, env_file=str(env_file)))
+    hub = McpHub.build([settings], reaper, max_output=1000)
+    hub.start()
+    server = hub.servers[0]
+    try:
+        await until(lambda: server.up, 30, f"never up: {server.detail}")
+        assert await server.call("getenv", {"name": "PLAIN"}) == "visible"
+        assert await server.call("getenv", {"name": "SERVICE_TOKEN"}) == "tok-from-file-9931"
+        assert await server.call("getenv", {"name": "SWITCHBOARD_AGENT__API_KEY"}) == "(no output)"
+        assert await server.call("getenv", {"name": "PATH"}) not in ("", "(no output)")
+    finally:
+        await hub.close()
+        await reaper.drain()
+    assert "tok-from-file-9931" not in redactor("the token is tok-from-file-9931")  # masked in the logs
+
+
+async def test_an_http_server_that_goes_away_is_reconnected_when_it_is_back(record: Record) -> None:
+    http_server = await HttpServer(record).start()
+    reaper = ProcessReaper(grace_s=0.5)
+    settings = McpServerConfig(name="web", url=http_server.url, ping_interval_s=0.2, connect_timeout_s=2,
+                               max_backoff_s=0.5)
+    hub = McpHub.build([settings], reaper, max_output=1000)
+    hub.start()
+    server = hub.servers[0]
+    try:
+        await until(lambda: server.up, 30, f"never up: {server.detail}")
+        http_server.stop()  # gone without a word
+        await until(lambda: server.state == "down", 15, "the outage was never noticed")
+        assert hub.tools() == []
+        assert await server.call("echo", {"text": "x"}) == f"error: MCP server web is not available ({server.detail})"
+        http_server = await HttpServer(record).start_on(http_server.port)
+        await until(lambda: server.up, 30, f"never back: {server.detail}")
+        assert await server.call("echo", {"text": "again"}) == "again"
+    finally:
+        await hub.close()
+        http_server.stop()
 
 
 def test_tool_names_fit_what_providers_accept() -> None:
@@ -383,6 +438,10 @@ async def test_a_crashed_server_is_reported_its_tools_withdrawn_and_it_is_restar
         assert answer["choices"][0]["message"]["content"].startswith("reply to: are you there")
         assert "sleep" in offered(provider) and not [n for n in offered(provider) if n.startswith("fake__")]
         assert "refusing to start" in server.detail
+        provider.then(Script(tool_calls=[("fake__echo", {"text": "anyone?"})]))  # named from memory
+        await ask(daemon, http, "try anyway", "c")
+        assert tool_results(provider)[-1].startswith(
+            "error: fake__echo is not available now: MCP server fake is down: exited (code 1): refusing to start")
         block.unlink()
         await mcp_up(daemon)
         assert server.restarts >= 1 and server.pid != first_pid

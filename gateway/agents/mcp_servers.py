@@ -366,6 +366,14 @@ class McpHub:
         run = get_run()
         return [t for s in self.servers if s.up and s.allows(run) for t in s.tools.values()]
 
+    def unavailable(self, name: str) -> str | None:
+        """Why tool `name` of a server this session may use is not offered now (None: not ours)."""
+        run = get_run()
+        for s in self.servers:
+            if name.startswith(f"{s.settings.name}__") and not s.up and s.allows(run):
+                return f"{name} is not available now: MCP server {s.settings.name} is {s.detail}"
+        return None
+
     def health(self) -> Health:
         parts = [s.health() for s in self.servers]
         return Health(all(p.ok for p in parts), "; ".join(p.detail for p in parts))

@@ -37,6 +37,8 @@ class Tool:
 class ToolRegistry:
     tools: dict[str, Tool] = field(default_factory=dict)
     sources: list[ToolSource] = field(default_factory=list)
+    # Why a tool the model named is not there now (an MCP server that is down), for its error text.
+    unavailable: Callable[[str], str | None] | None = None
 
     def register(self, tool: Tool) -> None:
         self.tools[tool.name] = tool
@@ -55,7 +57,8 @@ class ToolRegistry:
         """Run a tool; bad calls come back as an error text the model can read, never raise."""
         tool = self.tools.get(name) or self.available().get(name)
         if tool is None:
-            return f"error: unknown tool {name!r}"
+            why = self.unavailable(name) if self.unavailable is not None else None
+            return f"error: {why}" if why else f"error: unknown tool {name!r}"
         try:
             args = json.loads(arguments or "{}")
             if not isinstance(args, dict):
@@ -134,9 +137,9 @@ def sleep_tool(settings: ProcessToolSettings) -> Tool:
                 sleep)
 
 
-def builtin_registry(settings: ProcessToolSettings, *, shell: bool,
-                     sources: Iterable[ToolSource] = ()) -> ToolRegistry:
-    registry = ToolRegistry(sources=list(sources))
+def builtin_registry(settings: ProcessToolSettings, *, shell: bool, sources: Iterable[ToolSource] = (),
+                     unavailable: Callable[[str], str | None] | None = None) -> ToolRegistry:
+    registry = ToolRegistry(sources=list(sources), unavailable=unavailable)
     registry.register(sleep_tool(settings))
     if shell:
         registry.register(shell_tool(settings))

@@ -48,7 +48,8 @@ def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
                             allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
-        shell=t.shell, sources=[mcp.tools] if mcp is not None and mcp.servers else [])
+        shell=t.shell, sources=[mcp.tools] if mcp is not None and mcp.servers else [],
+        unavailable=mcp.unavailable if mcp is not None and mcp.servers else None)
     a = config.agent
     if a.kind == "openai":
         return OpenAIAgent(OpenAISettings(

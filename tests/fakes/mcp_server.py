@@ -4,7 +4,7 @@
 
 Tools: `echo`, `add` (a typed schema), `slow` (sleeps; records when it starts and when it is
 cancelled), `crash` (the process exits at once), `spawn_child` (starts a `sleep` in the same process
-group and returns its PID), `secret` (for the filter tests). Every event is one JSON line appended
+group and returns its PID), `getenv`, `header`, `secret` (for the filter tests). Every event is one JSON line appended
 to the record file, so a test can await it.
 """
 
@@ -18,7 +18,7 @@ import sys
 import time
 
 import anyio
-from mcp.server.fastmcp import FastMCP
+from mcp.server.fastmcp import Context, FastMCP
 
 
 def main() -> None:
@@ -73,6 +73,17 @@ def main() -> None:
         child = subprocess.Popen(["sleep", "300"])
         record("child", child=child.pid)
         return child.pid
+
+    @server.tool()
+    def getenv(name: str) -> str:
+        """The value of an environment variable of the server ("" if unset)."""
+        return os.environ.get(name, "")
+
+    @server.tool()
+    def header(name: str, ctx: Context) -> str:  # type: ignore[type-arg]
+        """A header of the HTTP request that carried this call ("" over stdio)."""
+        request = ctx.request_context.request
+        return str(request.headers.get(name, "")) if request is not None else ""
 
     @server.tool()
     def secret() -> str:
