@@ -266,6 +266,7 @@ async def test_stop_during_a_slow_call_tells_the_server_and_marks_the_transcript
             await ask(daemon, http, "again", "s")
         assert tool_results(provider)[-1] == "still here"
         assert daemon.mcp.servers[0].up and daemon.mcp.servers[0].restarts == 0
+        assert daemon.mcp.servers[0].calls == {"cancelled": 1, "ok": 1}
     finally:
         if server is not None:
             server.stop()
@@ -283,6 +284,11 @@ async def test_a_call_past_its_timeout_is_an_error_result_and_the_server_is_told
     assert answer["choices"][0]["message"]["content"].startswith("reply to: slow please")  # the turn went on
     await record.wait("slow_cancelled", timeout=10)
     assert daemon.mcp.servers[0].up
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://127.0.0.1:{daemon.config.admin.port}/metrics") as resp:
+        metrics = await resp.text()
+    assert 'switchboard_mcp_calls_total{outcome="timeout",server="fake"} 1.0' in metrics
+    assert 'switchboard_mcp_server_up{server="fake"} 1.0' in metrics
 
 
 async def test_calls_stopped_at_random_offsets_each_reach_the_server(tmp_path: Path, record: Record) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 
 from mcp import McpError, types
 from mcp.client.stdio import get_default_environment
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.agents.mcp_config import McpServerConfig
 from gateway.agents.mcp_session import (
@@ -122,6 +125,7 @@ class McpServer:
         self.failures = 0  # consecutive failed starts or deaths
         self.restarts = 0
         self.late_results = 0  # answers that came after their call was stopped, dropped
+        self.calls: Counter[str] = Counter()  # by outcome: ok, tool_error, error, timeout, cancelled, unavailable
         self.pid: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._lost = asyncio.Event()
@@ -308,28 +312,38 @@ class McpServer:
     async def call(self, remote: str, args: dict[str, Any]) -> str:
         """Call tool `remote` under the per-call deadline. A failure is an error text for the model;
         the run's cancel propagates (and the server is told, see `CancellingSession`)."""
+        try:
+            outcome, text = await self._call(remote, args)
+        except asyncio.CancelledError:
+            self.calls["cancelled"] += 1
+            raise
+        self.calls[outcome] += 1
+        return text
+
+    async def _call(self, remote: str, args: dict[str, Any]) -> tuple[str, str]:
         s = self.settings
         session = self.session
         if session is None:
-            return f"error: MCP server {s.name} is not available ({self.detail})"
+            return "unavailable", f"error: MCP server {s.name} is not available ({self.detail})"
         token = call_deadline.set((time.monotonic() + s.timeout_s, f"timed out after {s.timeout_s:g} s"))
         try:
             async with asyncio.timeout(s.timeout_s):
                 result = await session.call_tool(remote, args)
         except TimeoutError:
-            return f"error: {s.name}__{remote} timed out after {s.timeout_s:g} s (the server was told to stop)"
+            return "timeout", (f"error: {s.name}__{remote} timed out after {s.timeout_s:g} s "
+                               "(the server was told to stop)")
         except McpError as exc:
             if exc.error.code == types.CONNECTION_CLOSED:
                 self.mark_lost("connection closed")
-            return f"error: {s.name}: {redactor(exc.error.message)[:300]}"
+            return "error", f"error: {s.name}: {redactor(exc.error.message)[:300]}"
         except Exception as exc:
             if is_transport_error(exc):
                 self.mark_lost(_describe(exc))
-                return f"error: MCP server {s.name} failed during the call ({_describe(exc)})"
-            return f"error: {s.name}__{remote} failed: {_describe(exc)}"
+                return "error", f"error: MCP server {s.name} failed during the call ({_describe(exc)})"
+            return "error", f"error: {s.name}__{remote} failed: {_describe(exc)}"
         finally:
             call_deadline.reset(token)
-        return format_result(result, self.max_output)
+        return ("tool_error" if result.isError else "ok"), format_result(result, self.max_output)
 
 
 def _describe(exc: BaseException) -> str:
@@ -386,3 +400,25 @@ class McpHub:
             return None
         return "MCP: " + ", ".join(f"{s.settings.name} {'up' if s.up else s.state}"
                                    + (f" ({len(s.tools)} tools)" if s.up else "") for s in shown)
+
+
+class McpCollector(Collector):
+    """The servers' state for /metrics, read at scrape time."""
+
+    def __init__(self, hub: McpHub) -> None:
+        self._hub = hub
+
+    def collect(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily("switchboard_mcp_server_up", "MCP server connected (1) or not (0)", labels=["server"])
+        tools = GaugeMetricFamily("switchboard_mcp_tools", "Tools an MCP server offers now", labels=["server"])
+        restarts = CounterMetricFamily("switchboard_mcp_server_restarts", "MCP server (re)connection attempts after "
+                                       "a failure", labels=["server"])
+        calls = CounterMetricFamily("switchboard_mcp_calls", "MCP tool calls by outcome", labels=["server", "outcome"])
+        for server in self._hub.servers:
+            name = server.settings.name
+            up.add_metric([name], 1.0 if server.up else 0.0)
+            tools.add_metric([name], len(server.tools) if server.up else 0)
+            restarts.add_metric([name], server.restarts)
+            for outcome, count in sorted(server.calls.items()):
+                calls.add_metric([name, outcome], count)
+        yield from (up, tools, restarts, calls)

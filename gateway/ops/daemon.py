@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.agents.echo import EchoAgent
-from gateway.agents.mcp_servers import McpHub
+from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
@@ -142,6 +142,7 @@ class Daemon:
                              cancel_grace_s=config.tools.tool_kill_grace_s)
         if self.mcp.servers:
             self.router.status_extras.append(self.mcp.status_line)
+            self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
