@@ -430,7 +430,7 @@ async def test_a_crashed_server_is_reported_its_tools_withdrawn_and_it_is_restar
     base = f"http://127.0.0.1:{daemon.config.http.port}"
     async with aiohttp.ClientSession() as http:
         await ask(daemon, http, "crash it", "c")
-        assert tool_results(provider)[0].startswith("error: fake: Connection closed")
+        assert tool_results(provider)[0] == "error: MCP server fake closed the connection during the call"
         await until(lambda: server.state == "down", 10, "the crash was never noticed")
         async with http.get(base + "/readyz") as resp:
             ready = await resp.json()
@@ -467,13 +467,17 @@ async def test_a_server_that_never_starts_is_logged_once_and_retried_with_backof
               "max_backoff_s": 0.2}
     missing = {"name": "missing", "command": str(tmp_path / "no-such-program"), "max_backoff_s": 0.2,
                "required": True}
-    daemon = await make_daemon(mcp={"servers": [broken, missing]})
+    silent = {"name": "silent", "command": "sleep", "args": ["600"], "connect_timeout_s": 0.3, "max_backoff_s": 0.2}
+    daemon = await make_daemon(mcp={"servers": [broken, missing, silent]})
     hub = daemon.mcp
     await until(lambda: all(s.restarts >= 3 for s in hub.servers), 30, "no retries")
     downs = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
-    assert len(downs) == 2, downs  # once per server, not once per retry
+    assert len(downs) == 3, downs  # once per server, not once per retry
     assert "no config here" in hub.servers[0].detail
-    assert "retry in" in hub.servers[1].detail
+    assert "No such file or directory" in hub.servers[1].detail and "retry in" in hub.servers[1].detail
+    assert hub.servers[2].detail.startswith("down: not ready within 0.3 s")
+    # Every attempt's process group is ended: they do not pile up while the retries go on.
+    await until(lambda: len(daemon.reaper.live_groups) <= 2, 10, "the failed attempts' groups are still alive")
     checks = await daemon.readiness()
     assert not checks["mcp"].ok  # "missing" is required
     assert hub.tools() == []

@@ -131,7 +131,6 @@ class McpServer:
         self._lost = asyncio.Event()
         self._lost_reason = ""
         self._listed = asyncio.Event()  # the tool list changed: list again
-        self.up_changed = asyncio.Event()  # for tests and status: set at every up/down change
 
     @property
     def up(self) -> bool:
@@ -173,6 +172,8 @@ class McpServer:
                 reason = await self._connected_once()
             except asyncio.CancelledError:
                 raise
+            except TimeoutError:
+                reason = f"not ready within {s.connect_timeout_s:g} s (connect_timeout_s)"
             except Exception as exc:  # any failure of one server stays here
                 reason = _describe(exc)
             self._set_down(reason)
@@ -292,14 +293,12 @@ class McpServer:
             log.info("MCP server %s is up (%d tool(s))", s.name, len(self.tools))
         self.state = "up"
         self.detail = f"up, {len(self.tools)} tool(s)"
-        self.up_changed.set()
 
     def _set_down(self, reason: str) -> None:
         if self.state != "down":  # once per outage; the retries say nothing more
             log.warning("MCP server %s is down: %s; its tools are withdrawn, retrying with backoff",
                         self.settings.name, reason)
         self.state = "down"
-        self.up_changed.set()
 
     # --- calls ----------------------------------------------------------------------------------
 
@@ -335,6 +334,7 @@ class McpServer:
         except McpError as exc:
             if exc.error.code == types.CONNECTION_CLOSED:
                 self.mark_lost("connection closed")
+                return "error", f"error: MCP server {s.name} closed the connection during the call"
             return "error", f"error: {s.name}: {redactor(exc.error.message)[:300]}"
         except Exception as exc:
             if is_transport_error(exc):
