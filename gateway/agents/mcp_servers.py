@@ -172,10 +172,10 @@ class McpServer:
                 reason = await self._connected_once()
             except asyncio.CancelledError:
                 raise
-            except TimeoutError:
-                reason = f"not ready within {s.connect_timeout_s:g} s (connect_timeout_s)"
             except Exception as exc:  # any failure of one server stays here
                 reason = _describe(exc)
+                if reason == "timed out":  # the connect deadline (a ping's is reported by _serve)
+                    reason = f"not ready within {s.connect_timeout_s:g} s (connect_timeout_s)"
             self._set_down(reason)
             if time.monotonic() - started > max(60.0, s.max_backoff_s):
                 self.failures = 0  # it had been up a good while: a fresh outage starts from 1 s
