@@ -228,14 +228,16 @@ class McpServer:
                 self.tools = {}
 
     async def _serve(self, session: CancellingSession) -> str:
+        """Ping every `ping_interval_s` and list again when the server says its tools changed,
+        until the connection is lost; returns why."""
         s = self.settings
         lost = asyncio.ensure_future(self._lost.wait())
+        relist: asyncio.Future[Any] | None = None
         try:
             while True:
                 relist = asyncio.ensure_future(self._listed.wait())
                 done, _ = await asyncio.wait({lost, relist}, timeout=s.ping_interval_s,
                                              return_when=asyncio.FIRST_COMPLETED)
-                relist.cancel()
                 if lost in done:
                     return self._lost_reason or "connection lost"
                 if relist in done:
@@ -246,8 +248,12 @@ class McpServer:
                     await asyncio.wait_for(session.send_ping(), s.connect_timeout_s)
                 except TimeoutError:
                     return f"did not answer a ping within {s.connect_timeout_s:g} s"
+                except McpError as exc:
+                    return _describe(exc)
         finally:
             lost.cancel()
+            if relist is not None:
+                relist.cancel()
 
     async def _watch_process(self, pipes: ProcessPipes) -> None:
         await pipes.ended.wait()
