@@ -14,12 +14,14 @@ from gateway.core.secrets import Secret
 @dataclass
 class WebchatConfig:
     enabled: bool | None = None  # None: on when no chat platform is configured
+    session_secret: Secret | None = None  # keys the cookie -> session id hash; unset: made in data_dir
 
 
 @dataclass
 class ApiConfig:
     enabled: bool = False
-    keys: list[Secret] = field(default_factory=list)
+    keys: list[Secret] = field(default_factory=list)  # each its own tenant, named by a short hash
+    tenants: dict[str, Secret] = field(default_factory=dict)  # tenant name -> key
     model_name: str = "switchboard"
 
 

@@ -262,7 +262,7 @@ class TelegramAdapter(Adapter):
 
     async def _webhook(self, request: web.Request) -> web.Response:
         expected = self.config.secret_token.reveal().encode() if self.config.secret_token else b""
-        given = request.headers.get(SECRET_HEADER, "").encode()
+        given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "surrogatepass")  # non-UTF-8: wrong, not 500
         if not expected or not hmac.compare_digest(given, expected):
             return web.Response(status=401, text="wrong secret token")
         if self._closing or not self.ready.is_set():

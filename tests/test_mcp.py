@@ -107,10 +107,11 @@ async def mcp_up(daemon: Daemon, name: str = "fake", timeout: float = 30) -> Non
     await until(lambda: server.up, timeout, f"MCP server {name} never came up: {server.detail}")
 
 
-async def ask(daemon: Daemon, http: aiohttp.ClientSession, text: str, session: str = "m") -> dict[str, Any]:
+async def ask(daemon: Daemon, http: aiohttp.ClientSession, text: str, session: str = "m",
+              key: str | None = None) -> dict[str, Any]:
     url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
-    async with http.post(url, json={"messages": [{"role": "user", "content": text}]},
-                         headers={"X-Session-Id": session}) as resp:
+    headers = {"X-Session-Id": session, **({"Authorization": f"Bearer {key}"} if key else {})}
+    async with http.post(url, json={"messages": [{"role": "user", "content": text}]}, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
         answer: dict[str, Any] = await resp.json()
         return answer
@@ -376,35 +377,35 @@ async def test_a_slow_call_blocks_no_other_session(make_daemon: DaemonFactory, p
 
 async def test_access_can_be_limited_to_listed_sessions_and_tenants(
         make_daemon: DaemonFactory, provider: FakeProvider, record: Record) -> None:
+    """API tenants (named keys): `acme` may use the server from any session, `beta` only from its
+    team-* sessions; anyone else is neither offered its tools nor able to call them by name."""
     provider.words = 2
-    entry = stdio_server(record, allow_sessions=["api:dm:team-*"], allow_tenants=["acme"])
-    daemon = await make_daemon(api={"enabled": True}, mcp={"servers": [entry]})
+    acme, beta = "sk-acme-0123456789abcdef", "sk-beta-0123456789abcdef"
+    entry = stdio_server(record, allow_sessions=["api:dm:beta/team-*"], allow_tenants=["acme"])
+    daemon = await make_daemon(api={"enabled": True, "tenants": f"acme={acme},beta={beta}"},
+                               mcp={"servers": [entry]})
     await mcp_up(daemon)
+
+    async def attempt(http: aiohttp.ClientSession, session: str, key: str, text: str) -> tuple[set[str], list[str]]:
+        provider.then(Script(tool_calls=[("fake__echo", {"text": text})]))
+        await ask(daemon, http, "use it", session, key)
+        first, second = provider.connections[-2:]
+        return ({t["function"]["name"] for t in first.body["tools"]},
+                [m["content"] for m in second.body["messages"] if m["role"] == "tool"])
+
     async with aiohttp.ClientSession() as http:
-        provider.then(Script(tool_calls=[("fake__echo", {"text": "for the team"})]))
-        await ask(daemon, http, "use it", "team-1")
-        team = provider.connections[-2:]
-        provider.then(Script(tool_calls=[("fake__echo", {"text": "for the team"})]))
-        await ask(daemon, http, "use it", "outsider")
-        outsider = provider.connections[-2:]
-    assert "fake__echo" in {t["function"]["name"] for t in team[0].body["tools"]}
-    assert [m["content"] for m in team[1].body["messages"] if m["role"] == "tool"] == ["for the team"]
-    offered_outside = {t["function"]["name"] for t in outsider[0].body["tools"]}
-    assert "sleep" in offered_outside and not any(n.startswith("fake__") for n in offered_outside)
-    # Even a model that names the tool anyway cannot reach it from another session.
-    assert [m["content"] for m in outsider[1].body["messages"] if m["role"] == "tool"] == [
-        "error: unknown tool 'fake__echo'"]
-    assert [e["text"] for e in record.events("echo")] == ["for the team"]
-    assert "MCP: fake up" in daemon.router.status_text("api:dm:team-1")
-    assert "MCP" not in daemon.router.status_text("api:dm:outsider")
-    # A tenant named in allow_tenants may use it from any session.
-    hub = daemon.mcp
-    run = Run("api:dm:elsewhere")
-    assert not hub.servers[0].allows(run) and not hub.servers[0].allows(None)
-    run.tenant = "acme"
-    assert hub.servers[0].allows(run)
-    run.tenant = "acme2"
-    assert not hub.servers[0].allows(run)
+        acme_any = await attempt(http, "anything", acme, "acme anywhere")
+        beta_team = await attempt(http, "team-1", beta, "beta team")
+        beta_other = await attempt(http, "outsider", beta, "beta outside")
+    assert "fake__echo" in acme_any[0] and acme_any[1] == ["acme anywhere"]
+    assert "fake__echo" in beta_team[0] and beta_team[1] == ["beta team"]
+    assert "sleep" in beta_other[0] and not any(n.startswith("fake__") for n in beta_other[0])
+    # Even a model that names the tool anyway cannot reach it from there.
+    assert beta_other[1] == ["error: unknown tool 'fake__echo'"]
+    assert [e["text"] for e in record.events("echo")] == ["acme anywhere", "beta team"]
+    assert "MCP: fake up" in daemon.router.status_text("api:dm:beta/team-1")
+    assert "MCP" not in daemon.router.status_text("api:dm:beta/outsider")
+    assert not daemon.mcp.servers[0].allows(None)  # outside any run: only unrestricted servers
 
 
 # --- failures ------------------------------------------------------------------------------------------
@@ -577,7 +578,7 @@ def test_the_example_configs_servers_load(tmp_path: Path) -> None:
     ({"name": "a", "url": "ftp://h/mcp"}, "must be an http(s) URL"),
     ({"name": "a", "url": "http://h/mcp", "args": ["x"]}, "are for stdio servers"),
     ({"name": "a", "command": "x", "timeout_s": 0}, "timeout_s: must be greater than 0"),
-    ({"name": "a", "command": "x", "env": {"A": 1}}, "must be a table of strings"),
+    ({"name": "a", "command": "x", "env": {"A": 1}}, "mcp.servers[0].env.A: must be a string"),
     ({"name": "a", "command": "x", "bogus": 1}, "mcp.servers[0].bogus: unknown key"),
     ({"name": "a", "url": "http://h/mcp", "headers_file": "/nonexistent/h"}, "headers_file: cannot read"),
 ])

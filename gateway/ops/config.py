@@ -22,6 +22,7 @@ from agent_cache import CacheSettings
 from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
+from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
 ENV_PREFIX = "SWITCHBOARD_"
@@ -44,6 +45,7 @@ class DaemonConfig:
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -54,6 +56,7 @@ class AdminConfig:
     host: str = "127.0.0.1"
     port: int = 8766
     token: Secret | None = None
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -135,7 +138,8 @@ class Config:
         found: list[str] = []
         for section in dataclasses.fields(self):
             for value in vars(getattr(self, section.name)).values():
-                items = value if isinstance(value, list) else [value]
+                items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) \
+                    else [value]
                 found += [v.reveal() for v in items if isinstance(v, Secret)]
         return found
 
@@ -213,7 +217,7 @@ def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[st
     if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
         for name in names:
             cred = Path(creds) / f"{section}.{name}"
-            if _is_secret(hints[name]) and getattr(target, name) in (None, []) and cred.is_file():
+            if _is_secret(hints[name]) and getattr(target, name) in (None, [], {}) and cred.is_file():
                 setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
                     f"{section}.{name}", str(cred)).replace("\n", ","), hints[name], from_env=True))
 
@@ -252,10 +256,8 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: must be a list")
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
-    if origin is dict:  # a table of strings (an MCP server's env)
-        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            raise ConfigError(f"{where}: must be a table of strings")
-        return dict(value)
+    if origin is dict:
+        return _coerce_table(where, value, args[1], from_env=from_env)
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: must be a table")
@@ -290,6 +292,26 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
             raise ConfigError(f"{where}: must be a string (got {value!r})")
         return value
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in the schema
+
+
+def _coerce_table(where: str, value: Any, inner: Any, *, from_env: bool) -> dict[str, Any]:
+    """A TOML table of names to values; from the environment or a file, a JSON object or
+    comma-separated `name=value` pairs."""
+    if from_env and isinstance(value, str):
+        try:
+            value = json.loads(value) if value.startswith("{") else dict(
+                (name.strip(), v.strip()) for name, _, v in (p.partition("=") for p in value.split(",") if p.strip()))
+        except ValueError:
+            raise ConfigError(f"{where}: must be a JSON object or comma-separated name=value pairs") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table of names")
+    return {str(k): _coerce(f"{where}.{k}", v, inner, from_env=from_env) for k, v in value.items()}
+
+
+def _validate_tenants(c: Config) -> None:
+    found = tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
+    if found is not None:
+        raise ConfigError(found)
 
 
 def _validate(c: Config) -> None:
@@ -333,7 +355,8 @@ def _validate(c: Config) -> None:
         raise ConfigError(f"admin.port: must be between 1 and 65535 (got {c.admin.port})")
     if c.admin.enabled and not c.admin.token and not is_loopback(c.admin.host):
         raise ConfigError(f"admin.token: required when admin.host is not loopback ({c.admin.host})")
-    if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
+    _validate_tenants(c)
+    if c.api.enabled and not c.api.keys and not c.api.tenants and not is_loopback(c.http.host):
         raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:
         raise ConfigError("telegram.webhook_url: required when telegram.mode is \"webhook\"")
