@@ -363,9 +363,12 @@ def _validate(c: Config) -> None:
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
         raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
     for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
-                       ("discord.edit_interval_s", c.discord.edit_interval_s)):
+                       ("discord.edit_interval_s", c.discord.edit_interval_s),
+                       ("telegram.draft_interval_s", c.telegram.draft_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    if not 0 < c.telegram.draft_refresh_s < 30:
+        raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
     try:
         check_mcp(c.mcp)
     except ValueError as exc:
