@@ -198,8 +198,8 @@ class OpenAIAgent:
         body: dict[str, Any] = {"model": s.model, "messages": messages, "stream": True}
         if s.include_usage:
             body["stream_options"] = {"include_usage": True}
-        if self.tools.tools:
-            body["tools"] = self.tools.schemas()
+        if schemas := self.tools.schemas():  # asked every round: MCP servers come and go
+            body["tools"] = schemas
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         url = s.base_url.rstrip("/") + "/chat/completions"
         for attempt in range(s.retries + 1):

@@ -1,10 +1,13 @@
-"""Tools an agent may call: a small registry plus the built-in `shell` and `sleep`."""
+"""Tools an agent may call: a small registry plus the built-in `shell` and `sleep`.
+
+Besides its own tools the registry offers those of its sources (the MCP servers that are up),
+asked afresh at every model round: a server that went down takes its tools with it."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +16,7 @@ from gateway.agents.processes import ProcessReaper, ProcessResult, run_in_proces
 log = logging.getLogger(__name__)
 
 ToolFunc = Callable[[dict[str, Any]], Awaitable[str]]
+ToolSource = Callable[[], Iterable["Tool"]]  # tools that come and go (an MCP server's)
 _SHELL_META = frozenset(";&|`$<>\n\r(){}")
 
 
@@ -32,18 +36,29 @@ class Tool:
 @dataclass(slots=True)
 class ToolRegistry:
     tools: dict[str, Tool] = field(default_factory=dict)
+    sources: list[ToolSource] = field(default_factory=list)
+    # Why a tool the model named is not there now (an MCP server that is down), for its error text.
+    unavailable: Callable[[str], str | None] | None = None
 
     def register(self, tool: Tool) -> None:
         self.tools[tool.name] = tool
 
+    def available(self) -> dict[str, Tool]:
+        """The registered tools and those the sources offer now (a registered name wins)."""
+        if not self.sources:
+            return self.tools
+        found = {t.name: t for source in self.sources for t in source()}
+        return {**found, **self.tools}
+
     def schemas(self) -> list[dict[str, Any]]:
-        return [t.schema() for t in self.tools.values()]
+        return [t.schema() for t in self.available().values()]
 
     async def call(self, name: str, arguments: str) -> str:
         """Run a tool; bad calls come back as an error text the model can read, never raise."""
-        tool = self.tools.get(name)
+        tool = self.tools.get(name) or self.available().get(name)
         if tool is None:
-            return f"error: unknown tool {name!r}"
+            why = self.unavailable(name) if self.unavailable is not None else None
+            return f"error: {why}" if why else f"error: unknown tool {name!r}"
         try:
             args = json.loads(arguments or "{}")
             if not isinstance(args, dict):
@@ -122,8 +137,9 @@ def sleep_tool(settings: ProcessToolSettings) -> Tool:
                 sleep)
 
 
-def builtin_registry(settings: ProcessToolSettings, *, shell: bool) -> ToolRegistry:
-    registry = ToolRegistry()
+def builtin_registry(settings: ProcessToolSettings, *, shell: bool, sources: Iterable[ToolSource] = (),
+                     unavailable: Callable[[str], str | None] | None = None) -> ToolRegistry:
+    registry = ToolRegistry(sources=list(sources), unavailable=unavailable)
     registry.register(sleep_tool(settings))
     if shell:
         registry.register(shell_tool(settings))

@@ -125,7 +125,7 @@ class Run:
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
                  "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
-                 "run_id", "session_key", "started_at", "token")
+                 "run_id", "session_key", "started_at", "tenant", "token")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
@@ -133,6 +133,7 @@ class Run:
         # Stop button carries, so a press stops this turn and no later one.
         self.token = secrets.token_urlsafe(9)
         self.session_key = session_key
+        self.tenant: str | None = None  # whose turn this is, where the platform knows (tools may be limited by it)
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.
         self.guard: Guard | None = None

@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -124,6 +124,8 @@ class Router:
             max_agents=cache.max_agents, idle_ttl_s=cache.idle_ttl_s, when_full=cache.when_full,
             on_evict=self._on_evict)
         self.interruptions = Interruptions()
+        # More lines for /status (e.g. the MCP servers' state), each asked for the session's key.
+        self.status_extras: list[Callable[[str], str | None]] = []
         self._lanes: dict[str, Lane] = {}
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
@@ -570,6 +572,9 @@ class Router:
             prompt, completion = conversation.tokens_used
             text += (f"\ncontext: {conversation.prompt_tokens:,} tokens in the last request"
                      f" · used so far: {prompt:,} prompt, {completion:,} completion")
+        for extra in self.status_extras:
+            if line := extra(key):
+                text += "\n" + line
         return text
 
     # --- turns ----------------------------------------------------------------------------

@@ -131,6 +131,7 @@ class Turn:
         self.fence = fence
         self.run = Run(key)
         self.run.guard = speaker.guard
+        self.run.tenant = msg.tenant
         self.ephemeral = ephemeral
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).

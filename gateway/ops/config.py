@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_cache import CacheSettings
+from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from platforms import tenants
@@ -124,6 +125,7 @@ class Config:
     discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -256,6 +258,16 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
     if origin is dict:
         return _coerce_table(where, value, args[1], from_env=from_env)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a table")
+        item = hint()
+        hints = typing.get_type_hints(hint)
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}.{key}: unknown key")
+            setattr(item, key, _coerce(f"{where}.{key}", v, hints[key], from_env=False))
+        return item
     if hint is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -357,6 +369,10 @@ def _validate(c: Config) -> None:
             raise ConfigError(f"{key}: must not be negative")
     if not 0 < c.telegram.draft_refresh_s < 30:
         raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
+    try:
+        check_mcp(c.mcp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
 
@@ -383,4 +399,6 @@ def _toml(value: Any) -> str:
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _toml({k: v for k, v in vars(value).items() if v is not None})
     return json.dumps(value, ensure_ascii=False)

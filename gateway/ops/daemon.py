@@ -22,6 +22,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.agents.echo import EchoAgent
+from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
@@ -44,13 +45,14 @@ from gateway.store.sqlite import SqliteStore
 log = logging.getLogger(__name__)
 
 
-def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
+def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None) -> Agent:
     """The one place config sections become agent settings."""
     t = config.tools
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
                             allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
-        shell=t.shell)
+        shell=t.shell, sources=[mcp.tools] if mcp is not None and mcp.servers else [],
+        unavailable=mcp.unavailable if mcp is not None and mcp.servers else None)
     a = config.agent
     if a.kind == "openai":
         return OpenAIAgent(OpenAISettings(
@@ -142,12 +144,17 @@ class Daemon:
         self.cluster = build_cluster(config, self.metrics)
         self.adapters = build_adapters(config, self.cluster)
         self.access = AccessControl(self.store, access_policies(config))
-        self.agent = build_agent(config, self.reaper)
+        # MCP servers: stdio ones are tool process groups of the reaper's; restarted with backoff.
+        self.mcp = McpHub.build(config.mcp.servers, self.reaper, max_output=config.tools.shell_max_output)
+        self.agent = build_agent(config, self.reaper, self.mcp)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
                              cache=config.agent_cache, metrics=self.metrics, access=self.access,
                              cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
                              cancel_grace_s=config.tools.tool_kill_grace_s)
+        if self.mcp.servers:
+            self.router.status_extras.append(self.mcp.status_line)
+            self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
@@ -158,6 +165,8 @@ class Daemon:
             checks["cluster"] = self.cluster.health()
         for name, adapter in self.adapters.items():
             checks[name] = adapter.health()
+        if self.mcp.servers:
+            checks["mcp"] = self.mcp.health()
         return checks
 
     async def start(self) -> None:
@@ -179,6 +188,8 @@ class Daemon:
         self._on_stop(stack, "the tool sentinel", self.ledger.close)  # after the tools are drained
         self._on_stop(stack, "the agents", self._close_agents)
         self._on_stop(stack, "tool processes", self._drain_tools)
+        self.mcp.start()  # in the background: a server that is slow or fails never holds the start up
+        self._on_stop(stack, "MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
         if self.cluster is not None:
             await self.cluster.start(self.router.cluster_events())
             self._on_stop(stack, "cluster membership", self.cluster.stop)  # releases leases
@@ -308,7 +319,7 @@ class Daemon:
         for secret in new.secrets():
             redactor.add(secret)
         if "agent" in changed or "tools" in changed:
-            self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
+            self.agent = build_agent(new, self.reaper, self.mcp)  # running turns finish on the agent they started with
             self._agents.append(self.agent)
             self.router.use_agent(self.agent)
             self.router.cancel_grace_s = self.reaper.grace_s = new.tools.tool_kill_grace_s
