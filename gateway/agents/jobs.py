@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.agents.processes import ProcessReaper, Spawn
+from gateway.core.background import JOB_PREFIX
 from gateway.core.cancellation import ToolReason, get_run
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ Deliver = Callable[[str, str, str], Awaitable[None]]  # (session key, unique mes
 call_note: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("call_note", default=None)
 
 KILLED_BY_AGENT = ToolReason.system("killed by the agent (job_kill)")
-KILLED_BY_USER = ToolReason.user("killed by user (/kill)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +208,20 @@ class JobRegistry:
         self.closing = True
         return sum(self.kill_session(session, reason) for session in list(self._jobs))
 
-    def kill(self, session: str, job_id: str, reason: ToolReason) -> Job | None:
+    def count_running(self, session: str) -> int:
+        return len(self.running(session))
+
+    def describe(self, session: str) -> list[str]:
+        return [job.summary() for job in self.jobs(session)]
+
+    def kill_job(self, session: str, job_id: str, reason: ToolReason) -> str | None:
         job = self._jobs.get(session, {}).get(_job_id(job_id))
-        if job is not None and job.state == "running":
-            self._kill(job, reason)
-        return job
+        if job is None:
+            return None
+        if job.state != "running":
+            return f"Job {job.id} had already ended."
+        self._kill(job, reason)
+        return f"Killed job {job.id}."
 
     def room(self, session: str) -> str | None:
         """Why another job cannot start in `session` now, or None."""
@@ -447,7 +456,7 @@ class JobRegistry:
             if job.out.total > len(tail) + lost and tail:
                 text = text.replace("\n$ ", "\n(last output) $ ", 1)
             try:
-                await self.deliver(job.session, f"job:{self._token}:{job.id}", text)
+                await self.deliver(job.session, f"{JOB_PREFIX}{self._token}:{job.id}", text)
             except Exception:
                 log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
 

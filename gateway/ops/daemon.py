@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.agents.echo import EchoAgent
+from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
@@ -41,13 +42,20 @@ from gateway.store.sqlite import SqliteStore
 log = logging.getLogger(__name__)
 
 
-def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
+def job_settings(config: Config) -> JobSettings:
+    t = config.tools
+    return JobSettings(yield_after_s=t.yield_after_s, foreground_max_s=t.foreground_max_s,
+                       max_per_session=t.jobs_per_session, max_total=t.jobs_total, job_max_s=t.job_max_s,
+                       buffer_chars=t.job_buffer_chars, read_chars=t.job_read_chars)
+
+
+def build_agent(config: Config, reaper: ProcessReaper, jobs: JobRegistry | None = None) -> Agent:
     """The one place config sections become agent settings."""
     t = config.tools
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
                             allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
-        shell=t.shell)
+        shell=t.shell, jobs=jobs if t.jobs else None)
     a = config.agent
     if a.kind == "openai":
         return OpenAIAgent(OpenAISettings(
@@ -130,12 +138,15 @@ class Daemon:
         self.cluster = build_cluster(config, self.metrics)
         self.adapters = build_adapters(config, self.cluster)
         self.access = AccessControl(self.store, access_policies(config))
-        self.agent = build_agent(config, self.reaper)
+        # Background jobs: their groups are the reaper's like any tool's, so they die with the daemon too.
+        self.jobs = JobRegistry(self.reaper, job_settings(config))
+        self.agent = build_agent(config, self.reaper, self.jobs)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
                              cache=config.agent_cache, metrics=self.metrics, access=self.access,
                              cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
-                             cancel_grace_s=config.tools.tool_kill_grace_s)
+                             cancel_grace_s=config.tools.tool_kill_grace_s, jobs=self.jobs)
+        self.jobs.deliver = self.router.deliver_automatic
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
@@ -211,6 +222,9 @@ class Daemon:
         stack.push_async_callback(run)
 
     async def _drain_tools(self) -> None:
+        self.jobs.kill_all(self._stop_reason)  # the router did, unless it never started
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.jobs.close(), self.config.tools.tool_kill_grace_s + 1)
         try:
             await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
         except TimeoutError:
@@ -261,6 +275,7 @@ class Daemon:
         if not stopping.done():
             log.warning("second signal: exiting now")
             self.router.cancel_all(GATEWAY_RESTART)
+            self.jobs.kill_all(GATEWAY_RESTART)
             self.reaper.kill_all_now()  # no tool outlives us, drained or not
             await asyncio.wait({stopping}, timeout=1.0)
             stopping.cancel()
@@ -293,7 +308,8 @@ class Daemon:
         for secret in new.secrets():
             redactor.add(secret)
         if "agent" in changed or "tools" in changed:
-            self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
+            self.agent = build_agent(new, self.reaper, self.jobs)  # running turns finish on the agent they started with
+            self.jobs.settings = job_settings(new)
             self._agents.append(self.agent)
             self.router.use_agent(self.agent)
             self.router.cancel_grace_s = self.reaper.grace_s = new.tools.tool_kill_grace_s
