@@ -285,7 +285,8 @@ class JobRegistry:
                     wake_at = min(t for t in (deadline, moment, auto) if t is not None)
                     fg.wake.clear()
                     waker = asyncio.ensure_future(fg.wake.wait())
-                    await asyncio.wait({fg.pump, waker}, timeout=max(0.0, wake_at - now))
+                    await asyncio.wait({fg.pump, waker}, timeout=max(0.0, wake_at - now),
+                                       return_when=asyncio.FIRST_COMPLETED)
                     waker.cancel()
                 timed_out = not fg.pump.done()
         finally:
@@ -347,7 +348,7 @@ class JobRegistry:
             job.seen_end = True
         else:
             notes.append(f"[job {job.id} still running]")
-        return "\n".join([text or "(no new output)", *notes])
+        return "\n".join([text.rstrip("\n") or "(no new output)", *notes])
 
     async def wait(self, job_id: object, timeout_s: object | None) -> str:
         job = self._find(job_id)
@@ -450,11 +451,13 @@ class JobRegistry:
         log.info("job %s ended: %s", job.id, job.end_line(), extra={"session": job.session})
         await asyncio.sleep(0)  # a job_wait woken by the end marks it seen first
         if self._tells(job) and self.deliver is not None:
-            tail, job.read_pos, lost = job.out.since(max(job.read_pos, job.out.total - self.settings.read_chars),
-                                                     self.settings.read_chars)
-            text = f"{job.end_line()}\n$ {_short(job.command)}\n" + (tail.rstrip() or "(no new output)")
-            if job.out.total > len(tail) + lost and tail:
-                text = text.replace("\n$ ", "\n(last output) $ ", 1)
+            limit = self.settings.read_chars
+            unread_from = max(job.read_pos, job.out.start)
+            skipped = max(0, job.out.total - unread_from - limit)  # only the last `limit` new characters
+            tail, job.read_pos, _ = job.out.since(unread_from + skipped, limit)
+            text = (f"{job.end_line()}\n$ {_short(job.command)}\n"
+                    + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
+                    + (tail.rstrip() or "(no new output)"))
             try:
                 await self.deliver(job.session, f"{JOB_PREFIX}{self._token}:{job.id}", text)
             except Exception:

@@ -1,0 +1,330 @@
+"""Background jobs with real subprocesses: a long shell command moves to the background when the
+user writes (busy "steer" and "interrupt"), the model reads and kills it, its end is reported to
+the chat once, `/new` and the daemon's end (even `kill -9`) take it down, and the limits hold.
+Processes are found by PID and start time (tests/procs.py), never by name."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.agents.jobs import JobRegistry, JobSettings
+from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.processes import ProcessReaper
+from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
+from gateway.core.cancellation import GATEWAY_RESTART, NEW_MESSAGE, SESSION_RESET, Run, current_run
+from gateway.core.router import Router, RouterSettings
+from gateway.store.sqlite import SqliteStore
+from tests.conftest import DaemonFactory
+from tests.fakes.memory_chat import MemoryChat
+from tests.fakes.openai_provider import FakeProvider, Script
+from tests.procs import Proc, pids_from, running, stat, until
+from tests.test_daemon_process import Daemon, _shell_agent
+
+KEY = "memory:dm:c1"
+
+
+class Setup:
+    def __init__(self, router: Router, jobs: JobRegistry, tools: ToolRegistry,
+                 delivered: list[tuple[str, str]]) -> None:
+        self.router, self.jobs, self.tools, self.delivered = router, jobs, tools, delivered
+
+
+Make = Callable[..., Awaitable[Setup]]
+
+
+@pytest.fixture
+async def make(store: SqliteStore, provider: FakeProvider, chat: MemoryChat) -> AsyncIterator[Make]:
+    """A router with the shell tool and background jobs over the real store, the fake provider and
+    the in-memory chat; every completion notice it delivers is also listed in `delivered`."""
+    made: list[tuple[Router, JobRegistry, OpenAIAgent, ProcessReaper]] = []
+
+    async def factory(busy: str = "steer", **job_settings: Any) -> Setup:
+        reaper = ProcessReaper(grace_s=0.5)
+        jobs = JobRegistry(reaper, JobSettings(**{"yield_after_s": 0.3, **job_settings}))
+        tools = builtin_registry(ProcessToolSettings(reaper=reaper), shell=True, jobs=jobs)
+        agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=1, backoff_s=0.01),
+                            tools)
+        router = Router(RouterSettings(busy=busy, messages_per_minute=0),  # type: ignore[arg-type]
+                        store=store, agent=agent, outlets={chat.name: chat}, jobs=jobs)
+        delivered: list[tuple[str, str]] = []
+
+        async def deliver(key: str, message_id: str, text: str) -> None:
+            delivered.append((message_id, text))
+            await router.deliver_automatic(key, message_id, text)
+
+        jobs.deliver = deliver
+        await chat.start(router)
+        await router.start()
+        made.append((router, jobs, agent, reaper))
+        return Setup(router, jobs, tools, delivered)
+
+    yield factory
+    for router, jobs, agent, reaper in made:
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await jobs.close()
+        await agent.close()
+        await asyncio.wait_for(reaper.drain(), 10)
+
+
+def gated(pidfile: Path, gates: Path, *steps: str) -> str:
+    """A shell command that writes its PID, then prints each step once its gate file exists."""
+    script = [f"echo $$ >> {pidfile}"]
+    for i, step in enumerate(steps):
+        if i:
+            script.append(f"while [ ! -e {gates}{i} ]; do sleep 0.02; done")
+        script.append(f"echo {step}")
+    return "; ".join(script)
+
+
+def tool_rows(body: dict[str, Any]) -> list[str]:
+    return [str(m["content"]) for m in body["messages"] if m["role"] == "tool"]
+
+
+async def settled(chat: MemoryChat, router: Router, store: SqliteStore) -> None:
+    """Every message of the session answered and nothing running."""
+    async def idle() -> bool:
+        return not router.status(KEY).running and not router.status(KEY).queued and \
+            not await store.unfinished_inbound()
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await idle():
+        assert asyncio.get_running_loop().time() < deadline, "the session never settled"
+        await asyncio.sleep(0.01)
+
+
+async def test_steer_moves_a_long_command_to_the_background_the_model_reads_it_and_its_end_is_told_once(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make(busy="steer")
+    pidfile, gate = tmp_path / "pids", tmp_path / "gate"
+    provider.then(Script(tool_calls=[("shell", {"command": gated(pidfile, gate, "first", "second", "third")})]))
+    provider.then(Script(text="it runs in the background"))
+    await s.router.submit(chat.message("c1", "build it"), chat)
+    (pgid,) = await pids_from(pidfile, 1)
+    leader = stat(pgid)
+    assert leader is not None
+    await s.router.submit(chat.message("c1", "how is it going?"), chat)
+    await until(lambda: len(provider.connections) >= 2, 10, "the turn never went on after the steer")
+    tools = tool_rows(provider.connections[1].body)
+    assert tools[0].startswith("[moved to background: job j1 (the user sent a new message)]")
+    assert "output so far:\nfirst" in tools[0]
+    assert provider.connections[1].body["messages"][-1] == {"role": "user", "content": "how is it going?"}
+    await settled(chat, s.router, store)
+    assert running(leader), "the command was killed instead of moved"
+
+    # The model polls it in a later turn: only the output since the move.
+    (gate.parent / "gate1").touch()
+    job = s.jobs.jobs(KEY)[0]
+    await until(lambda: "second" in job.out.text, 10, "the job's output never came")
+    provider.then(Script(tool_calls=[("job_read", {"job_id": "j1"})]))
+    provider.then(Script(text="still going"))
+    await s.router.submit(chat.message("c1", "check the job"), chat)
+    await settled(chat, s.router, store)
+    assert tool_rows(provider.connections[3].body)[-1] == "second\n[job j1 still running]"
+    assert not s.delivered
+
+    # It ends on its own: one automatic message tells the model, the chat sees the answer.
+    (gate.parent / "gate2").touch()
+    await until(lambda: len(s.delivered) == 1, 10, "the job's end was never reported")
+    await until(lambda: any("finished: exit 0" in c.last_user for c in provider.connections), 10,
+                "the model never heard of the job's end")
+    await settled(chat, s.router, store)
+    notice = next(c for c in provider.connections if "finished: exit 0" in c.last_user).last_user
+    assert notice.startswith("[background job j1 finished: exit 0]\n$ echo ") and notice.endswith("third")
+    assert chat.texts("c1")[-1].startswith("reply to: [background job j1 finished: exit 0]")
+    # A second delivery of the same notice (a retry) is the same message: refused by the store.
+    await s.router.deliver_automatic(KEY, *s.delivered[0])
+    await settled(chat, s.router, store)
+    _, rows = await store.conversation(KEY)
+    assert sum(r.role == "user" and r.content.startswith("[background job j1") for r in rows) == 1
+    assert sum("[background job j1" in c.last_user for c in provider.connections) == 1
+    assert not running(leader)
+
+
+async def test_interrupt_moves_a_command_old_enough_and_kills_a_young_one(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make(busy="interrupt", yield_after_s=0.5)
+    pidfile, gate = tmp_path / "pids", tmp_path / "gate"
+    provider.then(Script(tool_calls=[("shell", {"command": gated(pidfile, gate, "first", "second")})]))
+    first = (await s.router.submit(chat.message("c1", "build it"), chat)).run
+    (pgid,) = await pids_from(pidfile, 1)
+    leader = stat(pgid)
+    assert leader is not None and first is not None
+    await asyncio.sleep(0.6)  # older than yield_after_s
+    await s.router.submit(chat.message("c1", "something else"), chat)
+    await asyncio.wait_for(first.wait(), 5)
+    assert first.reason == NEW_MESSAGE
+    await settled(chat, s.router, store)
+    assert running(leader), "an old enough command was killed by the interrupt"
+    _, rows = await store.conversation(KEY)
+    cut = next(r for r in rows if r.role == "tool")
+    assert cut.content.startswith("[moved to background: job j1 (the user sent a new message)]")
+    assert cut.content.endswith("\n[interrupted by user: user sent a new message]") and cut.interrupted_by == "user"
+    assert [j.state for j in s.jobs.jobs(KEY)] == ["running"]
+
+    # A command younger than yield_after_s dies with its turn, as before.
+    young = tmp_path / "young"
+    provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {young}; sleep 60"})]))
+    turn = (await s.router.submit(chat.message("c1", "another"), chat)).run
+    (young_pgid,) = await pids_from(young, 1)
+    young_leader = stat(young_pgid)
+    assert young_leader is not None and turn is not None
+    await s.router.submit(chat.message("c1", "stop that"), chat)
+    await asyncio.wait_for(turn.wait(), 5)
+    await until(lambda: not running(young_leader), 5, "the young command outlived its turn")
+    assert len(s.jobs.jobs(KEY)) == 1 and running(leader)
+    s.jobs.kill_session(KEY, GATEWAY_RESTART)
+    await until(lambda: not running(leader), 5, "the job outlived its kill")
+
+
+async def test_job_kill_ends_the_whole_group_and_no_notice_follows(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make()
+    pidfile = tmp_path / "pids"
+    command = f"echo $$ >> {pidfile}; sleep 60 & echo $! >> {pidfile}; sleep 60 & echo $! >> {pidfile}; wait"
+    provider.then(Script(tool_calls=[("shell", {"command": command, "background": True})]))
+    provider.then(Script(text="started"))
+    await s.router.submit(chat.message("c1", "start it"), chat)
+    procs = [stat(pid) for pid in await pids_from(pidfile, 3)]
+    await settled(chat, s.router, store)
+    assert tool_rows(provider.connections[1].body)[0].startswith("[started in background: job j1]")
+    assert all(p is not None and running(p) and p.pgid == procs[0].pid for p in procs if p and procs[0])
+    provider.then(Script(tool_calls=[("job_kill", {"job_id": "j1"})]))
+    provider.then(Script(text="killed"))
+    await s.router.submit(chat.message("c1", "kill it"), chat)
+    await settled(chat, s.router, store)
+    assert tool_rows(provider.connections[3].body)[-1] == (
+        "job j1 killed ([interrupted by system: killed by the agent (job_kill)])")
+    alive = [p for p in procs if p is not None and running(p)]
+    assert not alive, f"left running: {alive}"
+    await asyncio.sleep(0.2)  # a notice would have been handed over by now
+    assert not s.delivered
+
+
+async def test_stop_leaves_jobs_running_and_new_kills_them_with_the_reset_reason(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make()
+    pidfile = tmp_path / "pids"
+    command = f"echo $$ >> {pidfile}; sleep 60 & echo $! >> {pidfile}; wait"
+    provider.then(Script(tool_calls=[("shell", {"command": command, "background": True})]))
+    provider.then(Script(text="started", delay_s=0.5))  # still streaming when /stop comes
+    run = (await s.router.submit(chat.message("c1", "start it"), chat)).run
+    procs = [stat(pid) for pid in await pids_from(pidfile, 2)]
+    await until(lambda: len(provider.connections) >= 2, 10, "the second round never started")
+    await s.router.submit(chat.message("c1", "/stop"), chat)
+    assert run is not None
+    await asyncio.wait_for(run.wait(), 5)
+    assert all(p is not None and running(p) for p in procs), "/stop killed a background job"
+    await s.router.submit(chat.message("c1", "/jobs"), chat)
+    await chat.wait_for(lambda: chat.texts("c1")[-1].startswith("Background jobs:\nj1: running for"))
+    await s.router.submit(chat.message("c1", "/new"), chat)
+    await until(lambda: not any(p is not None and running(p) for p in procs), 5, "/new left the job running")
+    (job,) = s.jobs.jobs(KEY)
+    await asyncio.wait_for(job.ended.wait(), 5)
+    assert job.state == "killed" and job.reason == SESSION_RESET
+    assert job.end_line() == "[background job j1 stopped: [interrupted by user: session reset (/new)]]"
+    await asyncio.sleep(0.2)
+    assert not s.delivered  # the session it would tell is gone
+
+
+async def test_limits_per_session_and_in_total_and_jobs_are_private_to_their_session(
+        make: Make, chat: MemoryChat, tmp_path: Path) -> None:
+    s = await make(max_per_session=1, max_total=2)
+
+    async def call(session: str, name: str, **args: Any) -> str:
+        run = Run(session)
+        ctx = contextvars.copy_context()
+        ctx.run(current_run.set, run)
+        return await asyncio.get_running_loop().create_task(s.tools.call(name, json.dumps(args)), context=ctx)
+
+    assert (await call("a", "shell", command="sleep 60", background=True)).startswith("[started in background: job j")
+    refused = await call("a", "shell", command="sleep 60", background=True)
+    assert refused.startswith("error: not started: this chat already has 1 background jobs running")
+    assert (await call("b", "shell", command="sleep 60", background=True)).startswith("[started in background")
+    full = await call("c", "shell", command="sleep 60", background=True)
+    assert full.startswith("error: not started: the gateway already runs 2 background jobs")
+    (a_job,), (b_job,) = s.jobs.jobs("a"), s.jobs.jobs("b")
+    # Another session can neither see, read, wait for nor kill it.
+    missing = f"error: no job '{a_job.id}' in this chat (job_status lists them)"
+    assert await call("b", "job_kill", job_id=a_job.id) == missing
+    assert (await call("b", "job_read", job_id=a_job.id)).startswith("error: no job")
+    listed = await call("b", "job_status")
+    assert listed.startswith(f"{b_job.id}: running") and f"{a_job.id}:" not in listed
+    assert s.router.kill_job("b", a_job.id) is None
+    assert a_job.state == "running" and s.jobs.count_running("a") == 1
+    # Hostile arguments come back as errors the model can read.
+    assert (await call("a", "job_wait", job_id=a_job.id, timeout_s="soon")).startswith("error: job_wait failed")
+    assert (await call("a", "job_read")).startswith("error: job_read failed: 'job_id' must be")
+    waited = await call("a", "job_wait", job_id=a_job.id, timeout_s=0.05)
+    assert waited == f"[job {a_job.id} still running after 0.05 s]"
+    # A slot frees once a job ends.
+    assert s.router.kill_job("a", a_job.id) == f"Killed job {a_job.id}."
+    await asyncio.wait_for(a_job.ended.wait(), 5)
+    assert (await call("c", "shell", command="sleep 60", background=True)).startswith("[started in background")
+    assert s.jobs.kill_all(GATEWAY_RESTART) == 2
+
+
+async def test_a_command_past_the_foreground_limit_moves_on_its_own_and_job_wait_reports_its_end(
+        make: Make, chat: MemoryChat, tmp_path: Path) -> None:
+    s = await make(foreground_max_s=0.3)
+    run = Run("a")
+    ctx = contextvars.copy_context()
+    ctx.run(current_run.set, run)
+    gate = tmp_path / "gate"
+    command = gated(tmp_path / "pids", gate, "first", "last")
+    result = await asyncio.get_running_loop().create_task(
+        s.tools.call("shell", json.dumps({"command": command})), context=ctx)
+    assert result.startswith("[moved to background: job j1 (it ran past tools.foreground_max_s (0.3 s))]")
+    waiting = asyncio.get_running_loop().create_task(s.tools.call("job_wait", '{"job_id": "j1", "timeout_s": 20}'),
+                                                     context=ctx)
+    (gate.parent / "gate1").touch()
+    assert await asyncio.wait_for(waiting, 10) == "last\n[background job j1 finished: exit 0]"
+    await asyncio.sleep(0.2)
+    assert not s.delivered  # the model saw the end itself: no automatic message
+
+
+async def test_the_daemon_killed_with_9_leaves_no_job_behind(tmp_path: Path, provider: FakeProvider) -> None:
+    """A job outlives its turn, not its daemon: the same ledger and sentinel as any tool."""
+    pidfile = tmp_path / "pids"
+    command = f"echo $$ >> {pidfile}; sleep 45 & echo $! >> {pidfile}; setsid sleep 44 & echo $! >> {pidfile}; wait"
+    provider.then(Script(tool_calls=[("shell", {"command": command, "background": True})]))
+    provider.then(Script(text="started"))
+    # `python -m gateway` from this checkout (the console script may belong to another one).
+    daemon = Daemon(tmp_path, *_shell_agent(provider), ("PYTHONPATH", str(Path(__file__).resolve().parent.parent)),
+                    module=True)
+    try:
+        await daemon.ready()
+        async with aiohttp.ClientSession() as http:
+            resp = await daemon.post(http, "start it", "kim")
+            assert resp.status == 200  # the turn is over; the job runs on
+        procs: list[Proc] = [p for p in (stat(pid) for pid in await pids_from(pidfile, 3)) if p is not None]
+        assert len(procs) == 3 and all(map(running, procs))
+        daemon.kill()  # kill -9
+        await until(lambda: not any(map(running, procs)), 10, "a job process outlived the daemon's kill -9")
+    finally:
+        daemon.kill()
+
+
+async def test_a_daemon_stop_kills_jobs_with_its_reason(make_daemon: DaemonFactory, provider: FakeProvider,
+                                                        tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {pidfile}; sleep 60", "background": True})]))
+    provider.then(Script(text="started"))
+    daemon = await make_daemon(tools={"shell": True}, api={"enabled": True})
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
+        async with http.post(url, json={"messages": [{"role": "user", "content": "go"}]}) as resp:
+            assert resp.status == 200
+    (pgid,) = await pids_from(pidfile, 1)
+    leader = stat(pgid)
+    assert leader is not None and running(leader)
+    (job,) = [j for s in daemon.jobs._jobs.values() for j in s.values()]
+    await daemon.stop()
+    assert not running(leader)
+    assert job.state == "killed" and job.reason == GATEWAY_RESTART
