@@ -328,3 +328,36 @@ async def test_a_daemon_stop_kills_jobs_with_its_reason(make_daemon: DaemonFacto
     await daemon.stop()
     assert not running(leader)
     assert job.state == "killed" and job.reason == GATEWAY_RESTART
+
+
+async def test_job_wait_gives_way_to_a_steered_message_and_a_stop_ends_it_but_not_the_job(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make(busy="steer")
+    pidfile = tmp_path / "pids"
+    provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {pidfile}; sleep 60", "background": True})]))
+    provider.then(Script(tool_calls=[("job_wait", {"job_id": "j1", "timeout_s": 120})]))
+    provider.then(Script(text="it is still running"))
+    await s.router.submit(chat.message("c1", "start it and wait"), chat)
+    (pgid,) = await pids_from(pidfile, 1)
+    leader = stat(pgid)
+    assert leader is not None
+    await until(lambda: bool(s.jobs.jobs(KEY)), 10, "the job was never made")
+    (job,) = s.jobs.jobs(KEY)
+    await until(lambda: job.waiters == 1, 10, "the model never waited for the job")
+    await s.router.submit(chat.message("c1", "anything yet?"), chat)
+    await settled(chat, s.router, store)
+    sent = provider.connections[2].body["messages"]
+    assert tool_rows(provider.connections[2].body)[-1] == (
+        "[wait ended: the user sent a new message; job j1 still running]")
+    assert sent[-1] == {"role": "user", "content": "anything yet?"}
+
+    provider.then(Script(tool_calls=[("job_wait", {"job_id": "j1", "timeout_s": 120})]))
+    run = (await s.router.submit(chat.message("c1", "wait for it"), chat)).run
+    await until(lambda: job.waiters == 1, 10, "the model never waited for the job")
+    await s.router.submit(chat.message("c1", "/stop"), chat)
+    assert run is not None
+    await asyncio.wait_for(run.wait(), 5)
+    assert job.waiters == 0 and running(leader) and job.state == "running"
+    _, rows = await store.conversation(KEY)
+    assert [r.role for r in rows[-2:]] == ["assistant", "tool"]  # the wait, cut off
+    assert rows[-1].content == "[interrupted by user: stopped by user (/stop)]"
