@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import os
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
-from gateway.agents.processes import ProcessReaper
+from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART, NEW_MESSAGE, SESSION_RESET, Run, current_run
 from gateway.core.router import Router, RouterSettings
@@ -361,3 +363,48 @@ async def test_job_wait_gives_way_to_a_steered_message_and_a_stop_ends_it_but_no
     _, rows = await store.conversation(KEY)
     assert [r.role for r in rows[-2:]] == ["assistant", "tool"]  # the wait, cut off
     assert rows[-1].content == "[interrupted by user: stopped by user (/stop)]"
+
+
+async def test_a_move_racing_a_cancel_leaves_each_command_a_job_or_gone(tmp_path: Path) -> None:
+    """The user writes (and the turn is cancelled, busy "interrupt", or goes on, "steer") at random
+    offsets around `yield_after_s`: every command ends up either a running job the registry knows
+    or a group that is gone — never a group nobody owns, never a job whose group died with the turn."""
+    seed = int(os.environ.get("JOB_RACE_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    reaper = ProcessReaper(grace_s=0.2)
+    jobs = JobRegistry(reaper, JobSettings(yield_after_s=0.05, max_per_session=100, max_total=100))
+    tools = builtin_registry(ProcessToolSettings(reaper=reaper), shell=True, jobs=jobs)
+    loop = asyncio.get_running_loop()
+    try:
+        for trial in range(40):
+            session, mode = f"race-{trial}", rng.choice(["interrupt", "steer"])
+            run = Run(session)
+            ctx = contextvars.copy_context()
+            ctx.run(current_run.set, run)
+            task = loop.create_task(tools.call("shell", json.dumps({"command": "sleep 60 & sleep 60; wait"})),
+                                    context=ctx)
+            run.attach(task)
+            delay = rng.uniform(0, 0.12)
+            await asyncio.sleep(delay)
+            what = f"trial {trial} ({mode}, user wrote after {delay * 1000:.1f} ms; seed {seed}, JOB_RACE_SEED={seed})"
+            jobs.yield_foreground(session, now=mode == "interrupt")
+            if mode == "interrupt" or rng.random() < 0.5:
+                await asyncio.sleep(rng.uniform(0, 0.1) if mode == "steer" else 0)
+                run.cancel(NEW_MESSAGE)
+            await asyncio.wait({task}, timeout=10)
+            assert task.done(), f"the tool call did not end: {what}"
+            await asyncio.wait_for(reaper.drain(), 10)
+            made = jobs.jobs(session)  # nothing kills a job here: each one made must run on
+            owned = {job.pgid for job in made}
+            assert all(j.state == "running" and group_alive(j.pgid) for j in made), \
+                f"a job's group died with its turn: {what}"
+            assert reaper.live_groups >= owned, what
+            orphans = [pgid for pgid in reaper.live_groups - {j.pgid for j in jobs.running()} if group_alive(pgid)]
+            assert not orphans, f"groups nobody owns: {orphans}: {what}"
+            if not task.cancelled() and owned:
+                assert task.result().startswith("[moved to background: job"), what
+    finally:
+        jobs.kill_all(GATEWAY_RESTART)
+        await asyncio.wait_for(jobs.close(), 10)
+        await asyncio.wait_for(reaper.drain(), 10)
+    assert not any(map(group_alive, reaper.live_groups))
