@@ -269,7 +269,7 @@ async def test_limits_per_session_and_in_total_and_jobs_are_private_to_their_ses
     assert s.router.kill_job("a", a_job.id) == f"Killed job {a_job.id}."
     await asyncio.wait_for(a_job.ended.wait(), 5)
     assert (await call("c", "shell", command="sleep 60", background=True)).startswith("[started in background")
-    assert s.jobs.kill_all(GATEWAY_RESTART) == 2
+    assert len(s.jobs.kill_all(GATEWAY_RESTART)) == 2
 
 
 async def test_a_command_past_the_foreground_limit_moves_on_its_own_and_job_wait_reports_its_end(
@@ -408,3 +408,31 @@ async def test_a_move_racing_a_cancel_leaves_each_command_a_job_or_gone(tmp_path
         await asyncio.wait_for(jobs.close(), 10)
         await asyncio.wait_for(reaper.drain(), 10)
     assert not any(map(group_alive, reaper.live_groups))
+
+
+async def test_a_job_cut_off_by_a_restart_is_told_at_the_next_start(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make()
+    pidfile = tmp_path / "pids"
+    command = f"echo $$ >> {pidfile}; echo working; sleep 60"
+    provider.then(Script(tool_calls=[("shell", {"command": command, "background": True})]))
+    provider.then(Script(text="started"))
+    await s.router.submit(chat.message("c1", "start it"), chat)
+    (pgid,) = await pids_from(pidfile, 1)
+    leader = stat(pgid)
+    assert leader is not None
+    await settled(chat, s.router, store)
+    await until(lambda: "working" in s.jobs.jobs(KEY)[0].out.text, 10, "no output")
+    await s.router.shutdown(GATEWAY_RESTART, grace_s=5)
+    await until(lambda: not running(leader), 5, "the job outlived the router's stop")
+    assert [r.message.text.split("\n")[0] for r in await store.unfinished_inbound()] == [
+        "[background job j1 stopped: [interrupted by system: gateway restart]]"]
+    assert not s.delivered
+
+    again = await make()  # the next start: the stored notice is replayed, once
+    await until(lambda: any(c.last_user.startswith("[background job j1 stopped") for c in provider.connections),
+                10, "the restart's notice was never told")
+    await settled(chat, again.router, store)
+    told = [c.last_user for c in provider.connections if c.last_user.startswith("[background job j1")]
+    assert told == [f"[background job j1 stopped: [interrupted by system: gateway restart]]\n$ {command}\nworking"]
+    assert chat.texts("c1")[-1].startswith("reply to: [background job j1 stopped")

@@ -203,10 +203,15 @@ class JobRegistry:
             log.info("killed %d background job(s): %s", len(jobs), reason.marker, extra={"session": session})
         return len(jobs)
 
-    def kill_all(self, reason: ToolReason) -> int:
-        """The daemon stops: every job dies (through the reaper, which the daemon drains)."""
+    def kill_all(self, reason: ToolReason) -> list[tuple[str, str, str]]:
+        """The daemon stops: every job dies (through the reaper, which the daemon drains). Returns
+        the notices of the jobs it killed (session, message id, text), for the router to leave in
+        the store: they are told on the next start."""
         self.closing = True
-        return sum(self.kill_session(session, reason) for session in list(self._jobs))
+        jobs = self.running()
+        for session in list(self._jobs):
+            self.kill_session(session, reason)
+        return [(job.session, self._message_id(job), self._notice(job)) for job in jobs]
 
     def count_running(self, session: str) -> int:
         return len(self.running(session))
@@ -451,17 +456,24 @@ class JobRegistry:
         log.info("job %s ended: %s", job.id, job.end_line(), extra={"session": job.session})
         await asyncio.sleep(0)  # a job_wait woken by the end marks it seen first
         if self._tells(job) and self.deliver is not None:
-            limit = self.settings.read_chars
-            unread_from = max(job.read_pos, job.out.start)
-            skipped = max(0, job.out.total - unread_from - limit)  # only the last `limit` new characters
-            tail, job.read_pos, _ = job.out.since(unread_from + skipped, limit)
-            text = (f"{job.end_line()}\n$ {_short(job.command)}\n"
-                    + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
-                    + (tail.rstrip() or "(no new output)"))
             try:
-                await self.deliver(job.session, f"{JOB_PREFIX}{self._token}:{job.id}", text)
+                await self.deliver(job.session, self._message_id(job), self._notice(job))
             except Exception:
                 log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
+
+    def _message_id(self, job: Job) -> str:
+        return f"{JOB_PREFIX}{self._token}:{job.id}"  # unique to the job, across restarts too
+
+    def _notice(self, job: Job) -> str:
+        """The automatic message that tells the session a job ended: how, the command, and the last
+        `read_chars` of the output the model has not read (which counts as read from then on)."""
+        limit = self.settings.read_chars
+        unread_from = max(job.read_pos, job.out.start)
+        skipped = max(0, job.out.total - unread_from - limit)
+        tail, job.read_pos, _ = job.out.since(unread_from + skipped, limit)
+        return (f"{job.end_line()}\n$ {_short(job.command)}\n"
+                + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
+                + (tail.rstrip() or "(no new output)"))
 
     def _tells(self, job: Job) -> bool:
         """Does the session get a notice? Not if the model saw the end itself, nor when the job

@@ -20,8 +20,9 @@ class BackgroundJobs(Protocol):
     def kill_session(self, session: str, reason: ToolReason) -> int:
         """Kill every running job of `session`; how many."""
 
-    def kill_all(self, reason: ToolReason) -> int:
-        """Kill every job (the daemon stops); no notices follow."""
+    def kill_all(self, reason: ToolReason) -> list[tuple[str, str, str]]:
+        """Kill every job (the daemon stops). Returns what to tell each session on the next start:
+        (session key, message id, text) per job killed."""
 
     def count_running(self, session: str) -> int: ...
 

@@ -186,8 +186,9 @@ class Router:
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
             await asyncio.wait(running, timeout=drain_s)
-        if self.jobs is not None:  # no job outlives the daemon (nor reports its end meanwhile)
-            self.jobs.kill_all(reason)
+        if self.jobs is not None:  # no job outlives the daemon; each is told at the next start
+            for key, message_id, text in self.jobs.kill_all(reason):
+                await self._leave_automatic(key, message_id, text)
         queued: list[Turn] = []
         for lane in list(self._lanes.values()):
             if lane.current is not None:
@@ -585,17 +586,32 @@ class Router:
     async def deliver_automatic(self, key: str, message_id: str, text: str) -> None:
         """An automatic message into `key` (a background job ended): queued like a message, in the
         chat the session last heard from, once (the store de-duplicates `message_id`)."""
+        found = None if self._closing else self._automatic(key, message_id, text)
+        if found is not None:
+            await self.resume(*found, key)
+
+    async def _leave_automatic(self, key: str, message_id: str, text: str) -> None:
+        """The same, stopping: stored as accepted, so the next start replays it."""
+        found = self._automatic(key, message_id, text)
+        fence = self._fence(key)
+        if found is None or fence is None:
+            return
+        try:
+            await self.store.accept_inbound(fence, found[0])
+        except StoreError as exc:
+            log.warning("could not store a job's end for the next start: %s", exc, extra={"session": key})
+
+    def _automatic(self, key: str, message_id: str, text: str) -> tuple[InboundMessage, Outlet] | None:
         origin = self._origins.get(key)
         outlet = self._outlets.get(origin.platform) if origin is not None else None
-        if origin is None or outlet is None or self._closing or not outlet.can_steer:
+        if origin is None or outlet is None or not outlet.can_steer:
             # The HTTP API has no chat to answer in (each request waits for its own answer): the
             # job's end stays visible to the model through job_status.
-            log.info("not delivered (no chat to answer in): %s", text.split("\n", 1)[0], extra={"session": key})
-            return
-        msg = InboundMessage(platform=origin.platform, chat_id=origin.chat_id, chat_type=origin.chat_type,
-                             user_id=origin.user_id, user_name=origin.user_name, message_id=message_id, text=text,
-                             thread_id=origin.thread_id, user_handle=origin.user_handle, tenant=origin.tenant)
-        await self.resume(msg, outlet, key)
+            log.info("not told (no chat to answer in): %s", text.split("\n", 1)[0], extra={"session": key})
+            return None
+        return InboundMessage(platform=origin.platform, chat_id=origin.chat_id, chat_type=origin.chat_type,
+                              user_id=origin.user_id, user_name=origin.user_name, message_id=message_id, text=text,
+                              thread_id=origin.thread_id, user_handle=origin.user_handle, tenant=origin.tenant), outlet
 
     def status_text(self, key: str) -> str:
         s = self.status(key)
