@@ -66,8 +66,9 @@ class _ApiReply(Reply):
         self.queue.put_nowait(("end", {"finish_reason": "stop", "interrupted_by": reason.kind,
                                        "reason": reason.text}))
 
-    async def failed(self, text: str) -> None:
-        self.queue.put_nowait(("end", {"finish_reason": "error", "error": text}))
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
+        end = {"finish_reason": "error", "error": text}
+        self.queue.put_nowait(("end", end if retry_after_s is None else {**end, "retry_after_s": retry_after_s}))
 
     async def settled(self, problem: str | None = None) -> None:
         self.queue.put_nowait(("settled", problem))
@@ -172,6 +173,8 @@ class ApiAdapter(Adapter):
     async def _complete(self, run: Run, reply: _ApiReply) -> web.StreamResponse:
         end = await reply.outcome()
         if end.get("error"):
+            if (retry := end.get("retry_after_s")) is not None:  # our side is down for now: not the provider
+                return _error(503, end["error"], "service_unavailable", headers={"Retry-After": f"{retry:.0f}"})
             return _error(502, end["error"], "provider_error")
         return web.json_response(self._completion(reply.text, end), dumps=_dumps)
 

@@ -466,9 +466,9 @@ class _DiscordReply(EditStreamReply):
         finally:
             await self._owner._reply_done(self)
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         try:
-            await super().failed(text)
+            await super().failed(text, retry_after_s=retry_after_s)
         finally:
             await self._owner._reply_done(self)
 

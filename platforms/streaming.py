@@ -127,7 +127,7 @@ class EditStreamReply(Reply):
             await self._settle(self._adapter.notify(self._chat, notice, reply_to=self._reply_to,
                                                     kind=NoticeKind.INTERRUPTED, reason=reason))
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         if self._ended or not await self._run.may_send_now():
             return
         await self._end()

@@ -333,3 +333,26 @@ async def test_a_request_whose_turn_never_runs_still_gets_an_answer(
             assert status == 200
             assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert len(provider.requests_for("and then this")) == 0
+
+
+async def test_at_capacity_a_request_is_told_to_retry_not_that_the_provider_failed(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Our side being unavailable for now (every agent slot running, storage down) is a 503 with
+    Retry-After — a client retries it — never a 502 that blames the provider."""
+    provider.delay_s, provider.words = 0.1, 200
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]},
+                               agent_cache={"max_agents": 1, "when_full": "reject"})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(20)) as http:
+        async def ask(user: str, text: str) -> tuple[int, dict[str, Any], str | None]:
+            body = {"messages": [{"role": "user", "content": text}], "user": user}
+            async with http.post(url, json=body, headers=_auth()) as resp:
+                return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+        running = asyncio.create_task(ask("alice", "a long one"))
+        await until(lambda: bool(provider.requests_for("a long one")), 10, "the first turn never started")
+        status, body, retry = await ask("bob", "anyone there?")
+        assert (status, body["error"]["type"], retry) == (503, "service_unavailable", "5")
+        assert provider.requests_for("anyone there?") == []
+        await ask("alice", "/stop")
+        assert (await asyncio.wait_for(running, 10))[0] == 200

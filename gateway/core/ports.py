@@ -166,6 +166,9 @@ class NoticeKind(StrEnum):
     INTERRUPTED = "interrupted"
 
 
+UNAVAILABLE_RETRY_S = 5.0  # what a client is told to wait while our side (storage, Redis) is down
+
+
 class Reply(ABC):
     """The outbound side of one turn. Implementations drop output once the run is cancelled."""
 
@@ -182,8 +185,9 @@ class Reply(ABC):
         """The turn was stopped: show that, once, and send nothing more."""
 
     @abstractmethod
-    async def failed(self, text: str) -> None:
-        """The agent failed; tell the user in words."""
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
+        """The turn failed; tell the user in words. `retry_after_s`: our side is unavailable for
+        now (storage down, at capacity), so the same message may well work later."""
 
     async def settled(self, problem: str | None = None) -> None:
         """The turn is over and its outcome recorded (or, with `problem`, what the user must be told

@@ -34,6 +34,7 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
+    UNAVAILABLE_RETRY_S,
     Agent,
     NoticeKind,
     Outcome,
@@ -56,7 +57,6 @@ BUSY_POLICIES: tuple[BusyPolicy, ...] = ("interrupt", "queue", "steer")
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 MEDIA_ONLY = "I can only read text for now."
 STEERED = "↪ added to the current answer"
-UNAVAILABLE_RETRY_S = 5.0
 UNAVAILABLE_NOTICE_EVERY_S = 60.0
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 

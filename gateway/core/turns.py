@@ -31,6 +31,7 @@ from gateway.core.logs import log_context
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
+    UNAVAILABLE_RETRY_S,
     Agent,
     AgentError,
     FencedOut,
@@ -233,7 +234,8 @@ class TurnRunner:
             self._metrics.turns.labels("rejected").inc()
             await reply.failed("I'm at capacity right now (every agent slot is busy). Please try again shortly."
                                if isinstance(exc, CacheFull) else
-                               "Sorry, I could not load this conversation (storage error).")
+                               "Sorry, I could not load this conversation (storage error). Please try again "
+                               "shortly.", retry_after_s=UNAVAILABLE_RETRY_S)
             return None
         user = ChatMessage("user", msg.text, created_at=msg.timestamp)
         recorder = TurnRecorder()
@@ -252,7 +254,8 @@ class TurnRunner:
         conversation = agent.conversation if agent else 0
         if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
                                                          status=(InboundStatus.RUNNING, None)):
-            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.")
+            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.",
+                               retry_after_s=UNAVAILABLE_RETRY_S)
             return None
         reply.open()
         ctx = contextvars.copy_context()
@@ -445,9 +448,9 @@ class SettlingReply(Reply):
         self.ended = True
         await self.open().interrupted(reason)
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         self.ended = True
-        await self.open().failed(text)
+        await self.open().failed(text, retry_after_s=retry_after_s)
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)
