@@ -58,9 +58,9 @@ async def make(store: SqliteStore, provider: FakeProvider, chat: MemoryChat) -> 
                         store=store, agent=agent, outlets={chat.name: chat}, jobs=jobs)
         delivered: list[tuple[str, str]] = []
 
-        async def deliver(key: str, message_id: str, text: str) -> None:
+        async def deliver(key: str, message_id: str, text: str) -> bool:
             delivered.append((message_id, text))
-            await router.deliver_automatic(key, message_id, text)
+            return await router.deliver_automatic(key, message_id, text)
 
         jobs.deliver = deliver
         await chat.start(router)
@@ -436,3 +436,43 @@ async def test_a_job_cut_off_by_a_restart_is_told_at_the_next_start(
     told = [c.last_user for c in provider.connections if c.last_user.startswith("[background job j1")]
     assert told == [f"[background job j1 stopped: [interrupted by system: gateway restart]]\n$ {command}\nworking"]
     assert chat.texts("c1")[-1].startswith("reply to: [background job j1 stopped")
+
+
+async def test_a_flood_of_output_stays_bounded_and_reads_say_what_they_missed(make: Make, tmp_path: Path) -> None:
+    s = await make(buffer_chars=1000, read_chars=100)
+    run = Run("flood")
+    ctx = contextvars.copy_context()
+    ctx.run(current_run.set, run)
+
+    async def call(name: str, **args: Any) -> str:
+        return await asyncio.get_running_loop().create_task(s.tools.call(name, json.dumps(args)), context=ctx)
+
+    gate = tmp_path / "gate"
+    # A megabyte of output, invalid UTF-8 in it, then it waits; then one last line.
+    command = (f"head -c 1000000 /dev/zero | tr '\\0' x; printf '\\377\\376\\n'; "
+               f"while [ ! -e {gate} ]; do sleep 0.02; done; echo the-end")
+    assert (await call("shell", command=command, background=True)).startswith("[started in background: job j1]")
+    (job,) = s.jobs.jobs("flood")
+    await until(lambda: job.out.total >= 1_000_002, 10, "the output never came")
+    first = await call("job_read", job_id="j1")
+    cap = job.out.cap  # job_buffer_chars, or the shell's max_output if larger (16 000 here)
+    text, *notes = first.split("\n")
+    assert text == "x" * 100 and len(job.out.text) == cap == 16_000
+    assert notes == [f"[{1_000_003 - cap} characters lost: only the last {cap} are kept]",
+                     f"[{cap - 100} more characters: read again]"]
+    fifth = await call("job_read", job_id="j1", max_chars=5)
+    assert fifth.startswith(f"xxxxx\n[{cap - 105} more characters")
+    gate.touch()
+    await asyncio.wait_for(job.ended.wait(), 10)
+    last = await call("job_read", job_id="j1", max_chars=10_000)
+    assert last.endswith(f"[{cap - 105 - 100 + 8} more characters: read again]")  # at most 100 a read
+    assert len(last) < 200 and last.startswith("x" * 100)
+    read = [fifth.split("\n[")[0], last.split("\n[")[0]]
+    while "[background job" not in last and len(read) < 500:
+        last = await call("job_read", job_id="j1")
+        read.append(last.split("\n[")[0])
+    assert last.endswith("\n[background job j1 finished: exit 0]")
+    # Every character kept was read once, in order; the bytes that were not UTF-8 became U+FFFD.
+    moved = len("the-end\n")  # arrived after the first read: the buffer's start moved on by that much
+    assert "".join(read) == job.out.text[100 - moved:].rstrip("\n")
+    assert job.out.text.endswith("x\ufffd\ufffd\nthe-end\n")

@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,8 +34,10 @@ from gateway.core.cancellation import ToolReason, get_run
 
 log = logging.getLogger(__name__)
 
+KEEP_FINISHED_PER_SESSION = 8  # ended jobs a session still lists (job_status, /jobs)
+KEEP_FINISHED = 1_000  # and in all
 JobState = Literal["running", "exited", "killed"]
-Deliver = Callable[[str, str, str], Awaitable[None]]  # (session key, unique message id, text)
+Deliver = Callable[[str, str, str], Awaitable[bool]]  # (session key, unique message id, text) -> handed over
 
 # Set by the agent around each tool call: a way to say what became of the call if its turn is
 # stopped before the call returns (a job moved to the background by an interrupting message).
@@ -163,6 +166,7 @@ class JobRegistry:
         self._ids = itertools.count(1)
         self._token = os.urandom(4).hex()  # message ids of notices stay unique across restarts
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ended: deque[Job] = deque()  # ended jobs still listed, oldest first
         self.closing = False
 
     # --- what the router asks ------------------------------------------------------------------
@@ -211,7 +215,7 @@ class JobRegistry:
         jobs = self.running()
         for session in list(self._jobs):
             self.kill_session(session, reason)
-        return [(job.session, self._message_id(job), self._notice(job)) for job in jobs]
+        return [(job.session, self._message_id(job), self._notice(job)[0]) for job in jobs]
 
     def count_running(self, session: str) -> int:
         return len(self.running(session))
@@ -425,8 +429,19 @@ class JobRegistry:
     def _prune(self, jobs: dict[str, Job]) -> None:
         """Keep the running jobs and the last few finished ones of a session."""
         finished = [j for j in jobs.values() if j.state != "running"]
-        for job in finished[:-8]:
+        for job in finished[:-KEEP_FINISHED_PER_SESSION]:
             jobs.pop(job.id, None)
+
+    def _forget_old(self, job: Job) -> None:
+        """A job ended: keep at most `KEEP_FINISHED` ended jobs in all (then sessions without jobs go)."""
+        self._ended.append(job)
+        while len(self._ended) > KEEP_FINISHED:
+            old = self._ended.popleft()
+            jobs = self._jobs.get(old.session)
+            if jobs is not None and jobs.get(old.id) is old:
+                del jobs[old.id]
+                if not jobs:
+                    del self._jobs[old.session]
 
     def _kill(self, job: Job, reason: ToolReason) -> None:
         if job.state != "running":
@@ -453,27 +468,30 @@ class JobRegistry:
             job.state = "exited"
         job.spawn.stop()  # anything it left running in its group goes too
         job.ended.set()
+        self._forget_old(job)
         log.info("job %s ended: %s", job.id, job.end_line(), extra={"session": job.session})
         await asyncio.sleep(0)  # a job_wait woken by the end marks it seen first
         if self._tells(job) and self.deliver is not None:
+            text, read_to = self._notice(job)
             try:
-                await self.deliver(job.session, self._message_id(job), self._notice(job))
+                if await self.deliver(job.session, self._message_id(job), text):
+                    job.read_pos = max(job.read_pos, read_to)  # the model reads it there
             except Exception:
                 log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
 
     def _message_id(self, job: Job) -> str:
         return f"{JOB_PREFIX}{self._token}:{job.id}"  # unique to the job, across restarts too
 
-    def _notice(self, job: Job) -> str:
-        """The automatic message that tells the session a job ended: how, the command, and the last
-        `read_chars` of the output the model has not read (which counts as read from then on)."""
+    def _notice(self, job: Job) -> tuple[str, int]:
+        """The automatic message that tells the session a job ended — how, the command, and the
+        last `read_chars` of the output the model has not read — and where reading it leaves off."""
         limit = self.settings.read_chars
         unread_from = max(job.read_pos, job.out.start)
         skipped = max(0, job.out.total - unread_from - limit)
-        tail, job.read_pos, _ = job.out.since(unread_from + skipped, limit)
+        tail, read_to, _ = job.out.since(unread_from + skipped, limit)
         return (f"{job.end_line()}\n$ {_short(job.command)}\n"
                 + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
-                + (tail.rstrip() or "(no new output)"))
+                + (tail.rstrip() or "(no new output)")), read_to
 
     def _tells(self, job: Job) -> bool:
         """Does the session get a notice? Not if the model saw the end itself, nor when the job

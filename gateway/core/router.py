@@ -583,12 +583,14 @@ class Router:
         if len(self._origins) > 50_000:
             self._origins.popitem(last=False)
 
-    async def deliver_automatic(self, key: str, message_id: str, text: str) -> None:
+    async def deliver_automatic(self, key: str, message_id: str, text: str) -> bool:
         """An automatic message into `key` (a background job ended): queued like a message, in the
-        chat the session last heard from, once (the store de-duplicates `message_id`)."""
+        chat the session last heard from, once (the store de-duplicates `message_id`). False if
+        there is no chat to tell."""
         found = None if self._closing else self._automatic(key, message_id, text)
         if found is not None:
             await self.resume(*found, key)
+        return found is not None
 
     async def _leave_automatic(self, key: str, message_id: str, text: str) -> None:
         """The same, stopping: stored as accepted, so the next start replays it."""
