@@ -476,3 +476,37 @@ async def test_a_flood_of_output_stays_bounded_and_reads_say_what_they_missed(ma
     moved = len("the-end\n")  # arrived after the first read: the buffer's start moved on by that much
     assert "".join(read) == job.out.text[100 - moved:].rstrip("\n")
     assert job.out.text.endswith("x\ufffd\ufffd\nthe-end\n")
+
+
+async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_and_its_end_is_answered(
+        make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path) -> None:
+    from tests.test_agent_loop import Page
+
+    pidfile, gate = tmp_path / "pids", tmp_path / "gate"
+    provider.then(Script(tool_calls=[("shell", {"command": gated(pidfile, gate, "compiling", "linked")})]))
+    provider.then(Script(text="moved it to the background"))
+    provider.words = 2
+    daemon = await make_daemon(router={"busy": "steer"}, tools={"shell": True, "yield_after_s": 0.2})
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        page = await Page(http, f"http://127.0.0.1:{daemon.config.http.port}").open()
+        try:
+            await page.say("m1", "build the thing")
+            (pgid,) = await pids_from(pidfile, 1)
+            leader = stat(pgid)
+            assert leader is not None
+            await page.say("m2", "while that runs: hello")
+            await until(lambda: page.ack("m2") == "steered", 10, "not steered")
+            await until(lambda: page.idle() >= 1, 10, "the turn never ended")
+            assert running(leader)
+            assert tool_rows(provider.connections[1].body)[0].startswith("[moved to background: job j1")
+            gate.with_name("gate1").touch()
+            await until(lambda: any(f["type"] in ("message", "edit") and "reply to: [background job j1 finished"
+                                    in f["text"] for f in page.frames), 10, "the page never saw the job's end")
+            await until(lambda: page.idle() >= 2, 10, "the automatic turn never ended")
+        finally:
+            await page.close()
+    key = next(s.key for s in await daemon.store.sessions())
+    _, rows = await daemon.store.conversation(key)
+    told = [r.content for r in rows if r.role == "user" and r.content.startswith("[background job")]
+    assert len(told) == 1 and told[0].endswith("\nlinked")
+    assert await daemon.store.unfinished_inbound() == []
