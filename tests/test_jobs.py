@@ -21,6 +21,7 @@ from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
+from gateway.core.background import KILLED_BY_USER
 from gateway.core.cancellation import GATEWAY_RESTART, NEW_MESSAGE, SESSION_RESET, Run, current_run
 from gateway.core.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
@@ -225,9 +226,24 @@ async def test_stop_leaves_jobs_running_and_new_kills_them_with_the_reset_reason
     assert all(p is not None and running(p) for p in procs), "/stop killed a background job"
     await s.router.submit(chat.message("c1", "/jobs"), chat)
     await chat.wait_for(lambda: chat.texts("c1")[-1].startswith("Background jobs:\nj1: running for"))
+    # A second job, ended by the user with /kill; another chat's /kill cannot reach it.
+    ctx = contextvars.copy_context()
+    ctx.run(current_run.set, Run(KEY))
+    other = tmp_path / "other"
+    started = await asyncio.get_running_loop().create_task(s.tools.call("shell", json.dumps(
+        {"command": f"echo $$ >> {other}; sleep 60", "background": True})), context=ctx)
+    assert started.startswith("[started in background: job j2]")
+    second = stat((await pids_from(other, 1))[0])
+    assert second is not None
+    await s.router.submit(chat.message("c2", "/kill j2"), chat)
+    await chat.wait_for(lambda: chat.texts("c2")[-1] == "No background job j2 in this chat (/jobs lists them).")
+    await s.router.submit(chat.message("c1", "/kill j2"), chat)
+    await chat.wait_for(lambda: chat.texts("c1")[-1] == "Killed job j2.")
+    await until(lambda: not running(second), 5, "/kill left the job running")
+    assert s.jobs.jobs(KEY)[1].reason == KILLED_BY_USER
     await s.router.submit(chat.message("c1", "/new"), chat)
     await until(lambda: not any(p is not None and running(p) for p in procs), 5, "/new left the job running")
-    (job,) = s.jobs.jobs(KEY)
+    job = s.jobs.jobs(KEY)[0]
     await asyncio.wait_for(job.ended.wait(), 5)
     assert job.state == "killed" and job.reason == SESSION_RESET
     assert job.end_line() == "[background job j1 stopped: [interrupted by user: session reset (/new)]]"
