@@ -273,8 +273,8 @@ class JobRegistry:
                 fg.proc, fg.out = proc, OutputBuffer(max(self.settings.buffer_chars, max_output))
                 fg.pump = asyncio.get_running_loop().create_task(_pump(proc, fg.out), context=contextvars.Context())
                 if background:
-                    job = self._adopt(fg)
-                    assert job is not None
+                    if (job := self._adopt(fg)) is None:  # the last slot went to a call beside this one
+                        return f"error: not started: {self.room(session) or 'the gateway is stopping'}"
                     return f"[started in background: job {job.id}] use job_read, job_wait or job_kill"
                 self._foreground.setdefault(session, set()).add(fg)
                 deadline = fg.started + timeout_s
