@@ -526,3 +526,21 @@ async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_a
     told = [r.content for r in rows if r.role == "user" and r.content.startswith("[background job")]
     assert len(told) == 1 and told[0].endswith("\nlinked")
     assert await daemon.store.unfinished_inbound() == []
+
+
+async def test_two_background_starts_side_by_side_for_the_last_slot_get_one_job_and_one_refusal(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make(max_per_session=1)
+    provider.then(Script(tool_calls=[("shell", {"command": "sleep 60", "background": True}),
+                                     ("shell", {"command": "sleep 61", "background": True})]))
+    provider.then(Script(text="one of them"))
+    await s.router.submit(chat.message("c1", "two at once"), chat)
+    await settled(chat, s.router, store)
+    results = sorted(tool_rows(provider.connections[1].body))
+    assert results[0].startswith("[started in background: job j")
+    assert results[1] == ("error: not started: this chat already has 1 background jobs running"
+                          " (tools.jobs_per_session)")
+    assert s.jobs.count_running(KEY) == 1
+    # The refused one's process is gone (its group was the turn's, and the turn is over).
+    await until(lambda: {pgid for pgid in s.jobs.reaper.live_groups if group_alive(pgid)}
+                == {j.pgid for j in s.jobs.running(KEY)}, 5, "the refused command's group lives on")
