@@ -343,6 +343,9 @@ async def test_a_daemon_stop_kills_jobs_with_its_reason(make_daemon: DaemonFacto
     leader = stat(pgid)
     assert leader is not None and running(leader)
     (job,) = [j for s in daemon.jobs._jobs.values() for j in s.values()]
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://127.0.0.1:{daemon.config.admin.port}/metrics") as resp:
+        assert "\nswitchboard_background_jobs 1.0\n" in await resp.text()
     await daemon.stop()
     assert not running(leader)
     assert job.state == "killed" and job.reason == GATEWAY_RESTART

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import Gauge
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
@@ -140,6 +141,8 @@ class Daemon:
         self.access = AccessControl(self.store, access_policies(config))
         # Background jobs: their groups are the reaper's like any tool's, so they die with the daemon too.
         self.jobs = JobRegistry(self.reaper, job_settings(config))
+        Gauge("switchboard_background_jobs", "Background jobs running now", registry=self.metrics.registry
+              ).set_function(lambda: len(self.jobs.running()))
         self.agent = build_agent(config, self.reaper, self.jobs)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
