@@ -22,7 +22,7 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
 from gateway.core.background import KILLED_BY_USER
-from gateway.core.cancellation import GATEWAY_RESTART, NEW_MESSAGE, SESSION_RESET, Run, current_run
+from gateway.core.cancellation import GATEWAY_RESTART, LEASE_LOST, NEW_MESSAGE, SESSION_RESET, Run, current_run
 from gateway.core.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import DaemonFactory
@@ -547,3 +547,36 @@ async def test_two_background_starts_side_by_side_for_the_last_slot_get_one_job_
     # The refused one's process is gone (its group was the turn's, and the turn is over).
     await until(lambda: {pgid for pgid in s.jobs.reaper.live_groups if group_alive(pgid)}
                 == {j.pgid for j in s.jobs.running(KEY)}, 5, "the refused command's group lives on")
+
+
+async def test_a_job_past_job_max_s_is_killed_and_told_and_lease_loss_kills_silently(
+        make: Make, chat: MemoryChat, provider: FakeProvider, store: SqliteStore, tmp_path: Path) -> None:
+    s = await make(job_max_s=0.5)
+    pidfile = tmp_path / "pids"
+    command = f"echo $$ >> {pidfile}; sleep 60 & echo $! >> {pidfile}; wait"
+    provider.then(Script(tool_calls=[("shell", {"command": command, "background": True})]))
+    provider.then(Script(text="started"))
+    await s.router.submit(chat.message("c1", "start it"), chat)
+    procs = [p for p in (stat(pid) for pid in await pids_from(pidfile, 2)) if p is not None]
+    await until(lambda: len(s.delivered) == 1, 10, "the limit's kill was never told")
+    assert not any(map(running, procs))
+    assert s.delivered[0][1].startswith(
+        "[background job j1 stopped: [interrupted by system: ran past tools.job_max_s (0.5 s)]]")
+    await until(lambda: any(c.last_user.startswith("[background job j1 stopped") for c in provider.connections),
+                10, "the model never heard of it")
+    await settled(chat, s.router, store)
+
+    other = tmp_path / "other"
+    provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {other}; sleep 0.3; sleep 60",
+                                                "background": True})]))
+    provider.then(Script(text="started again"))
+    s.jobs.settings = JobSettings(yield_after_s=0.3)
+    await s.router.submit(chat.message("c1", "once more"), chat)
+    second = stat((await pids_from(other, 1))[0])
+    assert second is not None
+    await settled(chat, s.router, store)
+    s.router.lease_lost(KEY)  # another worker owns the session now
+    await until(lambda: not running(second), 5, "the job outlived the session's lease")
+    job = s.jobs.jobs(KEY)[-1]
+    await asyncio.wait_for(job.ended.wait(), 5)
+    assert job.reason == LEASE_LOST and len(s.delivered) == 1
