@@ -267,6 +267,7 @@ class JobRegistry:
         waker: asyncio.Task[bool] | None = None
         try:
             with run.on_cancel(close) if run is not None else contextlib.nullcontext():
+                self._foreground.setdefault(session, set()).add(fg)  # a message from now on is seen
                 proc = await asyncio.shield(fg.spawn.task)
                 if proc is None:
                     raise asyncio.CancelledError("stopped before the process started")
@@ -276,7 +277,6 @@ class JobRegistry:
                     if (job := self._adopt(fg)) is None:  # the last slot went to a call beside this one
                         return f"error: not started: {self.room(session) or 'the gateway is stopping'}"
                     return f"[started in background: job {job.id}] use job_read, job_wait or job_kill"
-                self._foreground.setdefault(session, set()).add(fg)
                 deadline = fg.started + timeout_s
                 auto = fg.started + self.settings.foreground_max_s if self.settings.foreground_max_s > 0 else None
                 while not fg.pump.done():
