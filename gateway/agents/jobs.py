@@ -383,7 +383,8 @@ class JobRegistry:
                 self._waits.pop(job.session, None)
         if job.state != "running" and job.ended.is_set():
             job.seen_end = True
-            return self.read(job.id, None)
+            out = self.read(job.id, None)  # ends with the end line once nothing is left unread
+            return out if out.endswith(job.end_line()) else f"{job.end_line()}\n{out}"
         if woken.is_set():
             return f"[wait ended: the user sent a new message; job {job.id} still running]"
         return f"[job {job.id} still running after {timeout:g} s]"
