@@ -522,6 +522,12 @@ async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_a
             await until(lambda: any(f["type"] in ("message", "edit") and "reply to: [background job j1 finished"
                                     in f["text"] for f in page.frames), 10, "the page never saw the job's end")
             await until(lambda: page.idle() >= 2, 10, "the automatic turn never ended")
+            # A page opened later shows the gateway's word as a notice, not as something the user said.
+            later = await Page(http, f"http://127.0.0.1:{daemon.config.http.port}").open()
+            await later.close()
+            history = next(f for f in later.frames if f["type"] == "hello")["history"]
+            assert [r.get("job") for r in history if r["role"] == "user"] == [
+                None, None, "[background job j1 finished: exit 0]"]
         finally:
             await page.close()
     key = next(s.key for s in await daemon.store.sessions())
