@@ -387,6 +387,7 @@ class Router:
         if fence is None:  # the session is not ours (any more): its owner recovers it
             return None
         turn = Turn(msg, key, self._speaker(outlet, fence), fence)
+        self._remember_origin(key, msg)  # a job started by a replayed turn reports to its chat too
         self._enqueue(turn)
         try:
             if self._cluster is not None:
