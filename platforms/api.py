@@ -2,7 +2,9 @@
 
 With a session (the `user` field or an `X-Session-Id` header) the daemon keeps the history and
 the request's last user message is the new input; commands such as `/stop` work the same way.
-Without one, the request is stateless, as in OpenAI's API. A client that goes away while its
+Without one, the request is stateless, as in OpenAI's API. Sessions belong to the tenant whose key
+opened them (see `platforms/tenants.py`): the session key is `api:dm:<tenant>/<session id>`, so
+the same session id under another key is another conversation. A client that goes away while its
 turn runs has the run hard_cancelled with the system reason "client disconnected" at once,
 streaming or silent (a tool running): the daemon's HTTP server runs with aiohttp's
 `handler_cancellation`, so the connection's loss cancels the request's handler, and the handler
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import time
@@ -29,11 +30,14 @@ from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessag
 from gateway.core.ports import Outcome, Reply, Submitted
 from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter
+from platforms.http_input import read_json
+from platforms.tenants import ApiKeys
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "api"
 KEEPALIVE_S = 10.0
+MAX_SESSION_ID = 256
 
 
 # Text as text in every body: no \\uXXXX escapes for the languages people write in.
@@ -93,8 +97,9 @@ class ApiAdapter(Adapter):
     capabilities = Capabilities(max_message_len=1 << 20, can_edit=False, can_stream=True)
     can_steer = False  # each request waits for an answer of its own
 
-    def __init__(self, *, keys: list[str], model_name: str = "switchboard") -> None:
-        self._keys = [k.encode() for k in keys]
+    def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
+                 model_name: str = "switchboard") -> None:
+        self._keys = ApiKeys(keys, tenants)
         self.model_name = model_name
         self._replies: dict[str, _ApiReply] = {}
 
@@ -111,36 +116,36 @@ class ApiAdapter(Adapter):
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return self._replies.get(msg.message_id) or _ApiReply()
 
-    def _authorized(self, request: web.Request) -> bool:
-        if not self._keys:
-            return True
-        header = request.headers.get("Authorization", "")
-        token = header[7:].encode() if header.startswith("Bearer ") else b""
-        return any(hmac.compare_digest(token, k) for k in self._keys)
+    def _tenant(self, request: web.Request) -> str | None:
+        """The caller's tenant ("" without keys), or None: not authorised."""
+        return self._keys.tenant(request.headers.get("Authorization", ""))
 
     async def _models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
+        if self._tenant(request) is None:
             return _error(401, "Invalid API key.", "invalid_api_key")
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "switchboard"}]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
+        tenant = self._tenant(request)
+        if tenant is None:
             return _error(401, "Invalid API key.", "invalid_api_key")
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "The request body must be JSON.")
+        body = await read_json(request, lambda status, problem: _error(status, problem))
+        if isinstance(body, web.Response):
+            return body
         parsed = _parse(body)
         if isinstance(parsed, web.Response):
             return parsed
         history, text, stream = parsed
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)
+        if session is not None and len(session) > MAX_SESSION_ID:
+            return _error(400, f"The session id is longer than {MAX_SESSION_ID} characters.", param="user")
         mid = uuid.uuid4().hex
-        chat_id = session or f"ephemeral-{mid}"
+        # The tenant's namespace: another key's "alice" is another conversation.
+        chat_id = f"{tenant}/{session or f'ephemeral-{mid}'}" if tenant else session or f"ephemeral-{mid}"
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
-                             user_name=chat_id, message_id=mid, text=text)
+                             user_name=chat_id, message_id=mid, text=text, tenant=tenant or None)
         reply = self._replies[mid] = _ApiReply()
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.

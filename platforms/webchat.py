@@ -21,6 +21,9 @@ Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": 
   make such a resend a no-op (router de-duplication). No ack while the gateway restarts.
 - `user` {id, text}: a message sent from another tab of the same session.
 
+The browser's cookie is only a credential: sessions are named by a keyed hash of it
+(`platforms/webchat_sessions.py`), `webchat:dm:<id>`.
+
 Interruption kinds: `stopped` (by the user or the operator), `restart` (the gateway restarted or
 died mid-turn), `interrupted` (anything else).
 """
@@ -34,6 +37,7 @@ import itertools
 import json
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -47,32 +51,39 @@ from gateway.core.cancellation import (
     ToolReason,
 )
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import NoticeKind, Outcome, Reply
+from gateway.core.ports import Gateway, NoticeKind, Outcome, Reply
 from gateway.core.recovery import is_resume_prompt
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
+from platforms.http_input import served_over_https
 from platforms.streaming import EditStreamReply
+from platforms.webchat_sessions import session_id
 
 log = logging.getLogger(__name__)
 
-COOKIE = "switchboard_session"
+# Named anew when sessions stopped being named by it: a value logged by an older version (whose
+# session keys were the cookie) opens nothing now; such a browser is simply given a new cookie.
+COOKIE = "switchboard_chat"
 _dumps = functools.partial(json.dumps, ensure_ascii=False)  # text as text in every frame
 PLATFORM = "webchat"
 RESTARTING = "The gateway is restarting; your message will be sent again when it is back."
 
 
-def _session_id(request: web.Request) -> str | None:
+def _cookie(request: web.Request) -> str | None:
     value = request.cookies.get(COOKIE, "")
-    return value if len(value) == 32 and value.isalnum() else None
+    return value if len(value) == 32 and value.isascii() and value.isalnum() else None
 
 
 class WebchatAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=64_000, can_edit=True, can_stream=True, edit_interval_s=0.05)
 
-    def __init__(self, *, max_message_chars: int | None = None) -> None:
+    def __init__(self, *, max_message_chars: int | None = None,
+                 secret: Callable[[], Awaitable[bytes]] | None = None) -> None:
         self.max_message_chars = max_message_chars
+        self._load_secret = secret
+        self._secret: bytes | None = None
         self._sockets: dict[str, set[web.WebSocketResponse]] = {}
         self._ids = itertools.count(1)
         # Bot message ids stay unique across restarts, so a page never confuses two daemons' ids.
@@ -84,6 +95,21 @@ class WebchatAdapter(Adapter):
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self._page), web.get("/static/{name}", self._static), web.get("/ws", self._websocket)]
+
+    async def start(self, gateway: Gateway) -> None:
+        # Without a configured source (tests, embedding) the secret lives as long as the process.
+        self._secret = await self._load_secret() if self._load_secret is not None else secrets.token_bytes(32)
+        await super().start(gateway)
+
+    def session_id(self, cookie: str) -> str:
+        """The session a cookie opens (its keyed hash; the cookie itself is never an identifier)."""
+        if self._secret is None:
+            raise RuntimeError("the webchat adapter has not been started")
+        return session_id(self._secret, cookie)
+
+    def _session_id(self, request: web.Request) -> str | None:
+        cookie = _cookie(request)
+        return self.session_id(cookie) if cookie is not None else None
 
     async def stop(self) -> None:
         """Refuse new input; close idle pages' sockets now and busy ones once their turn ends, so a
@@ -143,9 +169,9 @@ class WebchatAdapter(Adapter):
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
         resp = static_response(request, "webchat.html", page=True)
-        if _session_id(request) is None:
+        if _cookie(request) is None:
             resp.set_cookie(COOKIE, secrets.token_hex(16), httponly=True, samesite="Strict",
-                            max_age=365 * 86400)
+                            secure=served_over_https(request), max_age=365 * 86400)
         return resp
 
     async def _static(self, request: web.Request) -> web.StreamResponse:
@@ -155,12 +181,9 @@ class WebchatAdapter(Adapter):
         return static_response(request, name)
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        sid = _session_id(request)
-        origin = request.headers.get("Origin")
+        sid = self._session_id(request)  # the Host and Origin checks ran before (gateway/ops/hosts.py)
         if sid is None:
             return web.json_response({"error": "no session cookie; load / first"}, status=400)
-        if origin and origin.split("://", 1)[-1] != request.host:
-            return web.json_response({"error": "cross-origin websocket refused"}, status=403)
         if self._closing:  # the page retries; its next try reaches the restarted daemon
             return web.json_response({"error": "restarting"}, status=503)
         ws = web.WebSocketResponse(heartbeat=20)
@@ -208,7 +231,8 @@ class WebchatAdapter(Adapter):
             # A frame without an id (the page's commands) gets one that no restart can repeat:
             # a repeated id would be dropped as a duplicate by the router.
             client_id = str(frame.get("id") or f"srv-{secrets.token_hex(8)}")[:64]
-        except (ValueError, KeyError, TypeError):
+            client_id.encode()  # an id that is not text (a lone surrogate) could not even be acked
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
             return

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import GATEWAY_RESTART
+from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 
@@ -71,7 +72,7 @@ async def test_a_queued_request_stopped_with_the_one_before_it_is_answered(
         first = asyncio.create_task(ask(http, daemon, "q", "first", stream=stream))
         await until(lambda: provider.requests_for("first"))
         second = asyncio.create_task(ask(http, daemon, "q", "second", stream=stream))
-        await until(lambda: daemon.router.status("api:dm:q").queued == 1)
+        await until(lambda: daemon.router.status(f"api:dm:{key_id(KEY)}/q").queued == 1)
         stop, stopped_at = await ask(http, daemon, "q", "/stop", stream=False)
         assert stop["choices"][0]["message"]["content"] == "Stopped."
         (one, one_at), (two, two_at) = await asyncio.wait_for(asyncio.gather(first, second), 2)
@@ -91,7 +92,7 @@ async def test_requests_queued_at_shutdown_are_answered_and_kept_for_the_next_st
         first = asyncio.create_task(ask(http, daemon, "s", "long", stream=stream))
         await until(lambda: provider.requests_for("long"))
         second = asyncio.create_task(ask(http, daemon, "s", "later", stream=stream))
-        await until(lambda: daemon.router.status("api:dm:s").queued == 1)
+        await until(lambda: daemon.router.status(f"api:dm:{key_id(KEY)}/s").queued == 1)
         stopping = asyncio.create_task(daemon.stop(GATEWAY_RESTART))
         (one, _), (two, _) = await asyncio.wait_for(asyncio.gather(first, second), 5)
         await stopping

@@ -13,6 +13,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -124,10 +125,13 @@ class Run:
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
                  "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
-                 "run_id", "session_key", "started_at")
+                 "run_id", "session_key", "started_at", "token")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
+        # Names this run across workers and restarts (run ids restart with the process): what a
+        # Stop button carries, so a press stops this turn and no later one.
+        self.token = secrets.token_urlsafe(9)
         self.session_key = session_key
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.

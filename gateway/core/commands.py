@@ -15,6 +15,8 @@ from typing import Protocol
 from gateway.core.ports import NoticeKind
 
 STOPPED = "Stopped."
+ENDED = "This answer has already ended."
+RUN_ARG = "run:"  # `/stop run:<token>`: stop only if that run is the one running (a Stop button)
 
 # "/stop", "/stop@SwitchboardBot", "!stop" (Discord habit). "!" only counts for known names,
 # so "!sleep 5" stays an ordinary message for the echo agent.
@@ -38,6 +40,9 @@ class SessionControl(Protocol):
 
     def stop(self, key: str) -> int:
         """Stop the running turn and drop queued ones; how many were stopped."""
+
+    def stop_run(self, key: str, token: str) -> int:
+        """`stop`, but only while the run with `token` is the one running; else nothing (0)."""
 
     async def reset(self, key: str) -> bool:
         """Stop everything and start a new conversation; False if the store failed."""
@@ -68,10 +73,11 @@ class CommandSpec:
     in_menu: bool = True  # listed in the platforms' command menus
 
 
-async def _stop(control: SessionControl, key: str, _args: str) -> CommandResult:
-    if control.stop(key):
+async def _stop(control: SessionControl, key: str, args: str) -> CommandResult:
+    token = args[len(RUN_ARG):] if args.startswith(RUN_ARG) else None
+    if control.stop(key) if token is None else control.stop_run(key, token):
         return CommandResult(STOPPED, NoticeKind.STOPPED)
-    return CommandResult("Nothing is running.")
+    return CommandResult("Nothing is running." if token is None else ENDED)
 
 
 async def _new(control: SessionControl, key: str, _args: str) -> CommandResult:

@@ -544,6 +544,13 @@ class Router:
     def stop(self, key: str) -> int:
         return len(self._cancel_lane(key, STOPPED_BY_USER))
 
+    def stop_run(self, key: str, token: str) -> int:
+        lane = self._lanes.get(key)
+        current = lane.current if lane is not None else None
+        if current is None or current.run.token != token or current.run.is_cancelled():
+            return 0  # that answer has ended (or never ran here): a later one is not stopped for it
+        return self.stop(key)
+
     async def reset(self, key: str) -> bool:
         self._cancel_lane(key, SESSION_RESET)
         if self.jobs is not None:

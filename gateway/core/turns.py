@@ -309,6 +309,12 @@ class TurnRunner:
             if isinstance(event, Usage):
                 self._usage(turn, context, event)
                 continue
+            if not isinstance(event, TextDelta) and not await run.may_send_now():
+                # A boundary (tool calls asked for, a tool's result, a steered message): a run that
+                # was stopped, or whose lease is gone (it was paused), takes no further step — not
+                # one more tool, not one more provider request. The cancel lands at the sleep.
+                self._may_send(run)  # a lease our clock cannot prove is dropped: cancelled LEASE_LOST
+                await asyncio.sleep(0)
             separate = isinstance(event, Interjection) and recorder.has_text
             recorder.feed(event)
             if isinstance(event, TextDelta) and self._may_send(run):

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from agent_cache import CacheSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
+from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
 ENV_PREFIX = "SWITCHBOARD_"
@@ -43,6 +44,7 @@ class DaemonConfig:
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -53,6 +55,7 @@ class AdminConfig:
     host: str = "127.0.0.1"
     port: int = 8766
     token: Secret | None = None
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -143,7 +146,8 @@ class Config:
         found: list[str] = []
         for section in dataclasses.fields(self):
             for value in vars(getattr(self, section.name)).values():
-                items = value if isinstance(value, list) else [value]
+                items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) \
+                    else [value]
                 found += [v.reveal() for v in items if isinstance(v, Secret)]
         return found
 
@@ -221,7 +225,7 @@ def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[st
     if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
         for name in names:
             cred = Path(creds) / f"{section}.{name}"
-            if _is_secret(hints[name]) and getattr(target, name) in (None, []) and cred.is_file():
+            if _is_secret(hints[name]) and getattr(target, name) in (None, [], {}) and cred.is_file():
                 setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
                     f"{section}.{name}", str(cred)).replace("\n", ","), hints[name], from_env=True))
 
@@ -260,6 +264,8 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: must be a list")
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
+    if origin is dict:
+        return _coerce_table(where, value, args[1], from_env=from_env)
     if hint is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -284,6 +290,26 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
             raise ConfigError(f"{where}: must be a string (got {value!r})")
         return value
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in the schema
+
+
+def _coerce_table(where: str, value: Any, inner: Any, *, from_env: bool) -> dict[str, Any]:
+    """A TOML table of names to values; from the environment or a file, a JSON object or
+    comma-separated `name=value` pairs."""
+    if from_env and isinstance(value, str):
+        try:
+            value = json.loads(value) if value.startswith("{") else dict(
+                (name.strip(), v.strip()) for name, _, v in (p.partition("=") for p in value.split(",") if p.strip()))
+        except ValueError:
+            raise ConfigError(f"{where}: must be a JSON object or comma-separated name=value pairs") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table of names")
+    return {str(k): _coerce(f"{where}.{k}", v, inner, from_env=from_env) for k, v in value.items()}
+
+
+def _validate_tenants(c: Config) -> None:
+    found = tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
+    if found is not None:
+        raise ConfigError(found)
 
 
 def _validate(c: Config) -> None:
@@ -336,16 +362,20 @@ def _validate(c: Config) -> None:
         raise ConfigError(f"admin.port: must be between 1 and 65535 (got {c.admin.port})")
     if c.admin.enabled and not c.admin.token and not is_loopback(c.admin.host):
         raise ConfigError(f"admin.token: required when admin.host is not loopback ({c.admin.host})")
-    if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
+    _validate_tenants(c)
+    if c.api.enabled and not c.api.keys and not c.api.tenants and not is_loopback(c.http.host):
         raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:
         raise ConfigError("telegram.webhook_url: required when telegram.mode is \"webhook\"")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
         raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
     for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
-                       ("discord.edit_interval_s", c.discord.edit_interval_s)):
+                       ("discord.edit_interval_s", c.discord.edit_interval_s),
+                       ("telegram.draft_interval_s", c.telegram.draft_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    if not 0 < c.telegram.draft_refresh_s < 30:
+        raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
 
@@ -370,4 +400,6 @@ def _toml(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     return json.dumps(value, ensure_ascii=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import Gauge
+from yarl import URL
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
@@ -34,7 +35,9 @@ from gateway.core.metrics import Metrics
 from gateway.core.ports import Agent, Health, Store
 from gateway.core.router import Router
 from gateway.ops.admin import build_admin_app
+from gateway.ops.client_faults import install_parser_filter
 from gateway.ops.config import Config, ConfigError, load_config
+from gateway.ops.hosts import HostPolicy
 from gateway.ops.http import build_app, start_sites
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
@@ -107,6 +110,15 @@ def build_cluster(config: Config, metrics: Metrics) -> Cluster | None:
                    c.worker_id or f"{socket.gethostname()}:{os.getpid()}", ttl_s=c.lease_ttl_s, metrics=metrics,
                    info={"http": f"{config.http.host}:{config.http.port}",
                          "admin": f"{config.admin.host}:{config.admin.port}"})
+
+
+def http_hosts(config: Config) -> HostPolicy:
+    """The names the http listener answers to: configured ones and Telegram's webhook host."""
+    names = list(config.http.allowed_hosts)
+    t = config.telegram
+    if t.token is not None and t.mode == "webhook" and t.webhook_url:
+        names.append(URL(t.webhook_url).host or "")
+    return HostPolicy(config.http.host, names)
 
 
 def tune_gc() -> None:
@@ -188,7 +200,9 @@ class Daemon:
             self.notifier.status(f"starting {name}")
             await adapter.start(self.router)
             self._on_stop(stack, f"the {name} client", adapter.close)
-        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
+        install_parser_filter()  # requests aiohttp cannot parse: a warning line, not an error traceback
+        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
+                        hosts=http_hosts(self.config))
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
@@ -197,7 +211,8 @@ class Daemon:
             runners.append(web.AppRunner(
                 build_admin_app(self.router, self.metrics, self.store, self.readiness,
                                 token=admin.token.reveal() if admin.token else None,
-                                extra_stats=self._cluster_stats),
+                                extra_stats=self._cluster_stats,
+                                hosts=HostPolicy(admin.host, admin.allowed_hosts)),
                 access_log=None, shutdown_timeout=2.0))
         for runner in runners:
             await runner.setup()
