@@ -99,7 +99,7 @@ async def test_dm_round_trip(start: Start, fake: FakeTelegramAPI, provider: Fake
     texts = [r.text for r in fake.sent if r.message_id == mid]
     assert all(a != b for a, b in itertools.pairwise(texts)), "unchanged text re-sent"
     assert any(r.method == "sendChatAction" and r.text == "typing" for r in fake.sent)
-    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "help"]
+    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "jobs", "kill", "help"]
     delete = next(c for c in fake.calls if c.method == "deleteWebhook")
     assert not delete.params.get("drop_pending_updates")
     await fake.wait_until(lambda: bool(fake.polls) and (fake.polls[-1].offset or 0) > update_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.agents.jobs import call_note
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
 from gateway.core.context import estimate, fit
@@ -177,6 +179,8 @@ class OpenAIAgent:
         done: asyncio.Queue[tuple[ToolCall, str]] = asyncio.Queue()
 
         async def run(call: ToolCall) -> None:
+            if context is not None:  # this task's own copy: what became of this call if the turn stops
+                call_note.set(functools.partial(context.note_result, call.id))
             async with gate:
                 if not steered and context is not None and (added := context.take_interjection()) is not None:
                     steered.append(added)

@@ -52,6 +52,12 @@ class SessionControl(Protocol):
     def busy_policy(self, key: str, policy: str | None = None) -> str:
         """The session's busy policy (interrupt, queue or steer), after setting it if given."""
 
+    def jobs_text(self, key: str) -> str:
+        """The session's background jobs, for /jobs."""
+
+    def kill_job(self, key: str, job_id: str) -> str | None:
+        """Kill one of the session's background jobs; what happened, or None if there is no such job."""
+
 
 Handler = Callable[[SessionControl, str, str], Awaitable[CommandResult]]  # (control, session key, args)
 
@@ -100,6 +106,20 @@ _BUSY = {"interrupt": "stop it and be answered instead", "queue": "wait for it t
          "steer": "be added to it"}
 
 
+async def _jobs(control: SessionControl, key: str, _args: str) -> CommandResult:
+    return CommandResult(control.jobs_text(key))
+
+
+async def _kill(control: SessionControl, key: str, args: str) -> CommandResult:
+    job_id = args.strip()
+    if not job_id:
+        return CommandResult("Use /kill <job id>, e.g. /kill j3 (/jobs lists them).", NoticeKind.ERROR)
+    done = control.kill_job(key, job_id)
+    if done is None:
+        return CommandResult(f"No background job {job_id[:20]} in this chat (/jobs lists them).", NoticeKind.ERROR)
+    return CommandResult(done)
+
+
 async def _help(_control: SessionControl, _key: str, _args: str) -> CommandResult:
     return CommandResult(help_text())
 
@@ -109,6 +129,8 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("new", "Start a fresh conversation (the old one is archived)", _new, aliases=("reset",)),
     CommandSpec("status", "What is running in this chat", _status, private=True),
     CommandSpec("busy", "What a message sent mid-answer does: interrupt, queue or steer", _busy),
+    CommandSpec("jobs", "List this chat's background jobs", _jobs, private=True),
+    CommandSpec("kill", "End a background job: /kill <id>", _kill),
     CommandSpec("help", "List the commands", _help, aliases=("start",), private=True),
 )
 _BY_NAME = {name: spec for spec in COMMANDS for name in (spec.name, *spec.aliases)}

@@ -120,8 +120,8 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker",
-                 "steered", "usage")
+    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "notes", "run",
+                 "speaker", "steered", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
@@ -139,6 +139,7 @@ class Turn:
         self.steered: list[Turn] = []  # messages sent while this runs (busy "steer"), not yet handed over
         self.absorbed: list[Turn] = []  # those handed to the model: their answer is this turn's
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
+        self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
 
 
 class _Context:
@@ -162,6 +163,9 @@ class _Context:
     @property
     def token_ratio(self) -> float:
         return self._conversation.token_ratio if self._conversation is not None else 1.0
+
+    def note_result(self, call_id: str, text: str) -> None:
+        self._turn.notes[call_id] = text
 
 
 class TurnRunner:
@@ -275,7 +279,7 @@ class TurnRunner:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)
             self._metrics.turns_running.dec()
-        rows, status, detail = await self._outcome(task, run, recorder, reply)
+        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
         self._metrics.turns.labels(status.value).inc()
         if turn.usage[0]:
             log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
@@ -338,7 +342,7 @@ class TurnRunner:
         return False
 
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
-                       reply: Reply) -> tuple[list[ChatMessage], InboundStatus, str | None]:
+                       reply: Reply, notes: dict[str, str]) -> tuple[list[ChatMessage], InboundStatus, str | None]:
         # Cancelled — or stopped so late that the task still returned: its output was held back
         # from the chat by then (Run.may_send), so the record says interrupted either way.
         if task.cancelled() or run.reason is not None:
@@ -346,7 +350,8 @@ class TurnRunner:
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
             await reply.interrupted(run.reason)
-            return recorder.interrupted(run.reason, reply.shown_text()), InboundStatus.CANCELLED, run.reason.marker
+            rows = recorder.interrupted(run.reason, reply.shown_text(), notes=notes)
+            return rows, InboundStatus.CANCELLED, run.reason.marker
         exc = task.exception()
         if exc is None:
             return recorder.complete(), InboundStatus.DONE, None

@@ -85,6 +85,16 @@ class ToolsConfig:
     tool_kill_grace_s: float = 2.0
     parallel: bool = True  # several tool calls of one model round run side by side
     max_parallel: int = 4
+    # Background jobs (with the shell tool): a long command moves out of its tool call instead of
+    # being killed when the user writes, or once it runs past foreground_max_s.
+    jobs: bool = True
+    yield_after_s: float = 5.0  # a command at least this old moves when the user writes
+    foreground_max_s: float = 0.0  # a command this old moves on its own; 0: never (shell_timeout_s applies)
+    jobs_per_session: int = 4  # running jobs per chat...
+    jobs_total: int = 16  # ...and in the whole daemon
+    job_max_s: float = 3600.0  # a job running longer is killed, and its chat told
+    job_buffer_chars: int = 65_536  # output kept per job (the newest)
+    job_read_chars: int = 4_000  # at most this much per job_read and per completion notice
 
 
 @dataclass
@@ -349,6 +359,15 @@ def _validate(c: Config) -> None:
         raise ConfigError("agent.reply_tokens: must be less than agent.context_tokens")
     if c.tools.tool_kill_grace_s < 0:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
+    for key, value in (("tools.jobs_per_session", c.tools.jobs_per_session), ("tools.jobs_total", c.tools.jobs_total),
+                       ("tools.job_max_s", c.tools.job_max_s), ("tools.job_buffer_chars", c.tools.job_buffer_chars),
+                       ("tools.job_read_chars", c.tools.job_read_chars)):
+        if value <= 0:
+            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
+    for key, value in (("tools.yield_after_s", c.tools.yield_after_s),
+                       ("tools.foreground_max_s", c.tools.foreground_max_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if c.agent.echo_delay_s < 0:
         raise ConfigError("agent.echo_delay_s: must not be negative")
     if not 0 < c.admin.port < 65536:
