@@ -492,6 +492,11 @@ class Router:
     async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, outlet: Outlet,
                        hops: int) -> Submitted:
         assert self._cluster is not None
+        if hops >= MAX_HOPS and cmd is None and outlet.pushes_anywhere:
+            # Ownership is moving (a takeover under way): the platform was already answered, so
+            # the message stays in this worker's inbox and is handled again once idle for a TTL.
+            log.info("ownership moving; the message waits in the inbox", extra={"session": key})
+            return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
         if hops >= MAX_HOPS or (cmd is None and not outlet.pushes_anywhere):
             # A web chat or API client waits on this worker's connection, and only the owner may
             # answer: say so rather than answer twice or not at all.
