@@ -26,28 +26,51 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
-from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
-from telegram.constants import ChatAction, ParseMode
+from telegram import (
+    Bot,
+    BotCommand,
+    CallbackQuery,
+    InlineKeyboardButton,
+    InlineKeyboardMarkup,
+    Message,
+    MessageEntity,
+    ReplyParameters,
+    Update,
+)
+from telegram.constants import ChatAction, ChatMemberStatus, ParseMode
 from telegram.constants import ChatType as TgChatType
-from telegram.error import BadRequest, Conflict, Forbidden, InvalidToken, NetworkError, RetryAfter, TelegramError
+from telegram.error import (
+    BadRequest,
+    Conflict,
+    EndPointNotFound,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
 from telegram.request import HTTPXRequest
 
 from gateway.core import commands
 from gateway.core.attachments import Attachment, mime_of
-from gateway.core.cancellation import ToolReason
+from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Gateway, Health, NoticeKind, Outcome
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import TelegramConfig
 from platforms.ingress import IngressLeader
 from platforms.splitting import utf16_len
+from platforms.stop_button import PressOutcome, StopButtons
+from platforms.streaming import EditStreamReply
+from platforms.telegram_draft import DraftsRefused, DraftStreamReply, draft_chat
 from platforms.telegram_format import to_html, visible_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLATFORM = "telegram"
-ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
+ALLOWED_UPDATES = ("message", "callback_query")  # channel posts, edits, reactions... are not asked for
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 UNAVAILABLE_RETRY_S = 2.0
 CLOSE_FLUSH_S = 5.0  # on close, how long queued replies and notices may still take
@@ -104,6 +127,10 @@ class TelegramAdapter(Adapter):
         self._background: set[asyncio.Task[Any]] = set()
         # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
         self.leader = leader
+        self.stop_buttons = StopButtons(PLATFORM)
+        self._no_drafts: set[str] = set()  # chats that refused a draft: they stream by edits
+        self._drafts_refusal_logged = False
+        self._drafts_off = False  # the Bot API server has no sendMessageDraft
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -302,6 +329,10 @@ class TelegramAdapter(Adapter):
         waits on outbound calls. False when it could not be taken now (storage down) and must be
         delivered again."""
         try:
+            if update.callback_query is not None:
+                # A task of its own: a press never holds up intake, and intake never holds it up.
+                self._spawn(self._on_callback(update.callback_query))
+                return True
             m = update.message
             if m is None:
                 return True
@@ -387,27 +418,145 @@ class TelegramAdapter(Adapter):
     # --- outbound -------------------------------------------------------------------------
 
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
+        return await self._send(chat, text, reply_to=reply_to)
+
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str:
+        return await self._send(chat, text, reply_to=reply_to, markup=_stop_markup(stop))
+
+    async def send_status(self, chat: ChatRef, text: str, *, stop: str) -> str:
+        """A silent message carrying the Stop button (beside a draft, which has no buttons)."""
+        return await self._send(chat, text, reply_to=None, markup=_stop_markup(stop), silent=True)
+
+    async def _send(self, chat: ChatRef, text: str, *, reply_to: str | None,
+                    markup: InlineKeyboardMarkup | None = None, silent: bool = False) -> str:
         # Quoting the question helps in a busy group; in a private chat it is noise.
         quote = (ReplyParameters(message_id=int(reply_to), allow_sending_without_reply=True)
                  if reply_to and reply_to.isdigit() and chat.chat_type is not ChatType.DM else None)
 
         async def call(body: str, mode: str | None) -> Message:
             return await self.bot.send_message(int(chat.chat_id), body, parse_mode=mode,
-                                               message_thread_id=_thread(chat), reply_parameters=quote)
+                                               message_thread_id=_thread(chat), reply_parameters=quote,
+                                               reply_markup=markup, disable_notification=silent or None)
 
         sent = await self._deliver(text, call)
         return str(sent.message_id)
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
+        await self.edit_part(chat, message_id, text, stop=None)  # without a keyboard: a button goes
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None:
+        markup = _stop_markup(stop)
+
         async def call(body: str, mode: str | None) -> None:
             try:
                 await self.bot.edit_message_text(body, chat_id=int(chat.chat_id), message_id=int(message_id),
-                                                 parse_mode=mode)
+                                                 parse_mode=mode, reply_markup=markup)
             except BadRequest as exc:
                 if "not modified" not in str(exc).lower():  # same text again: already shown
                     raise
 
         await self._deliver(text, call)
+
+    async def send_draft(self, chat: ChatRef, draft_id: int, text: str) -> None:
+        """Show `text` as the chat's draft `draft_id` (empty: "Thinking…"). Raises `DraftsRefused`
+        if the chat takes no drafts, else as `send` does."""
+        async def call(body: str, mode: str | None) -> None:
+            try:
+                await self.bot.send_message_draft(int(chat.chat_id), draft_id, body, parse_mode=mode,
+                                                  message_thread_id=_thread(chat))
+            except (EndPointNotFound, InvalidToken) as exc:
+                # PTB reports a 404 (an unknown method: a Bot API server from before 9.3) as InvalidToken.
+                if isinstance(exc, InvalidToken) and "not found" not in str(exc).lower():
+                    raise
+                raise DraftsRefused("sendMessageDraft is not known to this Bot API server", everywhere=True) from None
+            except BadRequest as exc:
+                if _kind(exc) != "refused" or "draft" in str(exc).lower() or "peer" in str(exc).lower():
+                    raise DraftsRefused(self._scrub(str(exc))) from None
+                raise
+
+        await self._deliver(text, call)
+
+    async def delete_status(self, chat: ChatRef, message_id: str) -> None:
+        """Remove a status message; where it cannot be deleted, at least its button."""
+        try:
+            await self.bot.delete_message(int(chat.chat_id), int(message_id))
+        except RetryAfter as exc:
+            raise RateLimited(_retry_after_s(exc)) from None
+        except TelegramError as exc:
+            log.info("telegram: could not delete a status message (%s); removing its button",
+                     self._scrub(str(exc)))
+            with contextlib.suppress(TelegramError):
+                await self.bot.edit_message_reply_markup(int(chat.chat_id), int(message_id), reply_markup=None)
+
+    def drafts_refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
+        """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
+        then per chat at debug level."""
+        self._drafts_off = self._drafts_off or everywhere
+        self._no_drafts.add(chat.chat_id)
+        if len(self._no_drafts) > 100_000:
+            self._no_drafts.clear()
+        level = logging.DEBUG if self._drafts_refusal_logged else logging.WARNING
+        self._drafts_refusal_logged = True
+        log.log(level, "telegram: chat %s refused a draft (%s); its answers stream by editing a message",
+                chat.chat_id, why)
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
+        streaming = self.config.streaming
+        token = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
+        reply: EditStreamReply
+        drafts = streaming == "draft" and not self._drafts_off and msg.chat_id not in self._no_drafts
+        if drafts and draft_chat(msg.chat):
+            reply = _TelegramDraftReply(self, msg, run, token)
+        else:
+            reply = _TelegramReply(self, msg, run, token, stream=streaming != "off")
+        return reply
+
+    # --- Stop buttons ---------------------------------------------------------------------
+
+    async def _on_callback(self, query: CallbackQuery) -> None:
+        """A button press: a Stop button's is `/stop` for its answer; the query is always answered."""
+        text: str | None = None
+        alert = False
+        try:
+            if (query.data or "").startswith(stop_button.PREFIX):
+                user = query.from_user
+                message = query.message if isinstance(query.message, Message) else None
+                chat = self._chat_of(message) if message is not None else None
+
+                async def is_admin() -> bool:
+                    return chat is not None and await self._is_admin(int(chat.chat_id), user.id)
+
+                press = await self.stop_buttons.press(self.gateway, self, chat, query.data, user_id=str(user.id),
+                                                      user_name=user.full_name, press_id=f"tg{query.id}",
+                                                      is_admin=is_admin)
+                text, alert = press.text, press.outcome is PressOutcome.REFUSED
+        except Exception:
+            log.exception("telegram: could not handle a button press")
+            text = "Something went wrong; please try /stop."
+        try:
+            await self.bot.answer_callback_query(query.id, text=(text or "")[:200] or None, show_alert=alert)
+        except TelegramError as exc:  # too old, or answered already: the stop itself stands
+            log.info("telegram: could not answer a button press: %s", self._scrub(str(exc)))
+
+    @staticmethod
+    def _chat_of(m: Message) -> ChatRef | None:
+        """Where a message is: its chat (private or group) and forum topic."""
+        if m.chat.type == TgChatType.PRIVATE:
+            chat_type = ChatType.DM
+        elif m.chat.type in (TgChatType.GROUP, TgChatType.SUPERGROUP):
+            chat_type = ChatType.GROUP
+        else:
+            return None
+        thread = str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None
+        return ChatRef(PLATFORM, str(m.chat.id), chat_type, thread)
+
+    async def _is_admin(self, chat_id: int, user_id: int) -> bool:
+        try:
+            member = await self.bot.get_chat_member(chat_id, user_id)
+        except TelegramError as exc:
+            log.info("telegram: could not check a member's status: %s", self._scrub(str(exc)))
+            return False
+        return member.status in (ChatMemberStatus.ADMINISTRATOR, ChatMemberStatus.OWNER)
 
     async def typing(self, chat: ChatRef) -> None:
         with contextlib.suppress(TelegramError):  # cosmetic
@@ -422,7 +571,10 @@ class TelegramAdapter(Adapter):
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
-        """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends."""
+        """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends.
+        A notice about a Stop button press is its answer instead (see `platforms/stop_button.py`)."""
+        if self.stop_buttons.absorb(reply_to, text):
+            return
         self.queue_notice(chat, text, reply_to=reply_to, kind=kind)
 
     async def _deliver(self, text: str, call: Callable[[str, str | None], Awaitable[T]]) -> T:
@@ -526,6 +678,38 @@ def _kind(exc: BadRequest) -> str:
     if any(k in text for k in _CHAT):
         return "chat"
     return "refused"
+
+
+class _TelegramReply(EditStreamReply):
+    """Edit streaming (groups, topics, chats without drafts) with the Stop button on its messages."""
+
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None, *,
+                 stream: bool = True) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token)
+        self._buttons = adapter.stop_buttons
+        if not stream:  # streaming = "off": typing, then the final text only
+            self._caps = dataclasses.replace(self._caps, can_stream=False)
+
+    async def settled(self, problem: str | None = None) -> None:
+        self._buttons.close(self._stop)
+        await super().settled(problem)
+
+
+class _TelegramDraftReply(DraftStreamReply):
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token,
+                         interval_s=adapter.config.draft_interval_s, refresh_s=adapter.config.draft_refresh_s)
+        self._buttons = adapter.stop_buttons
+
+    async def settled(self, problem: str | None = None) -> None:
+        self._buttons.close(self._stop)
+        await super().settled(problem)
+
+
+def _stop_markup(data: str | None) -> InlineKeyboardMarkup | None:
+    if data is None:
+        return None
+    return InlineKeyboardMarkup([[InlineKeyboardButton(stop_button.LABEL, callback_data=data)]])
 
 
 def _thread(chat: ChatRef) -> int | None:

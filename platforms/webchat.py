@@ -7,7 +7,8 @@ content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`.
 - `hello` {history, running, queued, agent, max_chars}: the whole current conversation; the page
   replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
   reason, interruption (kind, below), tools (names called), resume (true on the gateway's own
-  "continue" message after a restart)}. Tool rows are not sent; a stop that cut a tool call short
+  "continue" message after a restart), job (on the gateway's own message that a background job
+  ended: its first line)}. Tool rows are not sent; a stop that cut a tool call short
   is carried onto the assistant row that called it. `max_chars` is the longest message the
   gateway takes (the page keeps a longer draft in the composer instead of sending it).
 - `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
@@ -337,4 +338,6 @@ def _row(m: ChatMessage) -> dict[str, Any]:
            "tools": [c.name for c in m.tool_calls], "at": m.created_at}
     if m.role == "user" and is_resume_prompt(m.content):
         row["resume"] = True  # the gateway's own "continue" after a restart, not something the user said
+    elif m.role == "user" and m.content.startswith("[background job "):
+        row["job"] = m.content.split("\n", 1)[0]  # the gateway's own word that a background job ended
     return row

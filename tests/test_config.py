@@ -61,6 +61,8 @@ def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
     ('[api]\ntenants = ["k1"]\n', {}, "api.tenants: must be a table of names"),
     ('[api]\ntenants = { key-1a2b = "k1" }\n', {}, "names starting with 'key-' are kept for the keys of api.keys"),
     ("", {"SWITCHBOARD_API__TENANTS": '{"a": 5}'}, "api.tenants.a: must be a non-empty string"),
+    ('[telegram]\nstreaming = "live"\n', {}, "telegram.streaming: must be one of 'draft', 'edit', 'off'"),
+    ("[telegram]\ndraft_refresh_s = 45\n", {}, "telegram.draft_refresh_s: must be between 0 and 30"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml: str, env: dict[str, str],
                                                               message: str) -> None:

@@ -213,7 +213,7 @@ async def test_stop_by_application_command(start: Start, fake: FakeDiscord, prov
     provider.delay_s, provider.words = 0.03, 40
     await start()
     put = await fake.wait_for(lambda c: c.method == "PUT")
-    assert sorted(c["name"] for c in put.json) == ["busy", "help", "new", "reset", "status", "stop"]
+    assert sorted(c["name"] for c in put.json) == ["busy", "help", "jobs", "kill", "new", "reset", "status", "stop"]
     dm = fake.dm_channel_id(BOB_ID)
     await fake.dispatch_message(THREAD_ID, "long one", author_id=ALICE_ID, mentions_bot=True)
     await fake.dispatch_message(dm, "other chat", author_id=BOB_ID)

@@ -1,7 +1,8 @@
 """Every accepted message's reply settles exactly once, whatever happens to its turn — queued,
 accepted but not started, starting, streaming, in a tool, winding down, stopped by /stop, by /new,
 or by a shutdown — and a client waiting on it (the HTTP API, streaming or not; the web chat) is
-answered within 100 ms of the stop."""
+answered once the stop lands, not when the stopped work would have ended (speed is measured by the
+benchmarks, not asserted here: a busy machine must not fail these)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 
 KEY = "sk-settle-0123456789"
-SETTLE_S = 0.1
+SETTLE_S = 2.0  # far below the 5 s tool a late answer would have waited for
 
 
 def _url(daemon: Any, path: str = "/v1/chat/completions") -> str:
@@ -171,6 +172,5 @@ async def test_stops_at_random_offsets_never_leave_a_request_open(
 
         for start in range(0, trials, 20):  # 20 sessions at a time
             await asyncio.gather(*(trial(i) for i in range(start, start + 20)))
-    # Answers that had already finished come back at once; only a turn being stopped can take long.
-    assert len(slow) <= trials * 0.02, f"seed {seed}: settled later than 100 ms after the stop: {slow[:10]}"
+    assert not slow, f"seed {seed}: settled as late as the stopped work would have ended: {slow[:10]}"
     assert await daemon.store.unfinished_inbound() == []

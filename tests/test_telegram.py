@@ -45,7 +45,8 @@ def start(fake: FakeTelegramAPI, make_daemon: DaemonFactory) -> Start:
     async def go(router: dict[str, object] | None = None, **telegram: object) -> tuple[Daemon, TelegramAdapter]:
         config: dict[str, object] = {"token": fake.token, "base_url": fake.base_url,
                                      "base_file_url": fake.base_file_url, "access": "open",
-                                     "edit_interval_s": 0.05, "poll_timeout_s": 1, **telegram}
+                                     "edit_interval_s": 0.05, "poll_timeout_s": 1,
+                                     "streaming": "edit", **telegram}  # drafts: test_telegram_streaming.py
         daemon = await make_daemon(telegram=config, **({"router": router} if router else {}))
         adapter = daemon.adapters["telegram"]
         assert isinstance(adapter, TelegramAdapter)
@@ -98,11 +99,11 @@ async def test_dm_round_trip(start: Start, fake: FakeTelegramAPI, provider: Fake
     texts = [r.text for r in fake.sent if r.message_id == mid]
     assert all(a != b for a, b in itertools.pairwise(texts)), "unchanged text re-sent"
     assert any(r.method == "sendChatAction" and r.text == "typing" for r in fake.sent)
-    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "help"]
+    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "jobs", "kill", "help"]
     delete = next(c for c in fake.calls if c.method == "deleteWebhook")
     assert not delete.params.get("drop_pending_updates")
     await fake.wait_until(lambda: bool(fake.polls) and (fake.polls[-1].offset or 0) > update_id)
-    assert fake.pending_updates == [] and fake.polls[-1].allowed_updates == ["message"]
+    assert fake.pending_updates == [] and fake.polls[-1].allowed_updates == ["message", "callback_query"]
     assert adapter.health() == Health(True, "polling")
     assert "reply_parameters" not in fake.sent[-1].params  # no quoting in private chats
 
@@ -305,7 +306,7 @@ async def test_webhook_checks_the_secret_token(
     secret = "s3cret-webhook-token"
     daemon, adapter = await start(mode="webhook", webhook_url="https://example.test/tg", secret_token=secret)
     assert fake.webhook["url"] == "https://example.test/tg" and fake.webhook["secret_token"] == secret
-    assert fake.webhook["allowed_updates"] == ["message"] and adapter.health().ok
+    assert fake.webhook["allowed_updates"] == ["message", "callback_query"] and adapter.health().ok
     url = f"http://127.0.0.1:{daemon.config.http.port}/telegram/webhook"
 
     def update(text: str) -> dict[str, Any]:

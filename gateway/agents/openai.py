@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.agents.jobs import call_note
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
 from gateway.core.context import estimate, fit
@@ -177,6 +179,8 @@ class OpenAIAgent:
         done: asyncio.Queue[tuple[ToolCall, str]] = asyncio.Queue()
 
         async def run(call: ToolCall) -> None:
+            if context is not None:  # this task's own copy: what became of this call if the turn stops
+                call_note.set(functools.partial(context.note_result, call.id))
             async with gate:
                 if not steered and context is not None and (added := context.take_interjection()) is not None:
                     steered.append(added)
@@ -198,8 +202,8 @@ class OpenAIAgent:
         body: dict[str, Any] = {"model": s.model, "messages": messages, "stream": True}
         if s.include_usage:
             body["stream_options"] = {"include_usage": True}
-        if self.tools.tools:
-            body["tools"] = self.tools.schemas()
+        if schemas := self.tools.schemas():  # asked every round: MCP servers come and go
+            body["tools"] = schemas
         headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
         url = s.base_url.rstrip("/") + "/chat/completions"
         for attempt in range(s.retries + 1):

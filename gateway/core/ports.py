@@ -45,6 +45,10 @@ class TurnContext(Protocol):
     def token_ratio(self) -> float:
         """The provider's token count over the local estimate, as seen in this session (1.0: none yet)."""
 
+    def note_result(self, call_id: str, text: str) -> None:
+        """What became of a tool call if the turn is stopped before it returns (its command moved to
+        the background, say): recorded with the call's interrupted marker."""
+
 
 class Agent(Protocol):
     @property

@@ -13,13 +13,14 @@ import logging
 import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from agent_cache import AgentCache, CacheSettings
 from gateway.core.access import AccessControl
 from gateway.core.attachments import MediaSettings, refusal_sentence, screen
+from gateway.core.background import KILLED_BY_USER, BackgroundJobs
 from gateway.core.cancellation import (
     EVICTED,
     LEASE_LOST,
@@ -114,8 +115,12 @@ class Router:
                  access: AccessControl | None = None, cluster: Ownership | None = None,
                  resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0,
                  media: MediaSettings | None = None, vision: bool = True,
-                 media_loader: MediaLoader | None = None) -> None:
+                 media_loader: MediaLoader | None = None,
+                 jobs: BackgroundJobs | None = None) -> None:
         self.settings = settings
+        self.jobs = jobs  # shell commands moved to the background (None: off)
+        self._origins: OrderedDict[str, InboundMessage] = OrderedDict()  # a session's last message: where
+        # a background job's end is reported
         # How long a cancelled turn's task may take to end before its lane moves on without it.
         self.cancel_grace_s = cancel_grace_s
         self.store = store
@@ -131,6 +136,8 @@ class Router:
             max_agents=cache.max_agents, idle_ttl_s=cache.idle_ttl_s, when_full=cache.when_full,
             on_evict=self._on_evict)
         self.interruptions = Interruptions()
+        # More lines for /status (e.g. the MCP servers' state), each asked for the session's key.
+        self.status_extras: list[Callable[[str], str | None]] = []
         self._lanes: dict[str, Lane] = {}
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
@@ -188,6 +195,9 @@ class Router:
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
             await asyncio.wait(running, timeout=drain_s)
+        if self.jobs is not None:  # no job outlives the daemon; each is told at the next start
+            for key, message_id, text in self.jobs.kill_all(reason):
+                await self._leave_automatic(key, message_id, text)
         queued: list[Turn] = []
         for lane in list(self._lanes.values()):
             if lane.current is not None:
@@ -299,6 +309,8 @@ class Router:
         if refused:  # the rest of the message is answered; the user learns why this part is not read
             await speaker.notify(msg.chat, refused, reply_to=msg.message_id, kind=NoticeKind.INFO)
         turn = Turn(msg, key, speaker, fence, ephemeral)
+        if ephemeral is None:
+            self._remember_origin(key, msg)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
         policy = self.busy_policy(key)
@@ -311,6 +323,8 @@ class Router:
                  and not lane.current.run.is_cancelled())
         queue = policy != "interrupt" or late
         if busy and not queue:
+            if self.jobs is not None:  # long commands move to the background before the cancel reaches them
+                self.jobs.yield_foreground(key, now=True)
             self._cancel_lane(key, NEW_MESSAGE)
         if steer and lane is not None and lane.current is not None:
             lane.current.steered.append(turn)  # handed to the running turn at its next boundary
@@ -335,6 +349,8 @@ class Router:
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
         if steer:
+            if self.jobs is not None:  # the turn's long commands move to the background: it can take this now
+                self.jobs.yield_foreground(key, now=False)
             await speaker.notify(msg.chat, STEERED, reply_to=msg.message_id, kind=NoticeKind.INFO)
             return Submitted(Outcome.STEERED, STEERED, turn.run)
         if busy and queue and ahead:
@@ -388,6 +404,7 @@ class Router:
         if fence is None:  # the session is not ours (any more): its owner recovers it
             return None
         turn = Turn(msg, key, self._speaker(outlet, fence), fence)
+        self._remember_origin(key, msg)  # a job started by a replayed turn reports to its chat too
         self._enqueue(turn)
         try:
             if self._cluster is not None:
@@ -490,6 +507,11 @@ class Router:
     async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, outlet: Outlet,
                        hops: int) -> Submitted:
         assert self._cluster is not None
+        if hops >= MAX_HOPS and cmd is None and outlet.pushes_anywhere:
+            # Ownership is moving (a takeover under way): the platform was already answered, so
+            # the message stays in this worker's inbox and is handled again once idle for a TTL.
+            log.info("ownership moving; the message waits in the inbox", extra={"session": key})
+            return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
         if hops >= MAX_HOPS or (cmd is None and not outlet.pushes_anywhere):
             # A web chat or API client waits on this worker's connection, and only the owner may
             # answer: say so rather than answer twice or not at all.
@@ -523,6 +545,8 @@ class Router:
         if lane is not None:
             for turn in ([lane.current] if lane.current else []) + list(lane.pending):
                 turn.run.cancel(LEASE_LOST)
+        if self.jobs is not None:
+            self.jobs.kill_session(session, LEASE_LOST)
         self.cache.discard(session)
 
     def in_use(self, session: str) -> bool:
@@ -542,8 +566,17 @@ class Router:
     def stop(self, key: str) -> int:
         return len(self._cancel_lane(key, STOPPED_BY_USER))
 
+    def stop_run(self, key: str, token: str) -> int:
+        lane = self._lanes.get(key)
+        current = lane.current if lane is not None else None
+        if current is None or current.run.token != token or current.run.is_cancelled():
+            return 0  # that answer has ended (or never ran here): a later one is not stopped for it
+        return self.stop(key)
+
     async def reset(self, key: str) -> bool:
         self._cancel_lane(key, SESSION_RESET)
+        if self.jobs is not None:
+            self.jobs.kill_session(key, SESSION_RESET)
         self.cache.discard(key)
         fence = self._fence(key)
         try:
@@ -565,6 +598,53 @@ class Router:
                 self._busy.pop(next(iter(self._busy)))
         return self._busy.get(key, self.settings.busy)
 
+    def jobs_text(self, key: str) -> str:
+        if self.jobs is None:
+            return "Background jobs are off here (they need the shell tool)."
+        lines = self.jobs.describe(key)
+        return "Background jobs:\n" + "\n".join(lines) if lines else "No background jobs in this chat."
+
+    def kill_job(self, key: str, job_id: str) -> str | None:
+        return self.jobs.kill_job(key, job_id, KILLED_BY_USER) if self.jobs is not None else None
+
+    def _remember_origin(self, key: str, msg: InboundMessage) -> None:
+        self._origins[key] = msg
+        self._origins.move_to_end(key)
+        if len(self._origins) > 50_000:
+            self._origins.popitem(last=False)
+
+    async def deliver_automatic(self, key: str, message_id: str, text: str) -> bool:
+        """An automatic message into `key` (a background job ended): queued like a message, in the
+        chat the session last heard from, once (the store de-duplicates `message_id`). False if
+        there is no chat to tell."""
+        found = None if self._closing else self._automatic(key, message_id, text)
+        if found is not None:
+            await self.resume(*found, key)
+        return found is not None
+
+    async def _leave_automatic(self, key: str, message_id: str, text: str) -> None:
+        """The same, stopping: stored as accepted, so the next start replays it."""
+        found = self._automatic(key, message_id, text)
+        fence = self._fence(key)
+        if found is None or fence is None:
+            return
+        try:
+            await self.store.accept_inbound(fence, found[0])
+        except StoreError as exc:
+            log.warning("could not store a job's end for the next start: %s", exc, extra={"session": key})
+
+    def _automatic(self, key: str, message_id: str, text: str) -> tuple[InboundMessage, Outlet] | None:
+        origin = self._origins.get(key)
+        outlet = self._outlets.get(origin.platform) if origin is not None else None
+        if origin is None or outlet is None or not outlet.can_steer:
+            # The HTTP API has no chat to answer in (each request waits for its own answer): the
+            # job's end stays visible to the model through job_status.
+            log.info("not told (no chat to answer in): %s", text.split("\n", 1)[0], extra={"session": key})
+            return None
+        return InboundMessage(platform=origin.platform, chat_id=origin.chat_id, chat_type=origin.chat_type,
+                              user_id=origin.user_id, user_name=origin.user_name, message_id=message_id, text=text,
+                              thread_id=origin.thread_id, user_handle=origin.user_handle, tenant=origin.tenant), outlet
+
     def status_text(self, key: str) -> str:
         s = self.status(key)
         if s.running and s.since is not None:
@@ -573,11 +653,16 @@ class Router:
         else:
             state = "Idle"
         text = f"{state} · queued: {s.queued} · busy: {self.busy_policy(key)} · agent: {s.agent}"
+        if self.jobs is not None and (jobs := self.jobs.count_running(key)):
+            text += f" · background jobs running: {jobs} (/jobs)"
         conversation = self.cache.peek(key)
         if conversation is not None and conversation.prompt_tokens:
             prompt, completion = conversation.tokens_used
             text += (f"\ncontext: {conversation.prompt_tokens:,} tokens in the last request"
                      f" · used so far: {prompt:,} prompt, {completion:,} completion")
+        for extra in self.status_extras:
+            if line := extra(key):
+                text += "\n" + line
         return text
 
     # --- turns ----------------------------------------------------------------------------

@@ -163,18 +163,21 @@ class TurnRecorder:
         self.rows.append(ChatMessage("assistant", self.text))
         return self.rows
 
-    def interrupted(self, reason: ToolReason, shown: str | None = None) -> list[ChatMessage]:
+    def interrupted(self, reason: ToolReason, shown: str | None = None,
+                    notes: dict[str, str] | None = None) -> list[ChatMessage]:
         """Rows for a stopped turn: in-flight tools get the marker, partial text is kept and marked.
         `shown` (the turn's streamed text the user saw, see `Reply.shown_text`) cuts the partial
-        text down to what was shown; None keeps all of it."""
+        text down to what was shown; None keeps all of it. `notes` (by call id) say what became of
+        an in-flight call (its command moved to the background): put before its marker."""
         partial = self.text if shown is None else shown[self._earlier:][:len(self.text)]
         cut_tools = any(call.id not in self._results for call in self._calls)
         for call in self._calls:  # finished ones keep their result; the rest get the marker
             if call.id in self._results:
                 self.rows.append(ChatMessage("tool", self._results.pop(call.id), tool_call_id=call.id))
             else:
-                self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
-                                             interrupted_by=reason.kind, reason=reason.text))
+                note = (notes or {}).get(call.id)
+                self.rows.append(ChatMessage("tool", f"{note}\n{reason.marker}" if note else reason.marker,
+                                             tool_call_id=call.id, interrupted_by=reason.kind, reason=reason.text))
         self._calls.clear()
         # The turn ends with the marker: on the interrupted tool results, or else on an assistant
         # row (also when a tool round had finished and the next model round never began).

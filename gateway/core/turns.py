@@ -123,8 +123,8 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker",
-                 "steered", "usage")
+    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "notes", "run",
+                 "speaker", "steered", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
@@ -134,6 +134,7 @@ class Turn:
         self.fence = fence
         self.run = Run(key)
         self.run.guard = speaker.guard
+        self.run.tenant = msg.tenant
         self.ephemeral = ephemeral
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
@@ -141,6 +142,7 @@ class Turn:
         self.steered: list[Turn] = []  # messages sent while this runs (busy "steer"), not yet handed over
         self.absorbed: list[Turn] = []  # those handed to the model: their answer is this turn's
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
+        self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
 
 
 class _Context:
@@ -164,6 +166,9 @@ class _Context:
     @property
     def token_ratio(self) -> float:
         return self._conversation.token_ratio if self._conversation is not None else 1.0
+
+    def note_result(self, call_id: str, text: str) -> None:
+        self._turn.notes[call_id] = text
 
 
 class TurnRunner:
@@ -278,7 +283,7 @@ class TurnRunner:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)
             self._metrics.turns_running.dec()
-        rows, status, detail = await self._outcome(task, run, recorder, reply)
+        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
         self._metrics.turns.labels(status.value).inc()
         if turn.usage[0]:
             log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
@@ -359,7 +364,7 @@ class TurnRunner:
         return False
 
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
-                       reply: Reply) -> tuple[list[ChatMessage], InboundStatus, str | None]:
+                       reply: Reply, notes: dict[str, str]) -> tuple[list[ChatMessage], InboundStatus, str | None]:
         # Cancelled — or stopped so late that the task still returned: its output was held back
         # from the chat by then (Run.may_send), so the record says interrupted either way.
         if task.cancelled() or run.reason is not None:
@@ -367,7 +372,8 @@ class TurnRunner:
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
             await reply.interrupted(run.reason)
-            return recorder.interrupted(run.reason, reply.shown_text()), InboundStatus.CANCELLED, run.reason.marker
+            rows = recorder.interrupted(run.reason, reply.shown_text(), notes=notes)
+            return rows, InboundStatus.CANCELLED, run.reason.marker
         exc = task.exception()
         if exc is None:
             return recorder.complete(), InboundStatus.DONE, None
@@ -420,8 +426,11 @@ class TurnRunner:
                                  lambda: self._store.finish_inbound(turn.fence, inbound_id, status, detail))
 
     async def _write(self, turn: Turn, what: str, write: Callable[[], Awaitable[object]]) -> bool:
-        """A write the turn's record needs, retried through a short store outage (a Redis restart)
-        while the session is still ours. False, and said loudly in the log, if it never lands."""
+        """A write the turn's record needs, retried through a short store outage (a Redis restart).
+        Retried even once our own clock can no longer prove the lease (it lapses during an outage):
+        the write is fenced, so the store alone decides — it lands if the lease is still ours there,
+        and is refused (FencedOut) once another worker holds it. False, and said loudly in the log,
+        if it never lands."""
         deadline = time.monotonic() + WRITE_RETRY_S
         delay = 0.05
         while True:
@@ -432,11 +441,11 @@ class TurnRunner:
                 log.warning("not storing a turn's %s: %s", what, exc, extra={"session": turn.key})
                 return True
             except StoreError as exc:
-                if time.monotonic() + delay > deadline or not turn.speaker.may_speak():
+                if time.monotonic() + delay > deadline:
                     log.error("could not store a turn's %s: %s", what, exc, extra={"session": turn.key})
                     return False
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 0.25)  # soon after the store is back: before the lease's TTL runs out
 
 
 UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."

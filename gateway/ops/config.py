@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_cache import CacheSettings
+from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.attachments import MediaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
@@ -86,6 +87,16 @@ class ToolsConfig:
     tool_kill_grace_s: float = 2.0
     parallel: bool = True  # several tool calls of one model round run side by side
     max_parallel: int = 4
+    # Background jobs (with the shell tool): a long command moves out of its tool call instead of
+    # being killed when the user writes, or once it runs past foreground_max_s.
+    jobs: bool = True
+    yield_after_s: float = 5.0  # a command at least this old moves when the user writes
+    foreground_max_s: float = 0.0  # a command this old moves on its own; 0: never (shell_timeout_s applies)
+    jobs_per_session: int = 4  # running jobs per chat...
+    jobs_total: int = 16  # ...and in the whole daemon
+    job_max_s: float = 3600.0  # a job running longer is killed, and its chat told
+    job_buffer_chars: int = 65_536  # output kept per job (the newest)
+    job_read_chars: int = 4_000  # at most this much per job_read and per completion notice
 
 
 @dataclass
@@ -127,6 +138,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     media: MediaSettings = field(default_factory=MediaSettings)
+    mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -259,6 +271,16 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
     if origin is dict:
         return _coerce_table(where, value, args[1], from_env=from_env)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a table")
+        item = hint()
+        hints = typing.get_type_hints(hint)
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}.{key}: unknown key")
+            setattr(item, key, _coerce(f"{where}.{key}", v, hints[key], from_env=False))
+        return item
     if hint is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -340,6 +362,15 @@ def _validate(c: Config) -> None:
         raise ConfigError("agent.reply_tokens: must be less than agent.context_tokens")
     if c.tools.tool_kill_grace_s < 0:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
+    for key, value in (("tools.jobs_per_session", c.tools.jobs_per_session), ("tools.jobs_total", c.tools.jobs_total),
+                       ("tools.job_max_s", c.tools.job_max_s), ("tools.job_buffer_chars", c.tools.job_buffer_chars),
+                       ("tools.job_read_chars", c.tools.job_read_chars)):
+        if value <= 0:
+            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
+    for key, value in (("tools.yield_after_s", c.tools.yield_after_s),
+                       ("tools.foreground_max_s", c.tools.foreground_max_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if c.agent.echo_delay_s < 0:
         raise ConfigError("agent.echo_delay_s: must not be negative")
     if not 0 < c.admin.port < 65536:
@@ -354,10 +385,17 @@ def _validate(c: Config) -> None:
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
         raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
     for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
-                       ("discord.edit_interval_s", c.discord.edit_interval_s)):
+                       ("discord.edit_interval_s", c.discord.edit_interval_s),
+                       ("telegram.draft_interval_s", c.telegram.draft_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
     _validate_media(c.media)
+    if not 0 < c.telegram.draft_refresh_s < 30:
+        raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
+    try:
+        check_mcp(c.mcp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
 
@@ -398,4 +436,6 @@ def _toml(value: Any) -> str:
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _toml({k: v for k, v in vars(value).items() if v is not None})
     return json.dumps(value, ensure_ascii=False)

@@ -388,6 +388,8 @@ const SB_MD = (() => {
     for (const m of f.history) {
       if (m.role === "user" && m.resume) {
         addNotice("resume", "Continuing the answer after the restart");
+      } else if (m.role === "user" && m.job) {
+        addNotice("info", m.job);
       } else if (m.role === "user") {
         addUser(m.text, null, false, m.at);
         users.push(m.text);

@@ -62,6 +62,8 @@ class FakeState:
         self._files: dict[int, bytes] = {}
         self.file_serving = FileServing()  # how fast attachments download, and every download so far
         self._interactions: dict[str, FakeInteraction] = {}
+        # A member's permissions as interactions carry them (user id -> bit set); default: all of them.
+        self.member_permissions: dict[int, int] = {}
         self._commands: dict[int | None, list[Json]] = {}
         self._latency: dict[int, float] = {}
         self._base_url = ""

@@ -240,6 +240,7 @@ class FakeTelegramAPI:
         self.drafts_enabled = True  # False: sendMessageDraft answers TEXTDRAFT_PEER_INVALID
         self.draft_ttl_s = 30.0  # a draft not refreshed for this long is gone (clients: ~30 s)
         self.callback_ttl_s: float | None = 15.0  # unanswered query older than this: invalid
+        self.chat_admins: dict[int, set[int]] = {}  # group id -> its administrators (getChatMember)
         self.count_raw_html = False  # True: 4096 limit on the raw text (markup included)
         self._conflict = False
         self._closing = False
@@ -258,6 +259,7 @@ class FakeTelegramAPI:
             "sendMessageDraft": self._send_message_draft,
             "editMessageReplyMarkup": self._edit_message_reply_markup,
             "answerCallbackQuery": self._answer_callback_query, "getChat": self._get_chat,
+            "getChatMember": self._get_chat_member,
             "getFile": self._get_file, "close": lambda p: True, "logOut": lambda p: True,
         }  # fmt: skip
         self._handlers: dict[str, tuple[str, Handler]] = {}
@@ -310,6 +312,10 @@ class FakeTelegramAPI:
     def set_handler(self, method: str, handler: Handler) -> None:
         """Add or replace an API method (handler gets decoded params, returns `result`)."""
         self._handlers[method.lower()] = (method, handler)
+
+    def drop_method(self, method: str) -> None:
+        """Answer `method` 404 Not Found, as a Bot API server older than the method does."""
+        self._handlers.pop(method.lower(), None)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -706,6 +712,21 @@ class FakeTelegramAPI:
         gifts = dict.fromkeys(kinds, False)  # PTB 22 requires accepted_gift_types in ChatFullInfo
         extra = {"accent_color_id": 0, "max_reaction_count": 11, "accepted_gift_types": gifts}
         return {**self._chat(p.get("chat_id")), **extra}
+
+    def _get_chat_member(self, p: JSONDict) -> JSONDict:
+        chat = self._chat(p.get("chat_id"))
+        user_id = _opt_int(p.get("user_id"))
+        if user_id is None:
+            raise ApiError(400, "Bad Request: user_id is empty")
+        user: JSONDict = {"id": user_id, "is_bot": False, "first_name": f"User{user_id}"}
+        if chat["type"] == "private":
+            return {"status": "member" if user_id != chat["id"] else "creator", "user": user, "is_anonymous": False}
+        if user_id not in self.chat_admins.get(chat["id"], set()):
+            return {"status": "member", "user": user}
+        rights = ("can_be_edited", "is_anonymous", "can_manage_chat", "can_delete_messages",
+                  "can_manage_video_chats", "can_restrict_members", "can_promote_members", "can_change_info",
+                  "can_invite_users", "can_post_stories", "can_edit_stories", "can_delete_stories")
+        return {"status": "administrator", "user": user, **dict.fromkeys(rights, False), "can_manage_chat": True}
 
     def _get_file(self, p: JSONDict) -> JSONDict:
         file_id = str(p.get("file_id"))
