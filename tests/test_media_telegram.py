@@ -38,7 +38,8 @@ def start(fake: FakeTelegramAPI, make_daemon: DaemonFactory) -> Start:
     async def go(vision: bool = True, **sections: dict[str, object]) -> Daemon:
         config: dict[str, object] = {"token": fake.token, "base_url": fake.base_url,
                                      "base_file_url": fake.base_file_url, "access": "open",
-                                     "edit_interval_s": 0.05, "poll_timeout_s": 1}
+                                     "edit_interval_s": 0.05, "poll_timeout_s": 1,
+                                     "streaming": "edit"}  # answers grow in a message, visible mid-stream
         daemon = await make_daemon(telegram=config, agent={"vision": vision}, **sections)
         adapter = daemon.adapters["telegram"]
         assert isinstance(adapter, TelegramAdapter)
