@@ -63,7 +63,7 @@ CHAT = "/v1/chat/completions"
 async def test_hostile_api_requests_get_a_clean_4xx_and_no_traceback(
         make_daemon: DaemonFactory, provider: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
-    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, media={"max_message_bytes": 1 << 20})
     port = daemon.config.http.port
     ok = b'{"messages": [{"role": "user", "content": "hi"}]}'
     probes: list[tuple[str, bytes, int]] = [
@@ -73,7 +73,7 @@ async def test_hostile_api_requests_get_a_clean_4xx_and_no_traceback(
         ("charset=rot13 (not a text codec)", _post(CHAT, port, ok, content_type=b"application/json; charset=rot13"),
          415),
         ("bytes that are not UTF-8", _post(CHAT, port, b'{"messages": "\xff\xfe"}'), 400),
-        ("over the size limit", _post(CHAT, port, b'{"x": "' + b"a" * (1 << 20) + b'"}'), 413),
+        ("over the size limit", _post(CHAT, port, b'{"x": "' + b"a" * (3 << 20) + b'"}'), 413),
         ("a bearer with non-ASCII bytes", _post(CHAT, port, ok, auth=b"sk-\xff\xfe\xc3\x28"), 401),
         ("a bearer that is the key plus UTF-8", _post(CHAT, port, ok, auth=KEY.encode() + "é".encode()), 401),
         ("a session id with non-UTF-8 bytes", _post(CHAT, port, ok, headers=b"X-Session-Id: al\xffice\r\n"), 400),
