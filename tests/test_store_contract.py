@@ -349,6 +349,19 @@ async def test_a_write_retried_after_a_lost_reply_is_applied_once(redis_store: R
     assert await redis_store.reset(F1) == 3
 
 
+async def test_a_write_the_caller_retries_after_an_error_is_applied_once(redis_store: RedisStore) -> None:
+    """A turn retries its record write through a Redis restart; the first attempt may have been
+    applied with its reply lost. The same write again is the same write: its rows are stored once."""
+    fence = await own(redis_store, S1)
+    inbound = await redis_store.accept_inbound(fence, msg("m1"))
+    assert inbound is not None
+    for _ in range(2):
+        await redis_store.append(fence, 1, ROWS[:1], inbound=(inbound, InboundStatus.RUNNING, None))
+    assert await redis_store.conversation(S1) == (1, ROWS[:1])
+    await redis_store.append(fence, 1, ROWS[1:2], inbound=(inbound, InboundStatus.DONE, None))
+    assert await redis_store.conversation(S1) == (1, ROWS[:2])  # another write is another write
+
+
 @pytest.mark.parametrize("session", [S1, S2, "discord:thread:1:2:3", "odd:{brace}:key}{"])
 async def test_all_keys_of_a_session_share_one_slot(redis_store: RedisStore, redis_server: RedisServer,
                                                     session: str) -> None:

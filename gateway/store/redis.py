@@ -14,6 +14,7 @@ not retried: the StoreError comes sooner, and the router handles it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -282,8 +283,13 @@ class RedisStore:
                      inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
         key, now = _fenced(fence), time.time()
         finish = _finish_args(*inbound) if inbound is not None else ["", "", ""]
-        args: list[str | float | int] = [fence.number, now, conversation, _token(), *finish,
-                                         *(_encode_row(m) for m in rows)]
+        encoded = [_encode_row(m) for m in rows]
+        # The token names this write by what it writes (rows carry their times; an inbound status
+        # moves once), so a caller retrying after a lost reply — a Redis restart mid-call — sends
+        # the same token, and the script finds it applied instead of storing the rows twice.
+        token = hashlib.blake2b("\x1f".join([str(fence.number), str(conversation), *finish, *encoded]).encode(
+            "utf-8", "surrogatepass"), digest_size=12).hexdigest()
+        args: list[str | float | int] = [fence.number, now, conversation, token, *finish, *encoded]
         with self._errors("append"):
             await self._append(keys=[keys.lease(key), keys.meta(key), keys.messages(key, conversation),
                                      keys.inbound(key)], args=args)
