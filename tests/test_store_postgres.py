@@ -245,6 +245,18 @@ async def test_a_write_retried_after_a_lost_reply_is_applied_once(pg: PostgresSt
     assert await pg.reset(f) == 3
 
 
+async def test_a_write_the_caller_retries_after_an_error_is_applied_once(pg: PostgresStore) -> None:
+    """The turn's own retry (after the store raised, its write maybe applied): stored once."""
+    f = fence()
+    inbound = await pg.accept_inbound(f, msg("m1"))
+    assert inbound is not None
+    for _ in range(2):
+        await pg.append(f, 1, ROWS[:1], inbound=(inbound, InboundStatus.RUNNING, None))
+    assert await pg.conversation(S1) == (1, ROWS[:1])
+    await pg.append(f, 1, ROWS[1:2], inbound=(inbound, InboundStatus.DONE, None))
+    assert await pg.conversation(S1) == (1, ROWS[:2])
+
+
 # --- schema migrations ------------------------------------------------------------------------
 
 async def test_migrations_fresh_rerun_concurrent_and_a_later_step(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

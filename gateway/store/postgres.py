@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -486,11 +487,14 @@ class PostgresStore:
 
     async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
                      inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
-        number, token, now = self._fence(fence), _token(), time.time()
+        number, now = self._fence(fence), time.time()
         columns = ([m.role for m in rows], [_text(m.content) for m in rows], [m.tool_calls_json() for m in rows],
                    [_opt(m.tool_call_id) for m in rows], [m.interrupted_by for m in rows],
                    [_opt(m.reason) for m in rows], [m.created_at for m in rows])
         inbound_id, status, detail = inbound if inbound is not None else (None, None, None)
+        # Named by what it writes: a caller's retry after a lost reply is found already applied.
+        token = hashlib.blake2b(repr((number, conversation, columns, inbound_id, status, detail)).encode(
+            "utf-8", "surrogatepass"), digest_size=12).hexdigest()
         row = await self._run("append", lambda c: c.fetchrow(
             APPEND, fence.session_key, number, conversation, now, token, *columns, inbound_id,
             status.value if status is not None else None, _opt(detail)))
