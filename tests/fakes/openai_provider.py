@@ -69,6 +69,7 @@ class FakeProvider:
         self.max_context_tokens: int | None = None
         # Optional: the script for a request that has no queued or by-text script (None: the default).
         self.script_for: Callable[[Connection], Script | None] | None = None
+        self.record = True  # keep every request in `connections` (a long benchmark turns it off)
         self._runner: web.AppRunner | None = None
         self._closed = asyncio.Condition()
         self.port = 0
@@ -121,8 +122,9 @@ class FakeProvider:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         conn = Connection(time.perf_counter(), body, via=request.match_info.get("via"))
-        self.connections.append(conn)
-        self._hook_close(request, conn)
+        if self.record:
+            self.connections.append(conn)
+            self._hook_close(request, conn)
         script = self.scripts.popleft() if self.scripts else self.by_text.get(conn.last_user) or (
             self.script_for(conn) if self.script_for is not None else None) or Script()
         if script.echo_key:
@@ -241,8 +243,11 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _serve(port: int, delay_s: float, words: int) -> None:
+async def _serve(port: int, delay_s: float, words: int, text: str | None, record: bool) -> None:
     provider = FakeProvider(delay_s=delay_s, words=words)
+    provider.record = record
+    if text is not None:
+        provider.text_for = lambda _conn: text
     await provider.start_on(port)
     print(f"fake provider on {provider.base_url}", flush=True)
     await asyncio.Event().wait()
@@ -255,5 +260,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--delay", type=float, default=0.05)
     parser.add_argument("--words", type=int, default=200)
+    parser.add_argument("--text", help="the same answer to every request (default: 'reply to: ...' and --words words)")
+    parser.add_argument("--no-record", action="store_true", help="keep no request bodies (long benchmarks)")
     args = parser.parse_args()
-    asyncio.run(_serve(args.port, args.delay, args.words))
+    asyncio.run(_serve(args.port, args.delay, args.words, args.text, not args.no_record))
