@@ -9,6 +9,7 @@ from what the provider reports it counted.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,37 +41,149 @@ class Fitted:
     estimated_tokens: int  # of everything sent: system prompt, these, and the new message
     left_out: int  # older messages not sent (the first `left_out` of the history)
     shortened: int  # tool outputs sent shortened
+    encoded: bytes | None = None  # `messages` as comma-separated JSON objects (from a HistoryMemo)
 
 
 def fit(history: Sequence[ChatMessage], message: ChatMessage, *, budget_tokens: int, system_prompt: str | None = None,
-        ratio: float = 1.0) -> Fitted:
+        ratio: float = 1.0, memo: HistoryMemo | None = None) -> Fitted:
     """The newest turns of `history` that fit `budget_tokens` beside the system prompt and
-    `message`. `ratio` corrects the local estimate (provider's count / ours, per session).
+    `message`. `ratio` corrects the local estimate (provider's count / ours, per session): rows
+    cost `int(their estimate * ratio)` plus one token each.
 
     Works from the newest turn backwards and stops at the first that does not fit, so its cost
-    grows with what is sent, not with how long the conversation is."""
-    def tokens(m: ChatMessage) -> int:
-        return int(message_tokens(m) * ratio) + 1
-
-    fixed = tokens(message) + (int((estimate(system_prompt) + MESSAGE_OVERHEAD) * ratio) if system_prompt else 0)
+    grows with what is sent, not with how long the conversation is. With a `memo` (the session's,
+    kept between turns) the same cut comes from running totals, and the rows come encoded."""
+    fixed = int(message_tokens(message) * ratio) + 1 + (
+        int((estimate(system_prompt) + MESSAGE_OVERHEAD) * ratio) if system_prompt else 0)
     room = budget_tokens - fixed
+    if memo is not None:
+        return memo.fit(history, fixed, room, ratio)
     kept: list[list[ChatMessage]] = []
-    used = shortened = 0
+    used = count = shortened = 0  # estimate (unscaled) and number of the rows kept
     start = len(history)  # history[start:] is kept
     for begin, turn in _turns_backwards(history):
-        cost = sum(tokens(m) for m in turn)
-        if used + cost > room and kept:  # the newest turn is always sent whole
+        cost = sum(message_tokens(m) for m in turn)
+        if kept and int((used + cost) * ratio) + count + len(turn) > room:  # the newest turn is always sent whole
             short = [_shorten(m) for m in turn]
-            cost = sum(tokens(m) for m in short)
-            if used + cost > room:
+            cost = sum(message_tokens(m) for m in short)
+            if int((used + cost) * ratio) + count + len(turn) > room:
                 break
             shortened += sum(1 for a, b in zip(turn, short, strict=True) if a is not b)
             turn = short
         kept.append(turn)
         used += cost
+        count += len(turn)
         start = begin
     messages = [m for turn in reversed(kept) for m in turn]
-    return Fitted(messages, fixed + used, start, shortened)
+    return Fitted(messages, fixed + int(used * ratio) + count, start, shortened)
+
+
+def encode(m: ChatMessage) -> bytes:
+    """One message as the provider's JSON (compact; ASCII, so lone surrogates cannot break it)."""
+    return _ENCODER.encode(m.to_openai()).encode()
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
+class HistoryMemo:
+    """What `fit` derives from a session's history, kept between its turns: per-row estimates as
+    running totals (plain and with old tool outputs shortened), where turns start, and each row's
+    encoded JSON. A history only grows between turns, so each turn adds its new rows; a history
+    that is not an extension of the one seen (a /new, an older snapshot) is read again."""
+
+    __slots__ = ("_changed", "_encoded", "_rows", "_short", "_short_encoded", "_short_total", "_starts", "_total")
+
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self._rows: list[ChatMessage] = []
+        self._total = [0]  # _total[i]: estimate of rows[:i]
+        self._short_total = [0]  # the same, old tool outputs shortened
+        self._changed = [0]  # rows among rows[:i] that shortening changes
+        self._starts: list[int] = []  # where each turn starts, ascending
+        self._encoded: list[bytes | None] = []  # filled when first sent
+        self._short: dict[int, ChatMessage] = {}
+        self._short_encoded: dict[int, bytes] = {}
+
+    def _sync(self, history: Sequence[ChatMessage]) -> None:
+        rows = self._rows
+        n = len(rows)
+        if n and (len(history) < n or history[n - 1] is not rows[-1] or history[0] is not rows[0]):
+            self._clear()
+            rows, n = self._rows, 0
+        for i in range(n, len(history)):
+            m = history[i]
+            rows.append(m)
+            tokens = message_tokens(m)
+            self._total.append(self._total[-1] + tokens)
+            short = _shorten(m)
+            if short is not m:
+                self._short[i] = short
+                tokens = message_tokens(short)
+            self._short_total.append(self._short_total[-1] + tokens)
+            self._changed.append(self._changed[-1] + (short is not m))
+            self._encoded.append(None)
+            if m.role == "user" or i == 0:
+                self._starts.append(i)
+
+    def fit(self, history: Sequence[ChatMessage], fixed: int, room: int, ratio: float) -> Fitted:
+        self._sync(history)
+        rows, total, starts = self._rows, self._total, self._starts
+        n = len(rows)
+        if not n:
+            return Fitted([], fixed, 0, 0, b"")
+        # The newest turns that fit whole: the cost of a suffix only grows with its length, so the
+        # oldest turn start whose suffix fits is a binary search (the newest turn goes regardless).
+        lo, hi = 0, len(starts) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if int((total[n] - total[starts[mid]]) * ratio) + n - starts[mid] > room:
+                lo = mid + 1
+            else:
+                hi = mid
+        start = starts[lo]
+        used, count = total[n] - total[start], n - start
+        segments = [(start, n, False)]
+        shortened = 0
+        for t in range(lo - 1, -1, -1):  # older turns: shortened, as `fit` without a memo does
+            begin, end = starts[t], starts[t + 1]
+            cost, short = total[end] - total[begin], False
+            if int((used + cost) * ratio) + count + end - begin > room:
+                cost, short = self._short_total[end] - self._short_total[begin], True
+                if int((used + cost) * ratio) + count + end - begin > room:
+                    break
+                shortened += self._changed[end] - self._changed[begin]
+            used += cost
+            count += end - begin
+            start = begin
+            segments.append((begin, end, short))
+        messages: list[ChatMessage] = []
+        parts: list[bytes] = []
+        encoded = self._encoded
+        for begin, end, short in reversed(segments):
+            if short:
+                for i in range(begin, end):
+                    if (m := self._short.get(i)) is not None:
+                        if (data := self._short_encoded.get(i)) is None:
+                            data = self._short_encoded[i] = encode(m)
+                    else:
+                        m = rows[i]
+                        if (data := encoded[i]) is None:
+                            data = encoded[i] = encode(m)
+                    messages.append(m)
+                    parts.append(data)
+                continue
+            messages += rows[begin:end]
+            segment = encoded[begin:end]
+            if None in segment:
+                for i in range(begin, end):
+                    if encoded[i] is None:
+                        encoded[i] = encode(rows[i])
+                segment = encoded[begin:end]
+            parts += segment  # type: ignore[arg-type]  # no None left
+        return Fitted(messages, fixed + int(used * ratio) + count, start, shortened, b",".join(parts))
 
 
 def _turns_backwards(history: Sequence[ChatMessage]) -> Iterator[tuple[int, list[ChatMessage]]]:
