@@ -101,7 +101,7 @@ class OpenAIAgent:
         self.settings = settings
         self.tools = tools
         self._session: aiohttp.ClientSession | None = None
-        self._head: tuple[bytes, bytes] | None = None  # (tool schemas' JSON, the body up to "messages")
+        self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
 
     @property
     def description(self) -> str:
@@ -199,12 +199,13 @@ class OpenAIAgent:
         """The request body up to its messages: model, stream options and tool schemas, encoded
         once (again only if the tools change)."""
         s = self.settings
-        tools = _dumps(self.tools.schemas()) if self.tools.tools else b""
-        if self._head is None or self._head[0] != tools:
+        registered = tuple(self.tools.tools.values())
+        if self._head is None or self._head[0] != registered:
             head: dict[str, Any] = {"model": s.model, "stream": True}
             if s.include_usage:
                 head["stream_options"] = {"include_usage": True}
-            self._head = (tools, _dumps(head)[:-1] + (b',"tools":' + tools if tools else b"") + b',"messages":')
+            tools = b',"tools":' + _dumps(self.tools.schemas()) if registered else b""
+            self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
         return self._head[1]
 
     async def _complete(self, messages: bytes, rnd: _Round, estimated: int) -> AsyncIterator[TextDelta | Usage]:

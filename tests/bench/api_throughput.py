@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -56,7 +57,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-async def load(url: str, clients: int, seconds: float, body_for: collections.abc.Callable[[int, int], dict],
+async def load(url: str, clients: int, seconds: float, body_for: collections.abc.Callable[[int, int], dict[str, Any]],
                headers_for: collections.abc.Callable[[int, int], dict[str, str]], pid: int | None,
                profile: Path | None = None) -> Point:
     """`clients` loops, each in its own aiohttp session, asking back to back. Warm-up lasts until
@@ -119,10 +120,19 @@ async def load(url: str, clients: int, seconds: float, body_for: collections.abc
                  1000 * (cpu1 - cpu0) / done if pid is not None and done else None, errors[0])
 
 
-def bare_body(i: int, n: int) -> dict:
+def bare_body(i: int, n: int) -> dict[str, Any]:
     # What the daemon sends for a first message: one user message, streamed, with usage.
     return {"model": "bench", "messages": [{"role": "user", "content": f"hello number {n}"}], "stream": True,
             "stream_options": {"include_usage": True}}
+
+
+LONG_HISTORY = [m for t in range(PRIOR_TURNS) for m in (
+    {"role": "user", "content": f"hello number {t}"}, {"role": "assistant", "content": ANSWER + " "})]
+
+
+def bare_body_long(i: int, n: int) -> dict[str, Any]:
+    # What the daemon sends in a session with 1,000 prior turns (all of it fits the budget).
+    return {**bare_body(i, n), "messages": [*LONG_HISTORY, {"role": "user", "content": f"hello number {n}"}]}
 
 
 async def seed(db: Path, sessions: list[str]) -> None:
@@ -140,8 +150,9 @@ async def seed(db: Path, sessions: list[str]) -> None:
 
 
 class Daemon:
-    def __init__(self, tmp: Path, provider_url: str, event_loop: str | None) -> None:
+    def __init__(self, tmp: Path, provider_url: str, event_loop: str | None, code: Path | None = None) -> None:
         self.tmp = tmp
+        self.code = code  # another checkout's gateway (PYTHONPATH), for a side-by-side comparison
         self.port = free_port()
         self.config = tmp / "switchboard.toml"
         loop = f'event_loop = "{event_loop}"\n' if event_loop else ""
@@ -186,9 +197,11 @@ data_dir = "{tmp / 'data'}"
 
     async def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        code = self.code or Path(__file__).resolve().parents[2]
+        env["PYTHONPATH"] = str(code)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(self.config)],
-                                         env=env, stdout=log, stderr=log)
+                                         env=env, stdout=log, stderr=log, cwd=code)
         deadline = time.monotonic() + 30
         async with aiohttp.ClientSession() as http:
             while time.monotonic() < deadline:
@@ -210,9 +223,9 @@ data_dir = "{tmp / 'data'}"
 
 
 async def daemon_points(kind: str, clients: list[int], seconds: float, provider_url: str, event_loop: str | None,
-                        profile: Path | None) -> dict[int, Point]:
+                        profile: Path | None, code: Path | None = None) -> dict[int, Point]:
     with tempfile.TemporaryDirectory(prefix="sb-bench-") as tmp:
-        daemon = Daemon(Path(tmp), provider_url, event_loop)
+        daemon = Daemon(Path(tmp), provider_url, event_loop, code)
         offsets = {c: sum(clients[:k]) for k, c in enumerate(clients)}  # each level its own sessions
         if kind == "long":
             await seed(daemon.db, [f"api:dm:long-{i}" for i in range(sum(clients))])
@@ -228,7 +241,7 @@ async def daemon_points(kind: str, clients: list[int], seconds: float, provider_
                     session = f"long-{base + i}" if kind == "long" else f"fresh-{base + i}-{n // FRESH_EVERY}"
                     return {"Authorization": f"Bearer {KEY}", "X-Session-Id": session}
 
-                def body(i: int, n: int) -> dict:
+                def body(i: int, n: int) -> dict[str, Any]:
                     return {"model": "switchboard", "messages": [{"role": "user", "content": f"hello number {n}"}]}
 
                 points[c] = await load(url, c, seconds, body, headers, daemon.proc.pid,
@@ -281,6 +294,8 @@ async def main() -> None:
     parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default=None,
                         help="daemon.event_loop for the daemon (default: its config default)")
     parser.add_argument("--profile", type=Path, help="run py-spy on the daemon, raw stacks into this directory")
+    parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a `git worktree` of main): its daemon "
+                        "is measured in the same runs, alternating with this one's")
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     kinds = args.kinds.split(",")
@@ -293,36 +308,43 @@ async def main() -> None:
     provider_url = f"http://127.0.0.1:{port}/v1"
     print(f"load average at start: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; {args.runs} run(s), "
           f"{args.seconds:g} s per point", flush=True)
-    bare: dict[int, list[Point]] = collections.defaultdict(list)
+    bare: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
     ours: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
+    base: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
     try:
         await asyncio.sleep(1.0)
         for run in range(args.runs):
-            for c in clients:
-                bare[c].append(await load(provider_url + "/chat/completions", c, args.seconds, bare_body,
-                                          lambda i, n: {}, None))
+            for kind in kinds:
+                for c in clients:
+                    bare[kind, c].append(await load(provider_url + "/chat/completions", c, args.seconds,
+                                                    bare_body_long if kind == "long" else bare_body,
+                                                    lambda i, n: {}, None))
             for kind in kinds:
                 profile = args.profile if args.profile and run == 0 else None
-                for c, p in (await daemon_points(kind, clients, args.seconds, provider_url, args.event_loop,
-                                                 profile)).items():
-                    ours[kind, c].append(p)
+                sides = [(ours, None), (base, args.baseline)] if args.baseline else [(ours, None)]
+                for table, code in sides if run % 2 == 0 else sides[::-1]:
+                    for c, p in (await daemon_points(kind, clients, args.seconds, provider_url, args.event_loop,
+                                                     profile if code is None else None, code)).items():
+                        table[kind, c].append(p)
             print(f"run {run + 1} done (load average {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         provider.terminate()
         provider.wait(10)
-    print()
-    print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in kinds:
-        for c in clients:
-            ps = ours[kind, c]
-            rate = med([p.rate for p in ps])
-            limit = med([p.rate for p in bare[c]])
-            cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
-            errs = sum(p.errors for p in ps)
-            print(f"| {kind} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
-                  f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
-                  + (f" {errs} errors" if errs else ""))
+    tables = [("this checkout", ours), (f"baseline {args.baseline}", base)] if args.baseline else [("", ours)]
+    for title, table in tables:
+        print(f"\n{title}" if title else "")
+        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for kind in kinds:
+            for c in clients:
+                ps = table[kind, c]
+                rate = med([p.rate for p in ps])
+                limit = med([p.rate for p in bare[kind, c]])
+                cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
+                errs = sum(p.errors for p in ps)
+                print(f"| {kind} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
+                      f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
+                      + (f" {errs} errors" if errs else ""))
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     if args.profile:
         for raw in sorted(args.profile.glob("*.txt")):
