@@ -10,6 +10,7 @@ from what the provider reports it counted.
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -88,50 +89,58 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 class HistoryMemo:
     """What `fit` derives from a session's history, kept between its turns: per-row estimates as
-    running totals (plain and with old tool outputs shortened), where turns start, and each row's
-    encoded JSON. A history only grows between turns, so each turn adds its new rows; a history
-    that is not an extension of the one seen (a /new, an older snapshot) is read again."""
+    running totals (plain and with old tool outputs shortened), where turns start, and the rows
+    encoded as JSON, back to back in one buffer, so what is sent is one slice of it. A history
+    only grows between turns, so each turn adds its new rows; a history that is not an extension
+    of the one seen (a /new, an older snapshot) is read again. Compact: machine integers, no
+    object per row (about 60 bytes a row besides its JSON)."""
 
-    __slots__ = ("_changed", "_encoded", "_rows", "_short", "_short_encoded", "_short_total", "_starts", "_total")
+    __slots__ = ("_changed", "_encoded", "_ends", "_first", "_last", "_short", "_short_total", "_starts", "_total")
 
     def __init__(self) -> None:
         self._clear()
 
     def _clear(self) -> None:
-        self._rows: list[ChatMessage] = []
-        self._total = [0]  # _total[i]: estimate of rows[:i]
-        self._short_total = [0]  # the same, old tool outputs shortened
-        self._changed = [0]  # rows among rows[:i] that shortening changes
-        self._starts: list[int] = []  # where each turn starts, ascending
-        self._encoded: list[bytes | None] = []  # filled when first sent
-        self._short: dict[int, ChatMessage] = {}
-        self._short_encoded: dict[int, bytes] = {}
+        self._first: ChatMessage | None = None  # the history seen: its first and last row...
+        self._last: ChatMessage | None = None
+        self._total = array("q", [0])  # ...and its length, len(_total) - 1; _total[i]: estimate of rows[:i]
+        self._short_total = array("q", [0])  # the same, old tool outputs shortened
+        self._changed = array("q", [0])  # rows among rows[:i] that shortening changes
+        self._starts = array("q")  # where each turn starts, ascending
+        self._encoded = bytearray()  # every row's JSON followed by a comma
+        self._ends = array("q", [0])  # _encoded[_ends[i]:_ends[i + 1] - 1] is row i
+        self._short: dict[int, tuple[ChatMessage, bytes]] = {}  # rows that shortening changes, shortened
 
     def _sync(self, history: Sequence[ChatMessage]) -> None:
-        rows = self._rows
-        n = len(rows)
-        if n and (len(history) < n or history[n - 1] is not rows[-1] or history[0] is not rows[0]):
+        n = len(self._total) - 1
+        if n and (len(history) < n or history[n - 1] is not self._last or history[0] is not self._first):
             self._clear()
-            rows, n = self._rows, 0
+            n = 0
+        if len(history) == n:
+            return
+        total, short_total, changed, ends, encoded = (self._total, self._short_total, self._changed, self._ends,
+                                                      self._encoded)
         for i in range(n, len(history)):
             m = history[i]
-            rows.append(m)
             tokens = message_tokens(m)
-            self._total.append(self._total[-1] + tokens)
+            total.append(total[-1] + tokens)
             short = _shorten(m)
             if short is not m:
-                self._short[i] = short
+                self._short[i] = (short, encode(short))
                 tokens = message_tokens(short)
-            self._short_total.append(self._short_total[-1] + tokens)
-            self._changed.append(self._changed[-1] + (short is not m))
-            self._encoded.append(None)
+            short_total.append(short_total[-1] + tokens)
+            changed.append(changed[-1] + (short is not m))
+            encoded += encode(m)
+            encoded += b","
+            ends.append(len(encoded))
             if m.role == "user" or i == 0:
                 self._starts.append(i)
+        self._first, self._last = history[0], history[-1]
 
     def fit(self, history: Sequence[ChatMessage], fixed: int, room: int, ratio: float) -> Fitted:
         self._sync(history)
-        rows, total, starts = self._rows, self._total, self._starts
-        n = len(rows)
+        total, starts = self._total, self._starts
+        n = len(total) - 1
         if not n:
             return Fitted([], fixed, 0, 0, b"")
         # The newest turns that fit whole: the cost of a suffix only grows with its length, so the
@@ -143,9 +152,9 @@ class HistoryMemo:
                 lo = mid + 1
             else:
                 hi = mid
-        start = starts[lo]
+        whole = start = starts[lo]
         used, count = total[n] - total[start], n - start
-        segments = [(start, n, False)]
+        older: list[tuple[int, int, bool]] = []
         shortened = 0
         for t in range(lo - 1, -1, -1):  # older turns: shortened, as `fit` without a memo does
             begin, end = starts[t], starts[t + 1]
@@ -158,31 +167,24 @@ class HistoryMemo:
             used += cost
             count += end - begin
             start = begin
-            segments.append((begin, end, short))
+            older.append((begin, end, short))
+        ends, encoded = self._ends, self._encoded
         messages: list[ChatMessage] = []
-        parts: list[bytes] = []
-        encoded = self._encoded
-        for begin, end, short in reversed(segments):
-            if short:
-                for i in range(begin, end):
-                    if (m := self._short.get(i)) is not None:
-                        if (data := self._short_encoded.get(i)) is None:
-                            data = self._short_encoded[i] = encode(m)
-                    else:
-                        m = rows[i]
-                        if (data := encoded[i]) is None:
-                            data = encoded[i] = encode(m)
-                    messages.append(m)
-                    parts.append(data)
+        parts: list[bytes | bytearray] = []
+        for begin, end, short in reversed(older):
+            if not short:
+                messages += history[begin:end]
+                parts.append(encoded[ends[begin]:ends[end] - 1])
                 continue
-            messages += rows[begin:end]
-            segment = encoded[begin:end]
-            if None in segment:
-                for i in range(begin, end):
-                    if encoded[i] is None:
-                        encoded[i] = encode(rows[i])
-                segment = encoded[begin:end]
-            parts += segment  # type: ignore[arg-type]  # no None left
+            for i in range(begin, end):
+                if (replaced := self._short.get(i)) is not None:
+                    messages.append(replaced[0])
+                    parts.append(replaced[1])
+                else:
+                    messages.append(history[i])
+                    parts.append(encoded[ends[i]:ends[i + 1] - 1])
+        messages += history[whole:n]
+        parts.append(encoded[ends[whole]:ends[n] - 1])
         return Fitted(messages, fixed + int(used * ratio) + count, start, shortened, b",".join(parts))
 
 
