@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
@@ -102,6 +103,7 @@ class OpenAIAgent:
         self.tools = tools
         self._session: aiohttp.ClientSession | None = None
         self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
+        self._url = URL(settings.base_url.rstrip("/") + "/chat/completions")  # parsed once, not per request
 
     @property
     def description(self) -> str:
@@ -215,10 +217,9 @@ class OpenAIAgent:
         headers = {"Content-Type": "application/json"}
         if s.api_key:
             headers["Authorization"] = f"Bearer {s.api_key}"
-        url = s.base_url.rstrip("/") + "/chat/completions"
         for attempt in range(s.retries + 1):
             try:
-                resp = await self._http().post(url, data=body, headers=headers)
+                resp = await self._http().post(self._url, data=body, headers=headers)
             except aiohttp.ClientError as exc:
                 if attempt < s.retries:
                     await asyncio.sleep(s.backoff_s * 2 ** attempt)
