@@ -2,7 +2,9 @@
 
 With a session (the `user` field or an `X-Session-Id` header) the daemon keeps the history and
 the request's last user message is the new input; commands such as `/stop` work the same way.
-Without one, the request is stateless, as in OpenAI's API. A client that goes away while its
+Without one, the request is stateless, as in OpenAI's API. Sessions belong to the tenant whose key
+opened them (see `platforms/tenants.py`): the session key is `api:dm:<tenant>/<session id>`, so
+the same session id under another key is another conversation. A client that goes away while its
 turn runs has the run hard_cancelled with the system reason "client disconnected" at once,
 streaming or silent (a tool running): the daemon's HTTP server runs with aiohttp's
 `handler_cancellation`, so the connection's loss cancels the request's handler, and the handler
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import time
@@ -24,16 +25,21 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.attachments import MB, Attachment
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Outcome, Reply, Submitted
 from gateway.core.transcript import ChatMessage
 from platforms.base import Adapter
+from platforms.content_parts import BadContent, parse_content
+from platforms.http_input import read_json
+from platforms.tenants import ApiKeys
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "api"
 KEEPALIVE_S = 10.0
+MAX_SESSION_ID = 256
 
 
 # Text as text in every body: no \\uXXXX escapes for the languages people write in.
@@ -66,8 +72,9 @@ class _ApiReply(Reply):
         self.queue.put_nowait(("end", {"finish_reason": "stop", "interrupted_by": reason.kind,
                                        "reason": reason.text}))
 
-    async def failed(self, text: str) -> None:
-        self.queue.put_nowait(("end", {"finish_reason": "error", "error": text}))
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
+        end = {"finish_reason": "error", "error": text}
+        self.queue.put_nowait(("end", end if retry_after_s is None else {**end, "retry_after_s": retry_after_s}))
 
     async def settled(self, problem: str | None = None) -> None:
         self.queue.put_nowait(("settled", problem))
@@ -92,8 +99,10 @@ class ApiAdapter(Adapter):
     capabilities = Capabilities(max_message_len=1 << 20, can_edit=False, can_stream=True)
     can_steer = False  # each request waits for an answer of its own
 
-    def __init__(self, *, keys: list[str], model_name: str = "switchboard") -> None:
-        self._keys = [k.encode() for k in keys]
+    def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
+                 model_name: str = "switchboard", max_attachment_bytes: int = 10 * MB) -> None:
+        self._keys = ApiKeys(keys, tenants)
+        self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
         self.model_name = model_name
         self._replies: dict[str, _ApiReply] = {}
 
@@ -110,36 +119,37 @@ class ApiAdapter(Adapter):
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         return self._replies.get(msg.message_id) or _ApiReply()
 
-    def _authorized(self, request: web.Request) -> bool:
-        if not self._keys:
-            return True
-        header = request.headers.get("Authorization", "")
-        token = header[7:].encode() if header.startswith("Bearer ") else b""
-        return any(hmac.compare_digest(token, k) for k in self._keys)
+    def _tenant(self, request: web.Request) -> str | None:
+        """The caller's tenant ("" without keys), or None: not authorised."""
+        return self._keys.tenant(request.headers.get("Authorization", ""))
 
     async def _models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
+        if self._tenant(request) is None:
             return _error(401, "Invalid API key.", "invalid_api_key")
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "switchboard"}]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
+        tenant = self._tenant(request)
+        if tenant is None:
             return _error(401, "Invalid API key.", "invalid_api_key")
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "The request body must be JSON.")
-        parsed = _parse(body)
+        body = await read_json(request, lambda status, problem: _error(status, problem))
+        if isinstance(body, web.Response):
+            return body
+        parsed = _parse(body, self.max_attachment_bytes)
         if isinstance(parsed, web.Response):
             return parsed
-        history, text, stream = parsed
+        history, text, attachments, stream = parsed
         session = request.headers.get("X-Session-Id") or (body.get("user") if isinstance(body.get("user"), str)
                                                           else None)
+        if session is not None and len(session) > MAX_SESSION_ID:
+            return _error(400, f"The session id is longer than {MAX_SESSION_ID} characters.", param="user")
         mid = uuid.uuid4().hex
-        chat_id = session or f"ephemeral-{mid}"
+        # The tenant's namespace: another key's "alice" is another conversation.
+        chat_id = f"{tenant}/{session or f'ephemeral-{mid}'}" if tenant else session or f"ephemeral-{mid}"
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
-                             user_name=chat_id, message_id=mid, text=text)
+                             user_name=chat_id, message_id=mid, text=text, tenant=tenant or None,
+                             attachments=attachments)
         reply = self._replies[mid] = _ApiReply()
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
@@ -172,6 +182,8 @@ class ApiAdapter(Adapter):
     async def _complete(self, run: Run, reply: _ApiReply) -> web.StreamResponse:
         end = await reply.outcome()
         if end.get("error"):
+            if (retry := end.get("retry_after_s")) is not None:  # our side is down for now: not the provider
+                return _error(503, end["error"], "service_unavailable", headers={"Retry-After": f"{retry:.0f}"})
             return _error(502, end["error"], "provider_error")
         return web.json_response(self._completion(reply.text, end), dumps=_dumps)
 
@@ -242,35 +254,31 @@ def _client_gone(submit: asyncio.Future[Submitted]) -> None:
         run.cancel(CLIENT_DISCONNECTED)
 
 
-def _parse(body: Any) -> tuple[list[ChatMessage], str, bool] | web.Response:
-    """Validate a chat completion request: (earlier messages, new user text, stream)."""
+def _parse(body: Any, max_bytes: int) -> tuple[list[ChatMessage], str, tuple[Attachment, ...], bool] | web.Response:
+    """Validate a chat completion request: (earlier messages, new user text, its attachments, stream)."""
     if not isinstance(body, dict):
         return _error(400, "The request body must be a JSON object.")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return _error(400, "'messages' must be a non-empty array.", param="messages")
     history: list[ChatMessage] = []
+    attachments: tuple[Attachment, ...] = ()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
             return _error(400, f"messages[{i}]: role must be system, user or assistant.", param="messages")
-        content = _text(m.get("content"))
-        if content is None:
-            return _error(400, f"messages[{i}].content must be a string or text parts.", param="messages")
-        history.append(ChatMessage(m["role"], content))
+        latest = i == len(messages) - 1
+        try:  # only the new message's images and files are decoded; earlier ones leave a placeholder
+            content = parse_content(m.get("content"), latest=latest and m["role"] == "user", max_bytes=max_bytes)
+        except BadContent as exc:
+            return _error(400, f"messages[{i}].content {exc}.", param="messages")
+        if content.attachments and not latest:  # pragma: no cover - parse_content decodes only the last
+            return _error(400, f"messages[{i}]: only the last message may carry images or files.")
+        attachments = content.attachments if latest else attachments
+        history.append(ChatMessage(m["role"], content.text))
     last = history.pop()
     if last.role != "user":
         return _error(400, "The last message must have role 'user'.", param="messages")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _error(400, "'stream' must be a boolean.", param="stream")
-    return history, last.content, stream
-
-
-def _text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if all(isinstance(p, str) for p in parts) and parts:
-            return "".join(p for p in parts if isinstance(p, str))
-    return None
+    return history, last.content, attachments, stream

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gateway.core.attachments import Attachment
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Reply
@@ -83,8 +84,22 @@ class Adapter(ABC):
         """Replace the text of a message this adapter sent. Raises as `send` does, and
         `MessageGone` if the message no longer exists."""
 
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str:
+        """`send` for a part of a streaming reply; `stop`: show a Stop button for that token, where
+        the platform has buttons (see `platforms/stop_button.py`)."""
+        return await self.send(chat, text, reply_to=reply_to)
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None:
+        """`edit` for a part of a streaming reply; without `stop` a Stop button it showed is removed."""
+        await self.edit(chat, message_id, text)
+
     async def typing(self, chat: ChatRef) -> None:
         """Show a typing indicator, if the platform has one."""
+
+    async def attachment_url(self, att: Attachment) -> str:
+        """Where to download an attachment this platform reported (asked in the turn, not at
+        intake). Raises `LookupError` with a reason safe to show if it cannot be fetched."""
+        raise LookupError("this platform does not serve files")
 
     def measure(self, text: str) -> int:
         """How long the platform counts `text` to be (its limit is `capabilities.max_message_len`)."""
@@ -99,7 +114,7 @@ class Adapter(ABC):
         return chat.chat_id
 
     def count(self, kind: str) -> None:
-        """Metrics: one outbound `send`/`edit`/`notice`, or a `429` from the platform."""
+        """Metrics: one outbound `send`/`edit`/`draft`/`notice`, or a `429` from the platform."""
         if self._gateway is not None:
             self._gateway.count_outbound(self.name, kind)
 

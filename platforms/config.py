@@ -14,12 +14,14 @@ from gateway.core.secrets import Secret
 @dataclass
 class WebchatConfig:
     enabled: bool | None = None  # None: on when no chat platform is configured
+    session_secret: Secret | None = None  # keys the cookie -> session id hash; unset: made in data_dir
 
 
 @dataclass
 class ApiConfig:
     enabled: bool = False
-    keys: list[Secret] = field(default_factory=list)
+    keys: list[Secret] = field(default_factory=list)  # each its own tenant, named by a short hash
+    tenants: dict[str, Secret] = field(default_factory=dict)  # tenant name -> key
     model_name: str = "switchboard"
 
 
@@ -37,6 +39,12 @@ class TelegramConfig:
     allowlist: list[str] = field(default_factory=list)  # user ids and @usernames
     edit_interval_s: float = 1.0
     poll_timeout_s: int = 30
+    # Private chats stream through sendMessageDraft ("draft"), else by editing a message ("edit"),
+    # or only the final text is sent ("off"); groups, and chats that refuse drafts, use "edit".
+    streaming: Literal["draft", "edit", "off"] = "draft"
+    draft_interval_s: float = 0.3  # how often a draft is updated while text arrives
+    draft_refresh_s: float = 20.0  # a draft is re-sent this long after its last update (it lives ~30 s)
+    stop_button: bool = True  # an inline "⏹ Stop" button on streaming answers
 
 
 @dataclass
@@ -48,3 +56,4 @@ class DiscordConfig:
     allowlist: list[str] = field(default_factory=list)  # user ids
     edit_interval_s: float = 1.0
     register_commands: bool = True
+    stop_button: bool = True  # a "⏹ Stop" button on streaming answers

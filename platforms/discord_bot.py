@@ -23,12 +23,15 @@ import discord
 from discord import app_commands
 
 from gateway.core import commands
+from gateway.core.attachments import Attachment, mime_of
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import DiscordConfig
 from platforms.ingress import IngressLeader
+from platforms.stop_button import PressOutcome, StopButtons
 from platforms.streaming import EditStreamReply
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,10 @@ class _Client(discord.Client):
     async def on_message(self, message: discord.Message) -> None:
         await self.adapter._on_message(message)
 
+    async def on_interaction(self, interaction: Interaction) -> None:
+        if interaction.type is discord.InteractionType.component:
+            await self.adapter._on_component(interaction)
+
 
 @dataclass(eq=False)
 class _PendingInteraction:
@@ -128,6 +135,7 @@ class DiscordAdapter(Adapter):
         self._replies: set[_DiscordReply] = set()
         self._interactions: dict[str, _PendingInteraction] = {}
         self._sent_ids: OrderedDict[int, None] = OrderedDict()  # ours, to spot replies to the bot
+        self.stop_buttons = StopButtons(PLATFORM)
 
     def _new_client(self) -> _Client:
         client = _Client(self, **self._client_kwargs)
@@ -323,10 +331,13 @@ class DiscordAdapter(Adapter):
                 user_id=str(message.author.id), user_name=message.author.display_name,
                 message_id=str(message.id), text=text, timestamp=message.created_at.timestamp(),
                 reply_to=str(ref.message_id) if ref is not None and ref.message_id is not None else None,
-                media=bool(message.attachments or message.stickers))
+                attachments=tuple(_attachment(a) for a in message.attachments), media=bool(message.stickers))
             await self.gateway.submit(msg, self)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
+
+    async def attachment_url(self, att: Attachment) -> str:
+        return att.ref  # the attachment's CDN URL, as the message carried it
 
     async def _on_app_command(self, interaction: Interaction, name: str) -> None:
         """Run `/name` as the router's text command; the interaction is always answered."""
@@ -382,6 +393,34 @@ class DiscordAdapter(Adapter):
             except (discord.HTTPException, *_TRANSIENT) as exc:
                 log.warning("discord: could not answer an interaction: %s", _describe(exc))
 
+    async def _on_component(self, interaction: Interaction) -> None:
+        """A button press: a Stop button's is `/stop` for its answer. The interaction is answered
+        once the cancel is issued: silently (no spinner; the answer's message shows the stop), or
+        with a note only the presser sees."""
+        data: dict[str, Any] = dict(interaction.data or {})
+        raw = data.get("custom_id")
+        if not isinstance(raw, str) or not raw.startswith(stop_button.PREFIX):
+            return  # not ours: discord.py's view store, if anyone, answers it
+        perms = interaction.permissions
+
+        async def is_admin() -> bool:  # Discord sends the presser's permissions with the press
+            return perms.administrator or perms.manage_messages
+
+        try:
+            press = await self.stop_buttons.press(
+                self.gateway, self, self._chat_for(interaction.channel), raw, user_id=str(interaction.user.id),
+                user_name=interaction.user.display_name, press_id=f"dc{interaction.id}", is_admin=is_admin)
+        except Exception:
+            log.exception("discord: could not handle a Stop button press")
+            press = stop_button.Press(PressOutcome.FAILED, "Something went wrong; please try /stop.")
+        try:
+            if press.outcome is PressOutcome.STOPPED:
+                await interaction.response.defer()  # a deferred update: the message changes itself
+            else:
+                await interaction.response.send_message(press.text[:MAX_LEN], ephemeral=True)
+        except (discord.HTTPException, *_TRANSIENT) as exc:
+            log.warning("discord: could not answer a button press: %s", _describe(exc))
+
     # --- outbound -------------------------------------------------------------------------
 
     def _target(self, chat: ChatRef) -> discord.PartialMessageable:
@@ -409,21 +448,29 @@ class DiscordAdapter(Adapter):
             raise OutboundError(_describe(exc)) from None
 
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
+        return await self.send_part(chat, text, reply_to=reply_to, stop=None)
+
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str:
         channel = self._target(chat)
-        reference = None
+        options: dict[str, Any] = {}
         if reply_to is not None and reply_to.isdigit():
-            reference = discord.MessageReference(message_id=int(reply_to), channel_id=channel.id,
-                                                 fail_if_not_exists=False)
-        message = await self._call(lambda: channel.send(text, reference=reference) if reference
-                                   else channel.send(text), idempotent=False)
+            options["reference"] = discord.MessageReference(message_id=int(reply_to), channel_id=channel.id,
+                                                            fail_if_not_exists=False)
+        if stop is not None:
+            options["view"] = _stop_view(stop)
+        message = await self._call(lambda: channel.send(text, **options), idempotent=False)
         self._sent_ids[message.id] = None
         if len(self._sent_ids) > 10_000:
             self._sent_ids.popitem(last=False)
         return str(message.id)
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
+        await self.edit_part(chat, message_id, text, stop=None)
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None:
         partial = self._target(chat).get_partial_message(int(message_id))
-        await self._call(lambda: partial.edit(content=text), idempotent=True)
+        view = _stop_view(stop)  # None: a Stop button the message showed is removed
+        await self._call(lambda: partial.edit(content=text, view=view), idempotent=True)
 
     def outbox_key(self, chat: ChatRef) -> str:
         return chat.thread_id or chat.chat_id  # Discord rate-limits per channel; a thread is one
@@ -435,6 +482,8 @@ class DiscordAdapter(Adapter):
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
         """Notices about an application command answer its interaction; others are messages."""
+        if self.stop_buttons.absorb(reply_to, text):  # about a Stop button press: its answer says it
+            return
         pending = self._interactions.pop(reply_to, None) if reply_to else None
         if pending is not None:
             await self._answer(pending, text)
@@ -442,7 +491,8 @@ class DiscordAdapter(Adapter):
         await super().notify(chat, text, reply_to=reply_to)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
-        reply = _DiscordReply(self, msg, run)
+        token = self.stop_buttons.open(msg, run) if self._config.stop_button else None
+        reply = _DiscordReply(self, msg, run, token)
         self._replies.add(reply)
         return reply
 
@@ -450,9 +500,13 @@ class DiscordAdapter(Adapter):
 class _DiscordReply(EditStreamReply):
     """EditStreamReply that tells the adapter when it has ended, so shutdown can wait for it."""
 
-    def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id)
+    def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run, token: str | None) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token)
         self._owner = adapter
+
+    async def settled(self, problem: str | None = None) -> None:
+        self._owner.stop_buttons.close(self._stop)
+        await super().settled(problem)
 
     async def finish(self, text: str) -> None:
         try:
@@ -466,11 +520,29 @@ class _DiscordReply(EditStreamReply):
         finally:
             await self._owner._reply_done(self)
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         try:
-            await super().failed(text)
+            await super().failed(text, retry_after_s=retry_after_s)
         finally:
             await self._owner._reply_done(self)
 
 
+def _stop_view(data: str | None) -> discord.ui.View | None:
+    """A message's Stop button, as a component layout. The view is stopped before it is sent, so
+    discord.py does not keep it: presses arrive in `on_interaction`, whether discord.py still
+    knows the message or not (a restart, a re-IDENTIFY)."""
+    if data is None:
+        return None
+    view = discord.ui.View(timeout=None)
+    view.add_item(discord.ui.Button(label=stop_button.LABEL, style=discord.ButtonStyle.secondary, custom_id=data))
+    view.stop()
+    return view
+
+
 __all__ = ["DiscordAdapter"]
+
+
+def _attachment(a: discord.Attachment) -> Attachment:
+    """A Discord attachment as the router sees it (its URL is how it is fetched in the turn)."""
+    mime = mime_of(a.content_type, a.filename)
+    return Attachment("image" if mime.startswith("image/") else "file", a.filename, mime, a.size, a.url)

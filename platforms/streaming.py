@@ -41,6 +41,7 @@ class _Message:
     text: str  # what it shows (a stop mark aside)
     end: int  # it carries the reply's text up to this offset
     gone: bool = False  # deleted on the platform
+    stop: str | None = None  # the token of the Stop button it shows, if any
 
 
 class EditStreamReply(Reply):
@@ -58,8 +59,10 @@ class EditStreamReply(Reply):
     MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
     MAX_LOSS_NOTICES = 3
 
-    def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None) -> None:
+    def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None,
+                 stop: str | None = None) -> None:
         self._adapter = adapter
+        self._stop = stop  # while it streams, its messages show a Stop button for this token
         self._chat = chat
         self._run = run
         self._reply_to = reply_to
@@ -90,6 +93,7 @@ class EditStreamReply(Reply):
         self._ended = False
         self._notice_shown = False
         self._pump_scheduled = False
+        self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
 
     # --- the Reply port -------------------------------------------------------------------
 
@@ -127,7 +131,7 @@ class EditStreamReply(Reply):
             await self._settle(self._adapter.notify(self._chat, notice, reply_to=self._reply_to,
                                                     kind=NoticeKind.INTERRUPTED, reason=reason))
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         if self._ended or not await self._run.may_send_now():
             return
         await self._end()
@@ -188,6 +192,28 @@ class EditStreamReply(Reply):
                         self._adapter.name, self._chat.chat_id)
         except Exception:
             log.exception("%s: delivering the final text of a reply failed", self._adapter.name)
+        await self._strip_buttons()
+
+    async def _strip_buttons(self) -> None:
+        """The turn is over: no message of it keeps a Stop button (the final render removed the
+        window's; this catches messages frozen earlier, and any left by a failed edit)."""
+        for message in (*self._frozen, *self._parts):
+            if message.stop is None or message.gone:
+                continue
+
+            async def call(m: _Message = message) -> None:
+                await self._adapter.edit_part(self._chat, m.mid, m.text, stop=None)
+                m.stop = None
+
+            job: Job[None] = self._outbox.put(self._key, call, priority=Priority.URGENT, kind="edit",
+                                              attempts=self.FINAL_ATTEMPTS, owner=self)
+            try:
+                await job.wait()
+            except MessageGone:
+                message.gone = True
+            except Exception as exc:
+                log.info("%s: could not remove a Stop button in chat %s: %s", self._adapter.name,
+                         self._chat.chat_id, exc)
 
     async def _mark(self, target: _Message, notice: str, reason: ToolReason) -> None:
         """Mark the last message stopped (the notice goes in a message of its own if it does not
@@ -198,6 +224,7 @@ class EditStreamReply(Reply):
             if self._adapter.measure(marked) <= self._caps.max_message_len:
                 try:
                     await self._edit_marked(target.mid, marked, target.text, reason)
+                    target.stop = None  # an edit without a button removes it
                     self._adapter.count("edit")
                     return
                 except (MessageGone, Refused) as exc:
@@ -211,6 +238,7 @@ class EditStreamReply(Reply):
             await job.wait()
         except (OutboundError, RateLimited) as exc:
             log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+        await self._strip_buttons()
 
     async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:
         """Edit a message to `text`: its `body` with the stop notice for `reason` appended."""
@@ -243,7 +271,7 @@ class EditStreamReply(Reply):
         last = 0.0
         while not self._ended:
             await self._dirty.wait()
-            wait = last + self._caps.edit_interval_s - time.monotonic()
+            wait = last + self._interval() - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
             self._dirty.clear()
@@ -256,6 +284,10 @@ class EditStreamReply(Reply):
             except Exception:
                 log.exception("%s: streaming a reply failed", self._adapter.name)
                 return
+
+    def _interval(self) -> float:
+        """The least time between two intermediate states."""
+        return self._caps.edit_interval_s
 
     # --- rendering ------------------------------------------------------------------------
 
@@ -293,10 +325,11 @@ class EditStreamReply(Reply):
         return reopen + body, self._base + len(rest) - len(body), len(reopen)
 
     async def _put(self, index: int, text: str, end: int, *, final: bool) -> None:
+        stop = None if final else self._stop
         if index < len(self._parts):
             message = self._parts[index]
-            if message.text == text:
-                message.end = end
+            if message.text == text and (message.stop == stop or message.stop is None):
+                message.end = end  # (a button still shown at the end goes in `_strip_buttons`)
                 return
             if not self._caps.can_edit:
                 return
@@ -304,27 +337,28 @@ class EditStreamReply(Reply):
         else:
             kind = "send"
         job: Job[None] = self._outbox.put(
-            self._key, lambda: self._call(index, text, end), kind=kind, owner=self,
+            self._key, lambda: self._call(index, text, end, stop), kind=kind, owner=self,
             priority=Priority.URGENT if final else Priority.STREAM, attempts=self.FINAL_ATTEMPTS if final else 1)
         self._jobs = [j for j in self._jobs if not j.done]
         self._jobs.append(job)
         await job.wait()
 
-    async def _call(self, index: int, text: str, end: int) -> None:
+    async def _call(self, index: int, text: str, end: int, stop: str | None = None) -> None:
         """One send or edit, made by the chat's outbox worker (so its outcome is recorded even if
         the reply stops waiting for it). Where our own clock cannot prove the lease any more (a
         pause just ended), the lease store decides: not sent only if the session is not ours."""
-        if not await self._run.may_send_now():
+        if not (self._after_stop or await self._run.may_send_now()):
             return
         if index < len(self._parts):
             message = self._parts[index]
-            await self._adapter.edit(self._chat, message.mid, text)
-            message.text, message.end = text, end
+            await self._adapter.edit_part(self._chat, message.mid, text, stop=stop)
+            message.text, message.end, message.stop = text, end, stop
             self._adapter.count("edit")
         else:
-            mid = await self._adapter.send(self._chat, text, reply_to=None if self._sent_any else self._reply_to)
+            mid = await self._adapter.send_part(self._chat, text, stop=stop,
+                                                reply_to=None if self._sent_any else self._reply_to)
             self._sent_any = True
-            self._parts.append(_Message(mid, text, end))
+            self._parts.append(_Message(mid, text, end, stop=stop))
             self._adapter.count("send")
 
     def _continue_after_deleted(self, index: int) -> None:

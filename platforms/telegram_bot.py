@@ -16,39 +16,65 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import hmac
 import logging
 import random
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
-from telegram import Bot, BotCommand, Message, MessageEntity, ReplyParameters, Update
-from telegram.constants import ChatAction, ParseMode
+from telegram import (
+    Bot,
+    BotCommand,
+    CallbackQuery,
+    InlineKeyboardButton,
+    InlineKeyboardMarkup,
+    Message,
+    MessageEntity,
+    ReplyParameters,
+    Update,
+)
+from telegram.constants import ChatAction, ChatMemberStatus, ParseMode
 from telegram.constants import ChatType as TgChatType
-from telegram.error import BadRequest, Conflict, Forbidden, InvalidToken, NetworkError, RetryAfter, TelegramError
+from telegram.error import (
+    BadRequest,
+    Conflict,
+    EndPointNotFound,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
 from telegram.request import HTTPXRequest
 
 from gateway.core import commands
-from gateway.core.cancellation import ToolReason
+from gateway.core.attachments import Attachment, mime_of
+from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Gateway, Health, NoticeKind, Outcome
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import TelegramConfig
 from platforms.ingress import IngressLeader
 from platforms.splitting import utf16_len
+from platforms.stop_button import PressOutcome, StopButtons
+from platforms.streaming import EditStreamReply
+from platforms.telegram_draft import DraftsRefused, DraftStreamReply, draft_chat
 from platforms.telegram_format import to_html, visible_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PLATFORM = "telegram"
-ALLOWED_UPDATES = ("message",)  # channel posts, edits, reactions... are not asked for
+ALLOWED_UPDATES = ("message", "callback_query")  # channel posts, edits, reactions... are not asked for
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 UNAVAILABLE_RETRY_S = 2.0
 CLOSE_FLUSH_S = 5.0  # on close, how long queued replies and notices may still take
+ALBUM_WAIT_S = 0.5  # how long the rest of an album may take to arrive after its first part
 # Bad Requests about the message rather than its text: retrying with other text will not help.
 _GONE = ("message to edit not found", "message_id_invalid", "message can't be edited")
 _CHAT = ("chat not found", "not enough rights", "have no rights", "chat_write_forbidden", "bot is not a member",
@@ -101,6 +127,10 @@ class TelegramAdapter(Adapter):
         self._background: set[asyncio.Task[Any]] = set()
         # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
         self.leader = leader
+        self.stop_buttons = StopButtons(PLATFORM)
+        self._no_drafts: set[str] = set()  # chats that refused a draft: they stream by edits
+        self._drafts_refusal_logged = False
+        self._drafts_off = False  # the Bot API server has no sendMessageDraft
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -201,13 +231,20 @@ class TelegramAdapter(Adapter):
             offset=offset, timeout=self.config.poll_timeout_s, allowed_updates=list(ALLOWED_UPDATES)))
         self._confirmed = offset
         self._recovered("polling")
-        for update in updates:
+        if updates and _album_of(updates[-1]) is not None:
+            # An album arrives as one message per photo, often split across polls: wait a moment
+            # and ask again from the same offset (nothing is confirmed yet) to have all of it.
+            await self._waiting(asyncio.sleep(ALBUM_WAIT_S))
+            updates = await self._waiting(self.bot.get_updates(
+                offset=offset, timeout=0, allowed_updates=list(ALLOWED_UPDATES))) or updates
+        for group in _albums(updates):
             if self._closing:
                 return  # the rest stays unconfirmed and is fetched again by the next process
-            if not await self._handle(update):
+            if not await self._handle(group[0], group[1:]):
                 # Not stored (storage or Redis down): leave it unconfirmed, fetch it again later.
                 await self._waiting(asyncio.sleep(UNAVAILABLE_RETRY_S))
                 return
+            update = group[-1]
             self._offset = update.update_id + 1
             if self.leader is not None:
                 await self.leader.save("offset", str(self._offset))
@@ -262,7 +299,7 @@ class TelegramAdapter(Adapter):
 
     async def _webhook(self, request: web.Request) -> web.Response:
         expected = self.config.secret_token.reveal().encode() if self.config.secret_token else b""
-        given = request.headers.get(SECRET_HEADER, "").encode()
+        given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "surrogatepass")  # non-UTF-8: wrong, not 500
         if not expected or not hmac.compare_digest(given, expected):
             return web.Response(status=401, text="wrong secret token")
         if self._closing or not self.ready.is_set():
@@ -286,15 +323,25 @@ class TelegramAdapter(Adapter):
 
     # --- intake: updates to messages ------------------------------------------------------
 
-    async def _handle(self, update: Update) -> bool:
-        """Turn one update into a router submission; never raises (a bad update is skipped).
-        Returns once the router has stored the message: it never waits on outbound calls.
-        False when it could not be taken now (storage down) and must be delivered again."""
+    async def _handle(self, update: Update, album: Sequence[Update] = ()) -> bool:
+        """Turn one update (with the rest of its `album`, if any) into a router submission; never
+        raises (a bad update is skipped). Returns once the router has stored the message: it never
+        waits on outbound calls. False when it could not be taken now (storage down) and must be
+        delivered again."""
         try:
+            if update.callback_query is not None:
+                # A task of its own: a press never holds up intake, and intake never holds it up.
+                self._spawn(self._on_callback(update.callback_query))
+                return True
             m = update.message
             if m is None:
                 return True
             msg = self._inbound(m)
+            if msg is not None and album:  # one message: the first part's id, every part's files
+                parts = [u.message for u in album if u.message is not None]
+                caption = msg.text or next((p.caption for p in parts if p.caption), "")
+                msg = dataclasses.replace(msg, text=caption, attachments=msg.attachments + tuple(
+                    a for p in parts for a in _attachments(p)))
             if msg is not None:
                 return (await self.gateway.submit(msg, self)).outcome is not Outcome.UNAVAILABLE
         except Exception:
@@ -333,13 +380,25 @@ class TelegramAdapter(Adapter):
         if text and mentions:
             text = _strip_spans(text, mentions)
         reply = m.reply_to_message
+        files = _attachments(m)
         return InboundMessage(
             platform=PLATFORM, chat_id=str(m.chat.id), chat_type=chat_type,
             user_id=str(user.id), user_name=user.full_name, user_handle=user.username,
             message_id=str(m.message_id), text=text or "",
             thread_id=str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None,
             reply_to=str(reply.message_id) if reply is not None else None,
-            timestamp=m.date.timestamp(), media=m.effective_attachment is not None)
+            timestamp=m.date.timestamp(), attachments=files,
+            media=m.effective_attachment is not None and not files)  # a sticker, a poll...
+
+    async def attachment_url(self, att: Attachment) -> str:
+        """getFile, asked in the turn: its download URL (which carries the token: never logged)."""
+        try:
+            file = await self.bot.get_file(att.ref)
+        except TelegramError as exc:
+            raise LookupError(f"Telegram would not hand it out ({self._scrub(str(exc))})") from None
+        if not file.file_path:
+            raise LookupError("Telegram gave no download path for it")
+        return file.file_path
 
     def _mentions(self, entities: dict[MessageEntity, str]) -> list[tuple[int, int]]:
         """(offset, length) in UTF-16 units of every @mention of this bot."""
@@ -359,27 +418,145 @@ class TelegramAdapter(Adapter):
     # --- outbound -------------------------------------------------------------------------
 
     async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str:
+        return await self._send(chat, text, reply_to=reply_to)
+
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str:
+        return await self._send(chat, text, reply_to=reply_to, markup=_stop_markup(stop))
+
+    async def send_status(self, chat: ChatRef, text: str, *, stop: str) -> str:
+        """A silent message carrying the Stop button (beside a draft, which has no buttons)."""
+        return await self._send(chat, text, reply_to=None, markup=_stop_markup(stop), silent=True)
+
+    async def _send(self, chat: ChatRef, text: str, *, reply_to: str | None,
+                    markup: InlineKeyboardMarkup | None = None, silent: bool = False) -> str:
         # Quoting the question helps in a busy group; in a private chat it is noise.
         quote = (ReplyParameters(message_id=int(reply_to), allow_sending_without_reply=True)
                  if reply_to and reply_to.isdigit() and chat.chat_type is not ChatType.DM else None)
 
         async def call(body: str, mode: str | None) -> Message:
             return await self.bot.send_message(int(chat.chat_id), body, parse_mode=mode,
-                                               message_thread_id=_thread(chat), reply_parameters=quote)
+                                               message_thread_id=_thread(chat), reply_parameters=quote,
+                                               reply_markup=markup, disable_notification=silent or None)
 
         sent = await self._deliver(text, call)
         return str(sent.message_id)
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:
+        await self.edit_part(chat, message_id, text, stop=None)  # without a keyboard: a button goes
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None:
+        markup = _stop_markup(stop)
+
         async def call(body: str, mode: str | None) -> None:
             try:
                 await self.bot.edit_message_text(body, chat_id=int(chat.chat_id), message_id=int(message_id),
-                                                 parse_mode=mode)
+                                                 parse_mode=mode, reply_markup=markup)
             except BadRequest as exc:
                 if "not modified" not in str(exc).lower():  # same text again: already shown
                     raise
 
         await self._deliver(text, call)
+
+    async def send_draft(self, chat: ChatRef, draft_id: int, text: str) -> None:
+        """Show `text` as the chat's draft `draft_id` (empty: "Thinking…"). Raises `DraftsRefused`
+        if the chat takes no drafts, else as `send` does."""
+        async def call(body: str, mode: str | None) -> None:
+            try:
+                await self.bot.send_message_draft(int(chat.chat_id), draft_id, body, parse_mode=mode,
+                                                  message_thread_id=_thread(chat))
+            except (EndPointNotFound, InvalidToken) as exc:
+                # PTB reports a 404 (an unknown method: a Bot API server from before 9.3) as InvalidToken.
+                if isinstance(exc, InvalidToken) and "not found" not in str(exc).lower():
+                    raise
+                raise DraftsRefused("sendMessageDraft is not known to this Bot API server", everywhere=True) from None
+            except BadRequest as exc:
+                if _kind(exc) != "refused" or "draft" in str(exc).lower() or "peer" in str(exc).lower():
+                    raise DraftsRefused(self._scrub(str(exc))) from None
+                raise
+
+        await self._deliver(text, call)
+
+    async def delete_status(self, chat: ChatRef, message_id: str) -> None:
+        """Remove a status message; where it cannot be deleted, at least its button."""
+        try:
+            await self.bot.delete_message(int(chat.chat_id), int(message_id))
+        except RetryAfter as exc:
+            raise RateLimited(_retry_after_s(exc)) from None
+        except TelegramError as exc:
+            log.info("telegram: could not delete a status message (%s); removing its button",
+                     self._scrub(str(exc)))
+            with contextlib.suppress(TelegramError):
+                await self.bot.edit_message_reply_markup(int(chat.chat_id), int(message_id), reply_markup=None)
+
+    def drafts_refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
+        """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
+        then per chat at debug level."""
+        self._drafts_off = self._drafts_off or everywhere
+        self._no_drafts.add(chat.chat_id)
+        if len(self._no_drafts) > 100_000:
+            self._no_drafts.clear()
+        level = logging.DEBUG if self._drafts_refusal_logged else logging.WARNING
+        self._drafts_refusal_logged = True
+        log.log(level, "telegram: chat %s refused a draft (%s); its answers stream by editing a message",
+                chat.chat_id, why)
+
+    def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
+        streaming = self.config.streaming
+        token = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
+        reply: EditStreamReply
+        drafts = streaming == "draft" and not self._drafts_off and msg.chat_id not in self._no_drafts
+        if drafts and draft_chat(msg.chat):
+            reply = _TelegramDraftReply(self, msg, run, token)
+        else:
+            reply = _TelegramReply(self, msg, run, token, stream=streaming != "off")
+        return reply
+
+    # --- Stop buttons ---------------------------------------------------------------------
+
+    async def _on_callback(self, query: CallbackQuery) -> None:
+        """A button press: a Stop button's is `/stop` for its answer; the query is always answered."""
+        text: str | None = None
+        alert = False
+        try:
+            if (query.data or "").startswith(stop_button.PREFIX):
+                user = query.from_user
+                message = query.message if isinstance(query.message, Message) else None
+                chat = self._chat_of(message) if message is not None else None
+
+                async def is_admin() -> bool:
+                    return chat is not None and await self._is_admin(int(chat.chat_id), user.id)
+
+                press = await self.stop_buttons.press(self.gateway, self, chat, query.data, user_id=str(user.id),
+                                                      user_name=user.full_name, press_id=f"tg{query.id}",
+                                                      is_admin=is_admin)
+                text, alert = press.text, press.outcome is PressOutcome.REFUSED
+        except Exception:
+            log.exception("telegram: could not handle a button press")
+            text = "Something went wrong; please try /stop."
+        try:
+            await self.bot.answer_callback_query(query.id, text=(text or "")[:200] or None, show_alert=alert)
+        except TelegramError as exc:  # too old, or answered already: the stop itself stands
+            log.info("telegram: could not answer a button press: %s", self._scrub(str(exc)))
+
+    @staticmethod
+    def _chat_of(m: Message) -> ChatRef | None:
+        """Where a message is: its chat (private or group) and forum topic."""
+        if m.chat.type == TgChatType.PRIVATE:
+            chat_type = ChatType.DM
+        elif m.chat.type in (TgChatType.GROUP, TgChatType.SUPERGROUP):
+            chat_type = ChatType.GROUP
+        else:
+            return None
+        thread = str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None
+        return ChatRef(PLATFORM, str(m.chat.id), chat_type, thread)
+
+    async def _is_admin(self, chat_id: int, user_id: int) -> bool:
+        try:
+            member = await self.bot.get_chat_member(chat_id, user_id)
+        except TelegramError as exc:
+            log.info("telegram: could not check a member's status: %s", self._scrub(str(exc)))
+            return False
+        return member.status in (ChatMemberStatus.ADMINISTRATOR, ChatMemberStatus.OWNER)
 
     async def typing(self, chat: ChatRef) -> None:
         with contextlib.suppress(TelegramError):  # cosmetic
@@ -394,7 +571,10 @@ class TelegramAdapter(Adapter):
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
-        """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends."""
+        """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends.
+        A notice about a Stop button press is its answer instead (see `platforms/stop_button.py`)."""
+        if self.stop_buttons.absorb(reply_to, text):
+            return
         self.queue_notice(chat, text, reply_to=reply_to, kind=kind)
 
     async def _deliver(self, text: str, call: Callable[[str, str | None], Awaitable[T]]) -> T:
@@ -437,6 +617,45 @@ class TelegramAdapter(Adapter):
         return text.replace(self._token, "***")
 
 
+def _album_of(update: Update) -> tuple[int, str] | None:
+    m = update.message
+    return (m.chat.id, m.media_group_id) if m is not None and m.media_group_id else None
+
+
+def _albums(updates: Sequence[Update]) -> list[list[Update]]:
+    """Updates in order, the consecutive parts of one album (same chat, same media group) together."""
+    groups: list[list[Update]] = []
+    for update in updates:
+        album = _album_of(update)
+        if groups and album is not None and _album_of(groups[-1][0]) == album:
+            groups[-1].append(update)
+        else:
+            groups.append([update])
+    return groups
+
+
+def _attachments(m: Message) -> tuple[Attachment, ...]:
+    """A photo (its largest size) or a file (a document, voice note, audio or video) as attachments;
+    the router decides which are read. Stickers, polls, locations... are not files."""
+    if m.photo:
+        best = m.photo[-1]
+        return (Attachment("image", f"photo_{m.message_id}.jpg", "image/jpeg", best.file_size, best.file_id),)
+    if m.document is not None:
+        d = m.document
+        name = d.file_name or f"file_{m.message_id}"
+        mime = mime_of(d.mime_type, name)
+        kind: Literal["image", "file"] = "image" if mime.startswith("image/") else "file"
+        return (Attachment(kind, name, mime, d.file_size, d.file_id),)
+    for media, name, default in ((m.voice, "voice", "audio/ogg"), (m.audio, "audio", "audio/mpeg"),
+                                 (m.video, "video", "video/mp4"), (m.video_note, "video_note", "video/mp4"),
+                                 (m.animation, "animation", "video/mp4")):
+        if media is not None:  # offered to the router, which says why it is not read
+            fname = getattr(media, "file_name", None) or f"{name}_{m.message_id}"
+            mime = mime_of(getattr(media, "mime_type", None) or default, fname)
+            return (Attachment("file", fname, mime, media.file_size, media.file_id),)
+    return ()
+
+
 def _strip_spans(text: str, spans: list[tuple[int, int]]) -> str:
     """Remove (offset, length) UTF-16 spans (our @mentions) and tidy the seams."""
     data = text.encode("utf-16-le")
@@ -459,6 +678,38 @@ def _kind(exc: BadRequest) -> str:
     if any(k in text for k in _CHAT):
         return "chat"
     return "refused"
+
+
+class _TelegramReply(EditStreamReply):
+    """Edit streaming (groups, topics, chats without drafts) with the Stop button on its messages."""
+
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None, *,
+                 stream: bool = True) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token)
+        self._buttons = adapter.stop_buttons
+        if not stream:  # streaming = "off": typing, then the final text only
+            self._caps = dataclasses.replace(self._caps, can_stream=False)
+
+    async def settled(self, problem: str | None = None) -> None:
+        self._buttons.close(self._stop)
+        await super().settled(problem)
+
+
+class _TelegramDraftReply(DraftStreamReply):
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token,
+                         interval_s=adapter.config.draft_interval_s, refresh_s=adapter.config.draft_refresh_s)
+        self._buttons = adapter.stop_buttons
+
+    async def settled(self, problem: str | None = None) -> None:
+        self._buttons.close(self._stop)
+        await super().settled(problem)
+
+
+def _stop_markup(data: str | None) -> InlineKeyboardMarkup | None:
+    if data is None:
+        return None
+    return InlineKeyboardMarkup([[InlineKeyboardButton(stop_button.LABEL, callback_data=data)]])
 
 
 def _thread(chat: ChatRef) -> int | None:

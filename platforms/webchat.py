@@ -1,12 +1,14 @@
 """The built-in web chat: one page and a websocket, one session per browser (cookie).
 
-Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ...}`,
-`{"type": "command", "name": "stop" | "new"}`. To the browser:
+Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": ..., "parts": [...]}`
+(`parts`, optional: images and files pasted or dropped on the page, as OpenAI `file` or `image_url`
+content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`. To the browser:
 
 - `hello` {history, running, queued, agent, max_chars}: the whole current conversation; the page
   replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
   reason, interruption (kind, below), tools (names called), resume (true on the gateway's own
-  "continue" message after a restart)}. Tool rows are not sent; a stop that cut a tool call short
+  "continue" message after a restart), job (on the gateway's own message that a background job
+  ended: its first line)}. Tool rows are not sent; a stop that cut a tool call short
   is carried onto the assistant row that called it. `max_chars` is the longest message the
   gateway takes (the page keeps a longer draft in the composer instead of sending it).
 - `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
@@ -19,6 +21,9 @@ Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": 
   rejected). Until then the page keeps it and resends it, same id, after a reconnect; client ids
   make such a resend a no-op (router de-duplication). No ack while the gateway restarts.
 - `user` {id, text}: a message sent from another tab of the same session.
+
+The browser's cookie is only a credential: sessions are named by a keyed hash of it
+(`platforms/webchat_sessions.py`), `webchat:dm:<id>`.
 
 Interruption kinds: `stopped` (by the user or the operator), `restart` (the gateway restarted or
 died mid-turn), `interrupted` (anything else).
@@ -33,10 +38,12 @@ import itertools
 import json
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from gateway.core.attachments import MB, Attachment, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     PROCESS_DIED,
@@ -46,32 +53,43 @@ from gateway.core.cancellation import (
     ToolReason,
 )
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import NoticeKind, Outcome, Reply
+from gateway.core.ports import Gateway, NoticeKind, Outcome, Reply
 from gateway.core.recovery import is_resume_prompt
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
+from platforms.content_parts import BadContent, parse_content
+from platforms.http_input import served_over_https
 from platforms.streaming import EditStreamReply
+from platforms.webchat_sessions import session_id
 
 log = logging.getLogger(__name__)
 
-COOKIE = "switchboard_session"
+# Named anew when sessions stopped being named by it: a value logged by an older version (whose
+# session keys were the cookie) opens nothing now; such a browser is simply given a new cookie.
+COOKIE = "switchboard_chat"
 _dumps = functools.partial(json.dumps, ensure_ascii=False)  # text as text in every frame
 PLATFORM = "webchat"
 RESTARTING = "The gateway is restarting; your message will be sent again when it is back."
 
 
-def _session_id(request: web.Request) -> str | None:
+def _cookie(request: web.Request) -> str | None:
     value = request.cookies.get(COOKIE, "")
-    return value if len(value) == 32 and value.isalnum() else None
+    return value if len(value) == 32 and value.isascii() and value.isalnum() else None
 
 
 class WebchatAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=64_000, can_edit=True, can_stream=True, edit_interval_s=0.05)
 
-    def __init__(self, *, max_message_chars: int | None = None) -> None:
+    def __init__(self, *, max_message_chars: int | None = None,
+                 secret: Callable[[], Awaitable[bytes]] | None = None, max_attachment_bytes: int = 10 * MB,
+                 max_frame_bytes: int = 4 * MB) -> None:
         self.max_message_chars = max_message_chars
+        self._load_secret = secret
+        self._secret: bytes | None = None
+        self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
+        self.max_frame_bytes = max_frame_bytes  # a message frame with its attachments (base64)
         self._sockets: dict[str, set[web.WebSocketResponse]] = {}
         self._ids = itertools.count(1)
         # Bot message ids stay unique across restarts, so a page never confuses two daemons' ids.
@@ -83,6 +101,21 @@ class WebchatAdapter(Adapter):
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self._page), web.get("/static/{name}", self._static), web.get("/ws", self._websocket)]
+
+    async def start(self, gateway: Gateway) -> None:
+        # Without a configured source (tests, embedding) the secret lives as long as the process.
+        self._secret = await self._load_secret() if self._load_secret is not None else secrets.token_bytes(32)
+        await super().start(gateway)
+
+    def session_id(self, cookie: str) -> str:
+        """The session a cookie opens (its keyed hash; the cookie itself is never an identifier)."""
+        if self._secret is None:
+            raise RuntimeError("the webchat adapter has not been started")
+        return session_id(self._secret, cookie)
+
+    def _session_id(self, request: web.Request) -> str | None:
+        cookie = _cookie(request)
+        return self.session_id(cookie) if cookie is not None else None
 
     async def stop(self) -> None:
         """Refuse new input; close idle pages' sockets now and busy ones once their turn ends, so a
@@ -142,9 +175,9 @@ class WebchatAdapter(Adapter):
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
         resp = static_response(request, "webchat.html", page=True)
-        if _session_id(request) is None:
+        if _cookie(request) is None:
             resp.set_cookie(COOKIE, secrets.token_hex(16), httponly=True, samesite="Strict",
-                            max_age=365 * 86400)
+                            secure=served_over_https(request), max_age=365 * 86400)
         return resp
 
     async def _static(self, request: web.Request) -> web.StreamResponse:
@@ -154,15 +187,12 @@ class WebchatAdapter(Adapter):
         return static_response(request, name)
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        sid = _session_id(request)
-        origin = request.headers.get("Origin")
+        sid = self._session_id(request)  # the Host and Origin checks ran before (gateway/ops/hosts.py)
         if sid is None:
             return web.json_response({"error": "no session cookie; load / first"}, status=400)
-        if origin and origin.split("://", 1)[-1] != request.host:
-            return web.json_response({"error": "cross-origin websocket refused"}, status=403)
         if self._closing:  # the page retries; its next try reaches the restarted daemon
             return web.json_response({"error": "restarting"}, status=503)
-        ws = web.WebSocketResponse(heartbeat=20)
+        ws = web.WebSocketResponse(heartbeat=20, max_msg_size=self.max_frame_bytes)
         await ws.prepare(request)
         held: list[str] = []
         self._held[ws] = held
@@ -198,6 +228,7 @@ class WebchatAdapter(Adapter):
         try:
             frame = json.loads(data)
             kind = frame["type"]
+            attachments: tuple[Attachment, ...] = ()
             if kind == "command":
                 body = "/" + str(frame["name"])
             elif kind == "message":
@@ -207,7 +238,18 @@ class WebchatAdapter(Adapter):
             # A frame without an id (the page's commands) gets one that no restart can repeat:
             # a repeated id would be dropped as a duplicate by the router.
             client_id = str(frame.get("id") or f"srv-{secrets.token_hex(8)}")[:64]
-        except (ValueError, KeyError, TypeError):
+            client_id.encode()  # an id that is not text (a lone surrogate) could not even be acked
+            if kind == "message" and frame.get("parts"):
+                try:
+                    attachments = parse_content(frame["parts"], latest=True,
+                                                max_bytes=self.max_attachment_bytes).attachments
+                except BadContent as exc:  # refused for good (acknowledged as such): resending would not help
+                    await ws.send_json({"type": "notice", "kind": "error", "text": f"That attachment {exc}.",
+                                        "reply_to": client_id}, dumps=_dumps)
+                    await ws.send_json({"type": "ack", "id": client_id, "outcome": Outcome.REJECTED.value},
+                                       dumps=_dumps)
+                    return
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
             return
@@ -216,7 +258,7 @@ class WebchatAdapter(Adapter):
             await ws.send_json({"type": "notice", "kind": "restart", "text": text}, dumps=_dumps)
             return
         msg = InboundMessage(platform=PLATFORM, chat_id=sid, chat_type=ChatType.DM, user_id=sid,
-                             user_name="web user", message_id=client_id, text=body)
+                             user_name="web user", message_id=client_id, text=body, attachments=attachments)
         # Don't hold the socket's read loop: /stop must be read while a turn streams.
         task = asyncio.get_running_loop().create_task(self._submit(ws, msg, is_command=kind == "command"))
         self._tasks.add(task)
@@ -230,7 +272,8 @@ class WebchatAdapter(Adapter):
             await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)
         if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
             # Other tabs of this session show it too (a tab still connecting sees it in its history later).
-            data = json.dumps({"type": "user", "id": msg.message_id, "text": msg.text}, ensure_ascii=False)
+            shown = with_placeholders(msg.text, msg.attachments)
+            data = json.dumps({"type": "user", "id": msg.message_id, "text": shown}, ensure_ascii=False)
             for other in list(self._sockets.get(msg.chat_id, ())):
                 if other is not ws and other not in self._held:
                     with contextlib.suppress(ConnectionError, RuntimeError):
@@ -295,4 +338,6 @@ def _row(m: ChatMessage) -> dict[str, Any]:
            "tools": [c.name for c in m.tool_calls], "at": m.created_at}
     if m.role == "user" and is_resume_prompt(m.content):
         row["resume"] = True  # the gateway's own "continue" after a restart, not something the user said
+    elif m.role == "user" and m.content.startswith("[background job "):
+        row["job"] = m.content.split("\n", 1)[0]  # the gateway's own word that a background job ended
     return row

@@ -114,7 +114,7 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
         for section, values in sections.items():
             for key, value in values.items():
                 env[f"SWITCHBOARD_{section.upper()}__{key.upper()}"] = (
-                    json.dumps(value) if isinstance(value, (list, bool)) else str(value))
+                    json.dumps(value) if isinstance(value, (list, bool, dict)) else str(value))
         daemon = Daemon(load_config(None, env))
         await daemon.start()
         started.append(daemon)

@@ -12,6 +12,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
+from platforms.webchat import WebchatAdapter
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider
 
@@ -53,7 +54,10 @@ async def test_operator_stop_metrics_and_the_session_table(make_daemon: DaemonFa
             table = (await resp.json())["sessions"]
         running = [row for row in table if row["state"] == "running"]
         assert len(running) == 2 and all(row["platform"] == "webchat" for row in running)
-        victim = "webchat:dm:" + a.cookie_jar.filter_cookies(URL(base))["switchboard_session"].value
+        cookie = a.cookie_jar.filter_cookies(URL(base))["switchboard_chat"].value
+        webchat = daemon.adapters["webchat"]
+        assert isinstance(webchat, WebchatAdapter)
+        victim = "webchat:dm:" + webchat.session_id(cookie)
         async with op.post(admin + "/admin/api/sessions/stop", json={"key": victim}) as resp:
             assert await resp.json() == {"key": victim, "stopped": True}
         frames = await _until(wa, lambda f: f == {"type": "state", "running": False})

@@ -15,11 +15,17 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED
+from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.procs import until
 
 KEY = "sk-test-0123456789"
+
+
+def _key(session: str) -> str:
+    """The session key of KEY's session `session` (sessions are namespaced by the key's tenant)."""
+    return f"api:dm:{key_id(KEY)}/{session}"
 
 
 def _url(daemon: Any, path: str) -> str:
@@ -112,7 +118,7 @@ async def test_a_streaming_client_that_disconnects_cancels_its_run(
     history: list[Any] = []
 
     async def recorded() -> bool:
-        history[:] = (await daemon.store.conversation("api:dm:bob"))[1]
+        history[:] = (await daemon.store.conversation(_key("bob")))[1]
         return bool(history) and history[-1].role == "assistant"
 
     deadline = time.monotonic() + 10
@@ -136,10 +142,10 @@ async def test_a_silent_turn_still_notices_the_disconnect_within_a_second(
         task.cancel()
     loop = asyncio.get_running_loop()
     gone_at = loop.time()
-    while daemon.router.status("api:dm:carol").running:
+    while daemon.router.status(_key("carol")).running:
         await asyncio.sleep(0.01)
         assert loop.time() - gone_at < 1.0, "disconnect not noticed within 1 s"
-    _, history = await daemon.store.conversation("api:dm:carol")
+    _, history = await daemon.store.conversation(_key("carol"))
     assert history[-1].content == "[interrupted by system: client disconnected]"
 
 
@@ -176,7 +182,7 @@ async def test_text_that_cannot_be_stored_is_refused_before_it_is_acknowledged(
         assert "not valid text" in (await resp.json())["error"]["message"]
     assert provider.connections == []
     assert await daemon.store.unfinished_inbound() == []
-    assert await daemon.store.conversation("api:dm:poison") == (1, [])
+    assert await daemon.store.conversation(_key("poison")) == (1, [])
 
 
 async def test_model_output_that_is_not_valid_text_is_stored_with_a_replacement_character(
@@ -188,7 +194,7 @@ async def test_model_output_that_is_not_valid_text_is_stored_with_a_replacement_
                          headers=_auth(**{"X-Session-Id": "odd"})) as resp:
         assert resp.status == 200
         assert (await resp.json())["choices"][0]["message"]["content"] == "broken \ufffd char "
-    _conv, rows = await daemon.store.conversation("api:dm:odd")
+    _conv, rows = await daemon.store.conversation(_key("odd"))
     assert [r.content for r in rows] == ["odd", "broken \ufffd char "]
     assert await daemon.store.unfinished_inbound() == []
 
@@ -220,7 +226,7 @@ TRIALS = 3
 
 
 def _idle(daemon: Any, session: str) -> bool:
-    return not daemon.router.status(f"api:dm:{session}").running
+    return not daemon.router.status(_key(session)).running
 
 
 def _written(path: Path) -> bool:
@@ -277,7 +283,7 @@ async def test_a_client_closing_its_socket_mid_stream_closes_the_provider_within
         assert not conn.completed
         latencies.append(closed_at - gone_at)
         await _eventually(functools.partial(_idle, daemon, session), 2, "the turn to end")
-        _, history = await daemon.store.conversation(f"api:dm:{session}")
+        _, history = await daemon.store.conversation(_key(session))
         assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
     figures = [f"{x * 1000:.1f} ms" for x in latencies]
     print(f"disconnect mid-stream ({'sse' if stream else 'plain'}): provider closed {figures} after the client")
@@ -304,7 +310,7 @@ async def test_a_client_closing_its_socket_mid_tool_signals_the_tool_group_withi
         await _eventually(functools.partial(_written, term), 5, "SIGTERM to reach the tool")
         latencies.append(float(term.read_text()) - gone_at)
         await _eventually(functools.partial(_idle, daemon, session), 2, "the turn to end")
-        _, history = await daemon.store.conversation(f"api:dm:{session}")
+        _, history = await daemon.store.conversation(_key(session))
         assert history[-1].role == "tool" and history[-1].content == CLIENT_DISCONNECTED.marker
     figures = [f"{x * 1000:.1f} ms" for x in latencies]
     print(f"disconnect mid-tool ({'sse' if stream else 'plain'}): tool group signalled {figures} after the client")
@@ -325,7 +331,7 @@ async def test_a_request_whose_turn_never_runs_still_gets_an_answer(
         running = asyncio.create_task(ask("a long one"))
         await until(lambda: bool(provider.requests_for("a long one")), 10, "the first turn never started")
         queued = asyncio.create_task(ask("and then this"))
-        await until(lambda: daemon.router.status("api:dm:eve").queued == 1, 10, "the second turn was never queued")
+        await until(lambda: daemon.router.status(_key("eve")).queued == 1, 10, "the second turn was never queued")
         status, body = await ask("/stop")
         assert (status, body["choices"][0]["message"]["content"]) == (200, "Stopped.")
         for task in (running, queued):
@@ -333,3 +339,26 @@ async def test_a_request_whose_turn_never_runs_still_gets_an_answer(
             assert status == 200
             assert answer["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
     assert len(provider.requests_for("and then this")) == 0
+
+
+async def test_at_capacity_a_request_is_told_to_retry_not_that_the_provider_failed(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Our side being unavailable for now (every agent slot running, storage down) is a 503 with
+    Retry-After — a client retries it — never a 502 that blames the provider."""
+    provider.delay_s, provider.words = 0.1, 200
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]},
+                               agent_cache={"max_agents": 1, "when_full": "reject"})
+    url = _url(daemon, "/v1/chat/completions")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(20)) as http:
+        async def ask(user: str, text: str) -> tuple[int, dict[str, Any], str | None]:
+            body = {"messages": [{"role": "user", "content": text}], "user": user}
+            async with http.post(url, json=body, headers=_auth()) as resp:
+                return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+        running = asyncio.create_task(ask("alice", "a long one"))
+        await until(lambda: bool(provider.requests_for("a long one")), 10, "the first turn never started")
+        status, body, retry = await ask("bob", "anyone there?")
+        assert (status, body["error"]["type"], retry) == (503, "service_unavailable", "5")
+        assert provider.requests_for("anyone there?") == []
+        await ask("alice", "/stop")
+        assert (await asyncio.wait_for(running, 10))[0] == 200

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.store.redis import RedisStore
+from platforms.telegram_draft import STATUS_TEXT
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.procs import child_running, running, until
 from tests.redis_server import RedisServer
@@ -159,6 +160,28 @@ async def test_a_paused_owner_that_wakes_after_losing_its_lease_cannot_write_or_
                     ("user", "new owner", None), ("assistant", content(body), None)]
 
 
+async def test_a_paused_owner_whose_tool_ended_meanwhile_takes_no_further_step(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer) -> None:
+    """Paused past its lease while a tool ran, the zombie wakes to the tool's result: it must not
+    ask the provider for the next round (a paid request nobody will see) nor run another tool."""
+    a, b = await workers(2)
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 0.5})]))
+    async with aiohttp.ClientSession() as http:
+        asking = asyncio.create_task(a.ask(http, "s5", "zombie tool"))
+        await until(lambda: bool(provider.requests_for("zombie tool")), 10, "the owner never asked the provider")
+        await asyncio.sleep(0.1)  # the tool call reached the worker; the tool runs on while it is paused
+        a.signal(signal.SIGSTOP)
+        paused = time.monotonic()
+        await asyncio.sleep(TTL + 0.5)  # the scenario itself: a pause longer than the lease
+        assert time.monotonic() - paused >= TTL
+        status, body = await b.ask(http, "s5", "new owner")
+        assert status == 200 and content(body).startswith("reply to: new owner")
+        a.signal(signal.SIGCONT)
+        status, zombie = await asyncio.wait_for(asking, 10)
+    assert zombie.get("switchboard") == {"interrupted_by": "system", "reason": "session lease lost"}, zombie
+    assert len(provider.requests_for("zombie tool")) == 1, "the zombie asked the provider after its tool"
+
+
 async def test_redis_restarting_mid_run_runs_no_session_twice_and_service_resumes(
         workers: Any, provider: FakeProvider, tmp_path: Path) -> None:
     provider.delay_s, provider.words = 0.02, 20
@@ -223,7 +246,8 @@ async def test_telegram_poller_fails_over_without_losing_or_repeating_an_update(
         finally:
             for w in pair:
                 w.kill()
-        sends = [r for r in fake.sent if r.method == "sendMessage"]
+        # (the draft's "writing…" status message, which carries the Stop button, is not an answer)
+        sends = [r for r in fake.sent if r.method == "sendMessage" and r.text != STATUS_TEXT]
         for chat in range(1, 21):  # each update answered, by exactly one message
             assert len([r for r in sends if str(r.chat_id) == str(chat)]) == 1, (chat, fake.messages(chat))
         assert len(provider.connections) == 20

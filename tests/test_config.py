@@ -57,6 +57,14 @@ def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
     ('[http]\nhost = "0.0.0.0"\n[api]\nenabled = true\n', {}, "api.keys: required when http.host is not loopback"),
     ("[http\n", {}, "is not valid TOML"),
     ('[agent]\napi_key_file = "/nonexistent/key"\n', {}, "agent.api_key_file: cannot read /nonexistent/key"),
+    ('[api]\ntenants = { "a/b" = "k1" }\n', {}, "api.tenants: 'a/b' is not a valid tenant name"),
+    ('[api]\ntenants = { a = "k1", b = "k1" }\n', {}, "api.tenants: the same key is configured twice"),
+    ('[api]\nkeys = ["k1"]\ntenants = { a = "k1" }\n', {}, "api.tenants: the same key is configured twice"),
+    ('[api]\ntenants = ["k1"]\n', {}, "api.tenants: must be a table of names"),
+    ('[api]\ntenants = { key-1a2b = "k1" }\n', {}, "names starting with 'key-' are kept for the keys of api.keys"),
+    ("", {"SWITCHBOARD_API__TENANTS": '{"a": 5}'}, "api.tenants.a: must be a non-empty string"),
+    ('[telegram]\nstreaming = "live"\n', {}, "telegram.streaming: must be one of 'draft', 'edit', 'off'"),
+    ("[telegram]\ndraft_refresh_s = 45\n", {}, "telegram.draft_refresh_s: must be between 0 and 30"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml: str, env: dict[str, str],
                                                               message: str) -> None:
@@ -72,12 +80,35 @@ def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml
     assert "Traceback" not in result.stderr
 
 
+def test_tenants_from_toml_the_environment_a_file_and_credentials(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[api]\nenabled = true\ntenants = { team-a = "sk-a", "team.b" = "sk-b" }\n')
+    c = load_config(cfg, {})
+    assert {n: k.reveal() for n, k in c.api.tenants.items()} == {"team-a": "sk-a", "team.b": "sk-b"}
+    assert "sk-a" in c.secrets() and "sk-b" in c.secrets()  # the log redactor knows them
+    c = load_config(None, {"SWITCHBOARD_API__TENANTS": '{"x": "sk-x"}'})
+    assert c.api.tenants == {"x": Secret("sk-x")}
+    lines = tmp_path / "tenants"
+    lines.write_text("ops=sk-ops\nweb = sk-web\n")
+    c = load_config(None, {"SWITCHBOARD_API__TENANTS_FILE": str(lines)})
+    assert c.api.tenants == {"ops": Secret("sk-ops"), "web": Secret("sk-web")}
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "api.tenants").write_text("bot=sk-bot\n")
+    assert load_config(None, {"CREDENTIALS_DIRECTORY": str(creds)}).api.tenants == {"bot": Secret("sk-bot")}
+    # Tenants alone satisfy "keys required off loopback".
+    assert load_config(None, {"SWITCHBOARD_HTTP__HOST": "0.0.0.0", "SWITCHBOARD_API__ENABLED": "true",
+                              "SWITCHBOARD_API__TENANTS": "a=sk-a"}).api.enabled
+
+
 def test_check_prints_the_effective_config_with_secrets_redacted(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[agent]\napi_key = "sk-very-secret-123"\n[api]\nkeys = ["bearer-secret-456"]\n')
+    cfg.write_text('[agent]\napi_key = "sk-very-secret-123"\n[api]\nkeys = ["bearer-secret-456"]\n'
+                   'tenants = { team-a = "tenant-secret-789" }\n')
     result = _check("--config", str(cfg), env={"SWITCHBOARD_AGENT__MODEL": "qwen"})
     assert result.returncode == 0, result.stderr
     assert "sk-very-secret" not in result.stdout and "bearer-secret" not in result.stdout
+    assert "tenant-secret" not in result.stdout and 'tenants = {"team-a" = "***"}' in result.stdout
     assert 'api_key = "***"' in result.stdout and 'keys = ["***"]' in result.stdout
     assert 'model = "qwen"' in result.stdout
     missing = _check("--config", str(tmp_path / "nope.toml"))

@@ -8,6 +8,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.core.attachments import Attachment, MediaPart
 from gateway.core.context import SHORTENED, HistoryMemo, encode, estimate, fit, message_tokens
 from gateway.core.transcript import ChatMessage, ToolCall
 
@@ -104,7 +105,12 @@ def random_turn(rng: random.Random, i: int) -> list[ChatMessage]:
     def text(most: int) -> str:
         return " ".join(rng.choice(words) for _ in range(rng.randint(0, most)))
 
-    rows = [ChatMessage("user", f"q{i} " + text(60))]
+    media: tuple[MediaPart, ...] = ()
+    if rng.random() < 0.15:  # an image or a file's text: encoded when sent, not kept by the memo
+        seen = Attachment("image", "photo.png", "image/png", 12, f"ref{i}")
+        media = (MediaPart("image", seen, data=rng.randbytes(12), mime="image/png"),
+                 MediaPart("text", Attachment("file", "a.txt", "text/plain", 5, f"f{i}"), text=text(20)))
+    rows = [ChatMessage("user", f"q{i} " + text(60), media=media)]
     for r in range(rng.choice([0, 0, 1, 2])):
         call = ToolCall(f"c{i}.{r}", "shell", json.dumps({"command": text(5)}))
         rows += [ChatMessage("assistant", text(5), tool_calls=(call,)),

@@ -18,7 +18,6 @@ from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.commands import help_text
 from gateway.core.logs import JsonFormatter
 from gateway.core.ports import Health
-from gateway.core.router import MEDIA_ONLY
 from gateway.ops.daemon import Daemon
 from platforms.discord_bot import DiscordAdapter
 from tests.conftest import DaemonFactory
@@ -171,12 +170,13 @@ async def test_thread_is_its_own_session(start: Start, fake: FakeDiscord, provid
     assert users == ["in the channel"]  # the thread's conversation is not in the channel's
 
 
-async def test_media_only_message(start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
+async def test_an_image_the_model_cannot_see_gets_a_reason(
+        start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
     await start()
     dm = fake.dm_channel_id(ALICE_ID)
     files = [{"filename": "cat.png", "content": b"\x89PNG", "content_type": "image/png"}]
     mid = await fake.dispatch_message(dm, "", author_id=ALICE_ID, attachments=files)
-    notice = await reply_with(fake, dm, MEDIA_ONLY)
+    notice = await reply_with(fake, dm, "I could not read cat.png: this model cannot see images.")  # vision off
     assert notice["message_reference"]["message_id"] == str(mid)
     await fake.dispatch_message(TEXT_CHANNEL_ID, "", author_id=ALICE_ID, attachments=files)  # not addressed
     await fake.dispatch_message(TEXT_CHANNEL_ID, "ping", author_id=ALICE_ID, mentions_bot=True)
@@ -213,7 +213,7 @@ async def test_stop_by_application_command(start: Start, fake: FakeDiscord, prov
     provider.delay_s, provider.words = 0.03, 40
     await start()
     put = await fake.wait_for(lambda c: c.method == "PUT")
-    assert sorted(c["name"] for c in put.json) == ["busy", "help", "new", "reset", "status", "stop"]
+    assert sorted(c["name"] for c in put.json) == ["busy", "help", "jobs", "kill", "new", "reset", "status", "stop"]
     dm = fake.dm_channel_id(BOB_ID)
     await fake.dispatch_message(THREAD_ID, "long one", author_id=ALICE_ID, mentions_bot=True)
     await fake.dispatch_message(dm, "other chat", author_id=BOB_ID)

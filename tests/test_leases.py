@@ -177,3 +177,22 @@ async def test_a_reacquisition_of_a_lease_still_ours_is_marked_kept(redis: Redis
     successor = LeaseManager(redis, "w1", "b", ttl_s=30)
     taken = await successor.acquire("s", keys.lease("s"), keys.fence("s"))
     assert not taken.kept and taken.replaced == "w1/a"
+
+
+async def test_renewals_keep_each_lease_apart_whatever_its_name_holds(redis: Redis) -> None:
+    """Renewals pack a slice's keys into one argument; a name with a newline (a client's session
+    id may hold one) must neither shift the others' fences nor renew anything it should not."""
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    names = ["plain", "two\nlines", "sb:lease:plain", "last"]
+    for name in names:
+        assert await take(m, name) is not None
+    thief = LeaseManager(redis, "w2", "b", ttl_s=30)
+    await redis.delete(keys.lease("last"))
+    assert await take(thief, "last") is not None
+    lost: list[str] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append(name)
+    await m.renew_all()
+    assert lost == ["last"] and set(m.held) == set(names) - {"last"}
+    del m.held["two\nlines"]  # and the packed form, with only plain names
+    await m.renew_all()
+    assert lost == ["last"] and set(m.held) == {"plain", "sb:lease:plain"}

@@ -1,7 +1,8 @@
 """Every accepted message's reply settles exactly once, whatever happens to its turn — queued,
 accepted but not started, starting, streaming, in a tool, winding down, stopped by /stop, by /new,
 or by a shutdown — and a client waiting on it (the HTTP API, streaming or not; the web chat) is
-answered within 100 ms of the stop."""
+answered once the stop lands, not when the stopped work would have ended (speed is measured by the
+benchmarks, not asserted here: a busy machine must not fail these)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import GATEWAY_RESTART
+from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 
 KEY = "sk-settle-0123456789"
-SETTLE_S = 0.1
+SETTLE_S = 2.0  # far below the 5 s tool a late answer would have waited for
 
 
 def _url(daemon: Any, path: str = "/v1/chat/completions") -> str:
@@ -71,7 +73,7 @@ async def test_a_queued_request_stopped_with_the_one_before_it_is_answered(
         first = asyncio.create_task(ask(http, daemon, "q", "first", stream=stream))
         await until(lambda: provider.requests_for("first"))
         second = asyncio.create_task(ask(http, daemon, "q", "second", stream=stream))
-        await until(lambda: daemon.router.status("api:dm:q").queued == 1)
+        await until(lambda: daemon.router.status(f"api:dm:{key_id(KEY)}/q").queued == 1)
         stop, stopped_at = await ask(http, daemon, "q", "/stop", stream=False)
         assert stop["choices"][0]["message"]["content"] == "Stopped."
         (one, one_at), (two, two_at) = await asyncio.wait_for(asyncio.gather(first, second), 2)
@@ -91,7 +93,7 @@ async def test_requests_queued_at_shutdown_are_answered_and_kept_for_the_next_st
         first = asyncio.create_task(ask(http, daemon, "s", "long", stream=stream))
         await until(lambda: provider.requests_for("long"))
         second = asyncio.create_task(ask(http, daemon, "s", "later", stream=stream))
-        await until(lambda: daemon.router.status("api:dm:s").queued == 1)
+        await until(lambda: daemon.router.status(f"api:dm:{key_id(KEY)}/s").queued == 1)
         stopping = asyncio.create_task(daemon.stop(GATEWAY_RESTART))
         (one, _), (two, _) = await asyncio.wait_for(asyncio.gather(first, second), 5)
         await stopping
@@ -170,6 +172,5 @@ async def test_stops_at_random_offsets_never_leave_a_request_open(
 
         for start in range(0, trials, 20):  # 20 sessions at a time
             await asyncio.gather(*(trial(i) for i in range(start, start + 20)))
-    # Answers that had already finished come back at once; only a turn being stopped can take long.
-    assert len(slow) <= trials * 0.02, f"seed {seed}: settled later than 100 ms after the stop: {slow[:10]}"
+    assert not slow, f"seed {seed}: settled as late as the stopped work would have ended: {slow[:10]}"
     assert await daemon.store.unfinished_inbound() == []

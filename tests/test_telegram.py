@@ -45,7 +45,8 @@ def start(fake: FakeTelegramAPI, make_daemon: DaemonFactory) -> Start:
     async def go(router: dict[str, object] | None = None, **telegram: object) -> tuple[Daemon, TelegramAdapter]:
         config: dict[str, object] = {"token": fake.token, "base_url": fake.base_url,
                                      "base_file_url": fake.base_file_url, "access": "open",
-                                     "edit_interval_s": 0.05, "poll_timeout_s": 1, **telegram}
+                                     "edit_interval_s": 0.05, "poll_timeout_s": 1,
+                                     "streaming": "edit", **telegram}  # drafts: test_telegram_streaming.py
         daemon = await make_daemon(telegram=config, **({"router": router} if router else {}))
         adapter = daemon.adapters["telegram"]
         assert isinstance(adapter, TelegramAdapter)
@@ -98,11 +99,11 @@ async def test_dm_round_trip(start: Start, fake: FakeTelegramAPI, provider: Fake
     texts = [r.text for r in fake.sent if r.message_id == mid]
     assert all(a != b for a, b in itertools.pairwise(texts)), "unchanged text re-sent"
     assert any(r.method == "sendChatAction" and r.text == "typing" for r in fake.sent)
-    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "help"]
+    assert [c["command"] for c in fake.commands()] == ["stop", "new", "reset", "status", "busy", "jobs", "kill", "help"]
     delete = next(c for c in fake.calls if c.method == "deleteWebhook")
     assert not delete.params.get("drop_pending_updates")
     await fake.wait_until(lambda: bool(fake.polls) and (fake.polls[-1].offset or 0) > update_id)
-    assert fake.pending_updates == [] and fake.polls[-1].allowed_updates == ["message"]
+    assert fake.pending_updates == [] and fake.polls[-1].allowed_updates == ["message", "callback_query"]
     assert adapter.health() == Health(True, "polling")
     assert "reply_parameters" not in fake.sent[-1].params  # no quoting in private chats
 
@@ -153,17 +154,28 @@ async def test_group_all_mode_and_forum_topics_reply_in_their_topic(
     assert [len(h) for h in history] == [2, 2]  # one session per topic
 
 
-async def test_media_gets_a_text_only_reply_and_captions_count_as_text(
+async def test_media_the_model_cannot_read_gets_a_reason_and_captions_count_as_text(
         start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
     provider.delay_s, provider.words = 0.0, 1
-    await start()
+    await start()  # vision off (the default): photos are refused, with the reason
     fake.push_photo(42, user_id=42)
     voice = fake.user_message(42, user_id=42, voice={"file_id": "v1", "file_unique_id": "u1", "duration": 2})
     fake.push_update({"message": voice})
+    sticker = fake.user_message(42, user_id=42, sticker={
+        "file_id": "s1", "file_unique_id": "us1", "type": "regular", "width": 1, "height": 1,
+        "is_animated": False, "is_video": False})
+    fake.push_update({"message": sticker})
     fake.push_photo(42, user_id=42, caption="look at this")
-    await shown(fake, 42, lambda t: t == "reply to: look at this w0 ")
-    assert [r.text for r in bot_sends(fake, 42)][:2] == [MEDIA_NOTICE, MEDIA_NOTICE]
-    assert [c.last_user for c in provider.connections] == ["look at this"]
+    await shown(fake, 42, lambda t: t.startswith("reply to: look at this"))
+    notices = [r.text or "" for r in bot_sends(fake, 42)][:4]
+    assert re.fullmatch(r"I could not read photo_\d+\.jpg: this model cannot see images\.", notices[0])
+    assert re.fullmatch(r"I could not read voice_\d+: audio/ogg files are not supported \(text files only\)\.",
+                        notices[1])
+    assert notices[2] == MEDIA_NOTICE  # a sticker is not a file at all
+    assert re.fullmatch(r"I could not read photo_\d+\.jpg: this model cannot see images\.", notices[3])
+    (asked,) = provider.connections
+    assert asked.last_user.startswith("look at this\n[image not read: photo_")
+    assert asked.last_user_parts == []  # nothing but text went to the model
 
 
 async def test_stop_mid_stream_leaves_other_chats_alone(
@@ -294,7 +306,7 @@ async def test_webhook_checks_the_secret_token(
     secret = "s3cret-webhook-token"
     daemon, adapter = await start(mode="webhook", webhook_url="https://example.test/tg", secret_token=secret)
     assert fake.webhook["url"] == "https://example.test/tg" and fake.webhook["secret_token"] == secret
-    assert fake.webhook["allowed_updates"] == ["message"] and adapter.health().ok
+    assert fake.webhook["allowed_updates"] == ["message", "callback_query"] and adapter.health().ok
     url = f"http://127.0.0.1:{daemon.config.http.port}/telegram/webhook"
 
     def update(text: str) -> dict[str, Any]:

@@ -131,7 +131,7 @@ async def test_a_stopped_answer_is_stored_exactly_as_the_page_was_shown_it(
             assert mark["text"] == mark["body"] + "\n\n⏹ stopped"
             shown = [f["text"] for f in frames if f["type"] in ("message", "edit") and not f.get("interrupted")]
             assert mark["body"] == shown[-1]  # the mark goes on what the page showed last, nothing newer
-            _, history = await daemon.store.conversation(f"webchat:dm:{_sid(http)}")
+            _, history = await daemon.store.conversation(_key(daemon, http))
             assert history[-1].content == mark["body"], f"trial {trial}"
         await ws.close()
 
@@ -146,7 +146,7 @@ async def test_hello_gives_the_message_limit_and_keeps_the_stop_mark_of_a_tool_t
         assert (await ws.receive_json())["max_chars"] == 1234
         await ws.send_json({"type": "message", "id": "t1", "text": "wait a bit"})
         await _frames_until(ws, lambda f: f == {"type": "state", "running": True})
-        key = f"webchat:dm:{_sid(http)}"
+        key = _key(daemon, http)
         for _ in range(500):  # until the tool runs
             if [c for c in provider.connections if c.completed] and daemon.router.status(key).running:
                 break
@@ -162,5 +162,10 @@ async def test_hello_gives_the_message_limit_and_keeps_the_stop_mark_of_a_tool_t
         await ws.close()
 
 
-def _sid(http: aiohttp.ClientSession) -> str:
-    return next(c.value for c in http.cookie_jar if c.key == "switchboard_session")
+def _cookie(http: aiohttp.ClientSession) -> str:
+    return next(c.value for c in http.cookie_jar if c.key == "switchboard_chat")
+
+
+def _key(daemon: Any, http: aiohttp.ClientSession) -> str:
+    """The session key of a browser's session: named by a keyed hash of its cookie, never the cookie."""
+    return f"webchat:dm:{daemon.adapters['webchat'].session_id(_cookie(http))}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from gateway.agents.jobs import call_note
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
 from gateway.core.context import encode, estimate, fit
@@ -182,6 +184,8 @@ class OpenAIAgent:
         done: asyncio.Queue[tuple[ToolCall, str]] = asyncio.Queue()
 
         async def run(call: ToolCall) -> None:
+            if context is not None:  # this task's own copy: what became of this call if the turn stops
+                call_note.set(functools.partial(context.note_result, call.id))
             async with gate:
                 if not steered and context is not None and (added := context.take_interjection()) is not None:
                     steered.append(added)
@@ -201,12 +205,12 @@ class OpenAIAgent:
         """The request body up to its messages: model, stream options and tool schemas, encoded
         once (again only if the tools change)."""
         s = self.settings
-        registered = tuple(self.tools.tools.values())
+        registered = tuple(self.tools.available().values())  # asked every round: MCP servers come and go
         if self._head is None or self._head[0] != registered:
             head: dict[str, Any] = {"model": s.model, "stream": True}
             if s.include_usage:
                 head["stream_options"] = {"include_usage": True}
-            tools = b',"tools":' + _dumps(self.tools.schemas()) if registered else b""
+            tools = b',"tools":' + _dumps([t.schema() for t in registered]) if registered else b""
             self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
         return self._head[1]
 

@@ -45,7 +45,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -412,23 +412,33 @@ class ProcessReaper:
         """Process groups started and not yet known to be gone."""
         return frozenset(self._live)
 
-    def spawn(self, argv: Sequence[str], *, cwd: str | None = None) -> Spawn:
-        """Start `argv` in a new session (its own process group) with PDEATHSIG set; see `Spawn`."""
-        return Spawn(self, argv, cwd)
+    def spawn(self, argv: Sequence[str], *, cwd: str | None = None, pipes: bool = False,
+              env: Mapping[str, str] | None = None) -> Spawn:
+        """Start `argv` in a new session (its own process group) with PDEATHSIG set; see `Spawn`.
 
-    async def _create(self, argv: Sequence[str], cwd: str | None) -> asyncio.subprocess.Process:
+        `pipes`: stdin, stdout and stderr are separate pipes (a server spoken to over stdio) instead
+        of no input and one merged output. `env`: the whole environment (else the daemon's)."""
+        return Spawn(self, argv, cwd, pipes=pipes, env=env)
+
+    async def _create(self, argv: Sequence[str], cwd: str | None, *, pipes: bool = False,
+                      env: Mapping[str, str] | None = None) -> asyncio.subprocess.Process:
         kwargs: dict[str, object] = {}
+        if env is not None:
+            kwargs["env"] = dict(env)
         if self.ledger is not None:  # the sentinel runs before the fork; the tool carries the tag
-            kwargs["env"] = self.ledger.prepare()
+            tagged = self.ledger.prepare()
+            kwargs["env"] = tagged if env is None else {**env, TOOL_TAG: tagged[TOOL_TAG]}
         if self.pdeathsig == "setpriv":
             if shutil.which(argv[0]) is None and "/" not in argv[0]:  # as exec would have said
                 raise FileNotFoundError(f"No such file or directory: {argv[0]!r}")
             argv = ["setpriv", "--pdeathsig", "KILL", "--", *argv]
         elif self.pdeathsig == "preexec" and (prctl := _libc_prctl()) is not None:
             kwargs["preexec_fn"] = functools.partial(_set_pdeathsig, os.getpid(), prctl)
+        pipe = asyncio.subprocess.PIPE
         return await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, cwd=cwd, **kwargs)  # type: ignore[arg-type]
+            *argv, stdin=pipe if pipes else asyncio.subprocess.DEVNULL, stdout=pipe,
+            stderr=pipe if pipes else asyncio.subprocess.STDOUT, start_new_session=True, cwd=cwd,
+            **kwargs)  # type: ignore[arg-type]
 
     def track(self, proc: asyncio.subprocess.Process) -> None:
         self._live.add(proc.pid)
@@ -504,10 +514,12 @@ class Spawn:
     terminated the moment it is), or after (its group is terminated now).
     """
 
-    def __init__(self, reaper: ProcessReaper, argv: Sequence[str], cwd: str | None) -> None:
+    def __init__(self, reaper: ProcessReaper, argv: Sequence[str], cwd: str | None, *, pipes: bool = False,
+                 env: Mapping[str, str] | None = None) -> None:
         self._reaper = reaper
         self.proc: asyncio.subprocess.Process | None = None
         self.stopped = False
+        self._pipes, self._env = pipes, env
         self.task = asyncio.get_running_loop().create_task(self._start(list(argv), cwd))
         reaper._spawning.add(self.task)
         self.task.add_done_callback(reaper._spawning.discard)
@@ -515,7 +527,7 @@ class Spawn:
     async def _start(self, argv: list[str], cwd: str | None) -> asyncio.subprocess.Process | None:
         if self.stopped:
             return None
-        proc = self.proc = await self._reaper._create(argv, cwd)
+        proc = self.proc = await self._reaper._create(argv, cwd, pipes=self._pipes, env=self._env)
         self._reaper.track(proc)
         if self._stopped_meanwhile():
             self._reaper.terminate(proc)

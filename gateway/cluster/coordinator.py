@@ -342,13 +342,16 @@ class Cluster:
             for entry_id, fields in entries:
                 await self._handle(self._inbox, entry_id, fields)
 
-    async def _handle(self, stream: str, entry_id: str, fields: dict[str, str]) -> None:
+    async def _handle(self, stream: str, entry_id: str, fields: dict[str, str], *, again: bool = False) -> None:
+        """`again`: handled before, a TTL ago or more (ownership has settled since): its hop
+        count starts over, so a message that bounced during a takeover is not refused for it."""
         if fields:  # an entry deleted meanwhile comes back empty: just acknowledge it
             try:
                 entry = json.loads(fields["data"])
                 msg = InboundMessage.from_dict(entry["msg"])
                 assert self._events is not None
-                result = await self._events.deliver(msg, entry["session"], int(entry["hops"]))
+                hops = 1 if again else int(entry["hops"])  # (1: still a forwarded message, the store de-duplicates)
+                result = await self._events.deliver(msg, entry["session"], hops)
                 if result is not None and result.outcome is Outcome.UNAVAILABLE and not entry.get("reply"):
                     # Acknowledged by the worker that forwarded it, so it must not be lost here:
                     # it stays pending and is handled again once idle for a TTL.
@@ -425,7 +428,7 @@ class Cluster:
                                                          min_idle_time=int(self.ttl_s * 1000), count=100)
         for entry_id, fields in claimed:
             log.info("handling an inbox entry delivered earlier but never handled")
-            await self._handle(self._inbox, entry_id, fields)
+            await self._handle(self._inbox, entry_id, fields, again=True)
 
     async def _claim_from_the_dead(self) -> None:
         """Take over what dead workers left in their inboxes: entries they read but never
@@ -446,7 +449,7 @@ class Cluster:
             entries = list(claimed) + [e for _s, batch in cast("list[Any]", unread or []) for e in batch]
             for entry_id, fields in entries:
                 log.info("re-routing a message forwarded to dead worker %s", worker)
-                await self._handle(inbox, entry_id, fields)
+                await self._handle(inbox, entry_id, fields, again=True)
             if entries or (await self.redis.xpending(inbox, keys.GROUP)).get("pending"):
                 continue  # the rest once they have been idle for a TTL
             async with self.redis.pipeline(transaction=False) as pipe:  # gone, and nothing left behind

@@ -13,6 +13,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -124,11 +125,15 @@ class Run:
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
                  "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
-                 "run_id", "session_key", "started_at")
+                 "run_id", "session_key", "started_at", "tenant", "token")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
+        # Names this run across workers and restarts (run ids restart with the process): what a
+        # Stop button carries, so a press stops this turn and no later one.
+        self.token = secrets.token_urlsafe(9)
         self.session_key = session_key
+        self.tenant: str | None = None  # whose turn this is, where the platform knows (tools may be limited by it)
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.
         self.guard: Guard | None = None

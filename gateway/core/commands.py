@@ -15,6 +15,8 @@ from typing import Protocol
 from gateway.core.ports import NoticeKind
 
 STOPPED = "Stopped."
+ENDED = "This answer has already ended."
+RUN_ARG = "run:"  # `/stop run:<token>`: stop only if that run is the one running (a Stop button)
 
 # "/stop", "/stop@SwitchboardBot", "!stop" (Discord habit). "!" only counts for known names,
 # so "!sleep 5" stays an ordinary message for the echo agent.
@@ -39,6 +41,9 @@ class SessionControl(Protocol):
     def stop(self, key: str) -> int:
         """Stop the running turn and drop queued ones; how many were stopped."""
 
+    def stop_run(self, key: str, token: str) -> int:
+        """`stop`, but only while the run with `token` is the one running; else nothing (0)."""
+
     async def reset(self, key: str) -> bool:
         """Stop everything and start a new conversation; False if the store failed."""
 
@@ -46,6 +51,12 @@ class SessionControl(Protocol):
 
     def busy_policy(self, key: str, policy: str | None = None) -> str:
         """The session's busy policy (interrupt, queue or steer), after setting it if given."""
+
+    def jobs_text(self, key: str) -> str:
+        """The session's background jobs, for /jobs."""
+
+    def kill_job(self, key: str, job_id: str) -> str | None:
+        """Kill one of the session's background jobs; what happened, or None if there is no such job."""
 
 
 Handler = Callable[[SessionControl, str, str], Awaitable[CommandResult]]  # (control, session key, args)
@@ -62,10 +73,11 @@ class CommandSpec:
     in_menu: bool = True  # listed in the platforms' command menus
 
 
-async def _stop(control: SessionControl, key: str, _args: str) -> CommandResult:
-    if control.stop(key):
+async def _stop(control: SessionControl, key: str, args: str) -> CommandResult:
+    token = args[len(RUN_ARG):] if args.startswith(RUN_ARG) else None
+    if control.stop(key) if token is None else control.stop_run(key, token):
         return CommandResult(STOPPED, NoticeKind.STOPPED)
-    return CommandResult("Nothing is running.")
+    return CommandResult("Nothing is running." if token is None else ENDED)
 
 
 async def _new(control: SessionControl, key: str, _args: str) -> CommandResult:
@@ -94,6 +106,20 @@ _BUSY = {"interrupt": "stop it and be answered instead", "queue": "wait for it t
          "steer": "be added to it"}
 
 
+async def _jobs(control: SessionControl, key: str, _args: str) -> CommandResult:
+    return CommandResult(control.jobs_text(key))
+
+
+async def _kill(control: SessionControl, key: str, args: str) -> CommandResult:
+    job_id = args.strip()
+    if not job_id:
+        return CommandResult("Use /kill <job id>, e.g. /kill j3 (/jobs lists them).", NoticeKind.ERROR)
+    done = control.kill_job(key, job_id)
+    if done is None:
+        return CommandResult(f"No background job {job_id[:20]} in this chat (/jobs lists them).", NoticeKind.ERROR)
+    return CommandResult(done)
+
+
 async def _help(_control: SessionControl, _key: str, _args: str) -> CommandResult:
     return CommandResult(help_text())
 
@@ -103,6 +129,8 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("new", "Start a fresh conversation (the old one is archived)", _new, aliases=("reset",)),
     CommandSpec("status", "What is running in this chat", _status, private=True),
     CommandSpec("busy", "What a message sent mid-answer does: interrupt, queue or steer", _busy),
+    CommandSpec("jobs", "List this chat's background jobs", _jobs, private=True),
+    CommandSpec("kill", "End a background job: /kill <id>", _kill),
     CommandSpec("help", "List the commands", _help, aliases=("start",), private=True),
 )
 _BY_NAME = {name: spec for spec in COMMANDS for name in (spec.name, *spec.aliases)}

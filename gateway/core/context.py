@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from array import array
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from gateway.core.transcript import ChatMessage
 
+IMAGE_TOKENS = 800  # what one image counts for, whatever its size (providers scale large ones down)
 MESSAGE_OVERHEAD = 4  # role, separators: what a chat template adds per message
 SHORTENED = "\n[… output shortened to fit the context …]\n"
 KEEP_OF_OLD_TOOL_OUTPUT = 400  # characters kept of a shortened tool output (its start and end)
@@ -33,6 +35,8 @@ def message_tokens(m: ChatMessage) -> int:
     n = estimate(m.content) + MESSAGE_OVERHEAD
     for call in m.tool_calls:
         n += estimate(call.arguments) + estimate(call.name) + MESSAGE_OVERHEAD
+    for part in m.media:  # an image at a fixed cost, never by the length of its base64
+        n += (part.tokens or IMAGE_TOKENS if part.kind == "image" else estimate(part.text)) + MESSAGE_OVERHEAD
     return n
 
 
@@ -95,7 +99,8 @@ class HistoryMemo:
     of the one seen (a /new, an older snapshot) is read again. Compact: machine integers, no
     object per row (about 60 bytes a row besides its JSON)."""
 
-    __slots__ = ("_changed", "_encoded", "_ends", "_first", "_last", "_short", "_short_total", "_starts", "_total")
+    __slots__ = ("_changed", "_encoded", "_ends", "_first", "_last", "_media", "_short", "_short_total", "_starts",
+                 "_total")
 
     def __init__(self) -> None:
         self._clear()
@@ -110,6 +115,7 @@ class HistoryMemo:
         self._encoded = bytearray()  # every row's JSON followed by a comma
         self._ends = array("q", [0])  # _encoded[_ends[i]:_ends[i + 1] - 1] is row i
         self._short: dict[int, tuple[ChatMessage, bytes]] = {}  # rows that shortening changes, shortened
+        self._media = array("q")  # rows with images or files: encoded when sent, never kept (base64 is big)
 
     def _sync(self, history: Sequence[ChatMessage]) -> None:
         n = len(self._total) - 1
@@ -130,8 +136,11 @@ class HistoryMemo:
                 tokens = message_tokens(short)
             short_total.append(short_total[-1] + tokens)
             changed.append(changed[-1] + (short is not m))
-            encoded += encode(m)
-            encoded += b","
+            if m.media:
+                self._media.append(i)
+            else:
+                encoded += encode(m)
+                encoded += b","
             ends.append(len(encoded))
             if m.role == "user" or i == 0:
                 self._starts.append(i)
@@ -168,13 +177,12 @@ class HistoryMemo:
             count += end - begin
             start = begin
             older.append((begin, end, short))
-        ends, encoded = self._ends, self._encoded
         messages: list[ChatMessage] = []
         parts: list[bytes | bytearray] = []
         for begin, end, short in reversed(older):
             if not short:
                 messages += history[begin:end]
-                parts.append(encoded[ends[begin]:ends[end] - 1])
+                self._encoded_rows(history, begin, end, parts)
                 continue
             for i in range(begin, end):
                 if (replaced := self._short.get(i)) is not None:
@@ -182,10 +190,24 @@ class HistoryMemo:
                     parts.append(replaced[1])
                 else:
                     messages.append(history[i])
-                    parts.append(encoded[ends[i]:ends[i + 1] - 1])
+                    self._encoded_rows(history, i, i + 1, parts)
         messages += history[whole:n]
-        parts.append(encoded[ends[whole]:ends[n] - 1])
+        self._encoded_rows(history, whole, n, parts)
         return Fitted(messages, fixed + int(used * ratio) + count, start, shortened, b",".join(parts))
+
+
+    def _encoded_rows(self, history: Sequence[ChatMessage], begin: int, end: int,
+                      parts: list[bytes | bytearray]) -> None:
+        """history[begin:end] as JSON: slices of the buffer, rows with media encoded now."""
+        ends, media = self._ends, self._media
+        at = begin
+        for i in media[bisect_left(media, begin):bisect_left(media, end)]:
+            if i > at:
+                parts.append(self._encoded[ends[at]:ends[i] - 1])
+            parts.append(encode(history[i]))
+            at = i + 1
+        if end > at:
+            parts.append(self._encoded[ends[at]:ends[end] - 1])
 
 
 def _turns_backwards(history: Sequence[ChatMessage]) -> Iterator[tuple[int, list[ChatMessage]]]:

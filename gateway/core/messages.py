@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
+from gateway.core.attachments import Attachment
+
 
 class ChatType(StrEnum):
     DM = "dm"
@@ -39,7 +41,8 @@ class InboundMessage:
     reply_to: str | None = None
     timestamp: float = field(default_factory=time.time)
     user_handle: str | None = None  # e.g. a Telegram @username, for allowlists
-    media: bool = False  # it carried something besides text (a photo, a file, a sticker)
+    media: bool = False  # it carried something besides text that is not an attachment (a sticker)
+    attachments: tuple[Attachment, ...] = ()  # images and files, screened by the router
     tenant: str | None = None  # who it belongs to, where the platform knows (an API key's name)
     # Platform-specific bits an adapter wants back when replying (never persisted).
     extra: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
@@ -50,11 +53,15 @@ class InboundMessage:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form for stores and forwarding (without `extra`, which stays local)."""
-        return {"platform": self.platform, "chat_id": self.chat_id, "chat_type": self.chat_type.value,
-                "user_id": self.user_id, "user_name": self.user_name, "message_id": self.message_id,
-                "text": self.text, "thread_id": self.thread_id, "reply_to": self.reply_to,
-                "timestamp": self.timestamp, "user_handle": self.user_handle, "media": self.media,
-                "tenant": self.tenant}
+        out: dict[str, object] = {
+            "platform": self.platform, "chat_id": self.chat_id, "chat_type": self.chat_type.value,
+            "user_id": self.user_id, "user_name": self.user_name, "message_id": self.message_id,
+            "text": self.text, "thread_id": self.thread_id, "reply_to": self.reply_to,
+            "timestamp": self.timestamp, "user_handle": self.user_handle, "media": self.media,
+            "tenant": self.tenant}
+        if self.attachments:  # absent when there are none: older records and peers read the same
+            out["attachments"] = [a.to_dict() for a in self.attachments]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InboundMessage:
@@ -62,7 +69,9 @@ class InboundMessage:
                    user_id=d["user_id"], user_name=d["user_name"], message_id=d["message_id"], text=d["text"],
                    thread_id=d.get("thread_id"), reply_to=d.get("reply_to"),
                    timestamp=d.get("timestamp", time.time()), user_handle=d.get("user_handle"),
-                   media=bool(d.get("media", False)), tenant=d.get("tenant"))
+                   media=bool(d.get("media", False)), tenant=d.get("tenant"),
+                   attachments=tuple(Attachment.from_dict(a) for a in d.get("attachments") or ()
+                                     if isinstance(a, dict)))
 
 
 @dataclass(frozen=True, slots=True)

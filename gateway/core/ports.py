@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from gateway.core.attachments import Attachment, MediaPart
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
@@ -50,6 +51,10 @@ class TurnContext(Protocol):
         """What the context budget keeps of this session's history between turns (None: a turn
         without a stored session)."""
 
+    def note_result(self, call_id: str, text: str) -> None:
+        """What became of a tool call if the turn is stopped before it returns (its command moved to
+        the background, say): recorded with the call's interrupted marker."""
+
 
 class Agent(Protocol):
     @property
@@ -59,6 +64,14 @@ class Agent(Protocol):
     def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
                  context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
         """Stream one turn. Tool calls run inside; cancellation arrives as CancelledError."""
+
+
+class MediaLoader(Protocol):
+    """Fetches a message's attachments for its turn (in the run's task, so a stop cancels it)."""
+
+    async def load(self, platform: str, attachments: Sequence[Attachment]) -> tuple[MediaPart, ...]:
+        """One part per attachment not refused: the bytes or text, from the stored copy when there
+        is one, else downloaded — or a note saying why not. Raises only CancelledError."""
 
 
 # --- the store --------------------------------------------------------------------------------
@@ -168,6 +181,9 @@ class NoticeKind(StrEnum):
     INTERRUPTED = "interrupted"
 
 
+UNAVAILABLE_RETRY_S = 5.0  # what a client is told to wait while our side (storage, Redis) is down
+
+
 class Reply(ABC):
     """The outbound side of one turn. Implementations drop output once the run is cancelled."""
 
@@ -184,8 +200,9 @@ class Reply(ABC):
         """The turn was stopped: show that, once, and send nothing more."""
 
     @abstractmethod
-    async def failed(self, text: str) -> None:
-        """The agent failed; tell the user in words."""
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
+        """The turn failed; tell the user in words. `retry_after_s`: our side is unavailable for
+        now (storage down, at capacity), so the same message may well work later."""
 
     async def settled(self, problem: str | None = None) -> None:
         """The turn is over and its outcome recorded (or, with `problem`, what the user must be told

@@ -109,4 +109,7 @@ def _resume_message(rec: InboundRecord, reason: ToolReason) -> InboundMessage:
     return InboundMessage(platform=m.platform, chat_id=m.chat_id, chat_type=m.chat_type, user_id=m.user_id,
                           user_name=m.user_name, message_id=f"{RESUME_PREFIX}{rec.id}",
                           text=resume_prompt(reason),
-                          thread_id=m.thread_id, reply_to=m.message_id, user_handle=m.user_handle)
+                          thread_id=m.thread_id, reply_to=m.message_id, user_handle=m.user_handle,
+                          # The images and files go again (from their local copies): the model
+                          # continues with what it was looking at, not just its placeholder.
+                          attachments=tuple(a for a in m.attachments if a.refused is None))

@@ -8,16 +8,19 @@ starting or streaming; commands never wait on the lane or on anything a turn hol
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from agent_cache import AgentCache, CacheSettings
 from gateway.core.access import AccessControl
+from gateway.core.attachments import MediaSettings, refusal_sentence, screen
+from gateway.core.background import KILLED_BY_USER, BackgroundJobs
 from gateway.core.cancellation import (
     EVICTED,
     LEASE_LOST,
@@ -33,7 +36,9 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
+    UNAVAILABLE_RETRY_S,
     Agent,
+    MediaLoader,
     NoticeKind,
     Outcome,
     Outlet,
@@ -53,9 +58,8 @@ log = logging.getLogger(__name__)
 BusyPolicy = Literal["interrupt", "queue", "steer"]
 BUSY_POLICIES: tuple[BusyPolicy, ...] = ("interrupt", "queue", "steer")
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
-MEDIA_ONLY = "I can only read text for now."
+MEDIA_ONLY = "I can only read text, images and text files; that kind of message is not supported."
 STEERED = "↪ added to the current answer"
-UNAVAILABLE_RETRY_S = 5.0
 UNAVAILABLE_NOTICE_EVERY_S = 60.0
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
 
@@ -109,8 +113,14 @@ class Router:
     def __init__(self, settings: RouterSettings, *, store: Store, agent: Agent, outlets: Outlets,
                  cache: CacheSettings | None = None, metrics: Metrics | None = None,
                  access: AccessControl | None = None, cluster: Ownership | None = None,
-                 resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0) -> None:
+                 resume_max_age_s: float = 600.0, cancel_grace_s: float = 2.0,
+                 media: MediaSettings | None = None, vision: bool = True,
+                 media_loader: MediaLoader | None = None,
+                 jobs: BackgroundJobs | None = None) -> None:
         self.settings = settings
+        self.jobs = jobs  # shell commands moved to the background (None: off)
+        self._origins: OrderedDict[str, InboundMessage] = OrderedDict()  # a session's last message: where
+        # a background job's end is reported
         # How long a cancelled turn's task may take to end before its lane moves on without it.
         self.cancel_grace_s = cancel_grace_s
         self.store = store
@@ -119,11 +129,15 @@ class Router:
         self._outlets = outlets
         self._access = access
         self._cluster = cluster
+        self.media = media or MediaSettings()
+        self.vision = vision  # may images go to the model (`[agent] vision`)
         cache = cache or CacheSettings()
         self.cache: AgentCache[LiveConversation] = AgentCache(
             max_agents=cache.max_agents, idle_ttl_s=cache.idle_ttl_s, when_full=cache.when_full,
             on_evict=self._on_evict)
         self.interruptions = Interruptions()
+        # More lines for /status (e.g. the MCP servers' state), each asked for the session's key.
+        self.status_extras: list[Callable[[str], str | None]] = []
         self._lanes: dict[str, Lane] = {}
         self._recent: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._closing = False
@@ -135,7 +149,7 @@ class Router:
                                  interruptions=self.interruptions, agent=lambda: self._agent,
                                  timeout_s=lambda: self.settings.turn_timeout_s,
                                  check_lease=cluster.check_lease if cluster else None,
-                                 cancel_grace_s=lambda: self.cancel_grace_s)
+                                 cancel_grace_s=lambda: self.cancel_grace_s, media=media_loader)
         self._recovery = Recovery(store, outlets, requeue=self.resume, remember=self._remember,
                                   fence=self._fence, speaker=self._speaker, resume_max_age_s=resume_max_age_s)
         self.metrics.watch_cache(lambda: (len(self.cache), self.cache.hits, self.cache.misses, self.cache.evictions))
@@ -181,6 +195,9 @@ class Router:
         if drain_s > 0 and running:
             log.info("draining %d running turn(s) for up to %.0f s", len(running), drain_s)
             await asyncio.wait(running, timeout=drain_s)
+        if self.jobs is not None:  # no job outlives the daemon; each is told at the next start
+            for key, message_id, text in self.jobs.kill_all(reason):
+                await self._leave_automatic(key, message_id, text)
         queued: list[Turn] = []
         for lane in list(self._lanes.values()):
             if lane.current is not None:
@@ -239,14 +256,19 @@ class Router:
     async def _route(self, msg: InboundMessage, outlet: Outlet, ephemeral: Sequence[ChatMessage] | None,
                      key: str | None, hops: int) -> Submitted:
         key = key or session_key(msg, per_user_in_groups=self.settings.per_user_in_groups)
-        media_only = msg.media and not msg.text.strip()
+        if msg.attachments:  # each gets its verdict now, before the message is stored
+            msg = dataclasses.replace(msg, attachments=screen(msg.attachments, self.media, vision=self.vision))
+        readable = any(a.refused is None for a in msg.attachments)
+        refused = refusal_sentence(msg.attachments)
+        media_only = (msg.media or bool(msg.attachments)) and not msg.text.strip() and not readable
         if not _encodable(key, msg.text, msg.chat_id, msg.user_id, msg.user_name, msg.message_id,
-                          msg.thread_id, msg.user_handle, msg.reply_to):
+                          msg.thread_id, msg.user_handle, msg.reply_to,
+                          *(a.name for a in msg.attachments), *(a.mime for a in msg.attachments)):
             # Lone surrogates (e.g. "\ud800" in JSON) cannot be stored or sent on: refuse them now,
             # before anything is acknowledged, rather than poison the store.
             return await self._reject(outlet, msg, key, "That message contains characters that are not valid "
                                       "text; please send it again.")
-        if not media_only and (problem := self._validate(msg.text)) is not None:
+        if not media_only and not (readable and not msg.text.strip()) and (problem := self._validate(msg.text)):
             return await self._reject(outlet, msg, key, problem)
         cmd = parse_command(msg.text, outlet.bot_username)
         if self._closing and cmd is None:  # commands still work while turns drain: /stop must stop
@@ -258,7 +280,7 @@ class Router:
                 return await self._reject(outlet, msg, key, notice, kind=NoticeKind.INFO,
                                           detail="not allowed (notice throttled)")
         if media_only:
-            return await self._reject(outlet, msg, key, MEDIA_ONLY)
+            return await self._reject(outlet, msg, key, refused or MEDIA_ONLY)
         if cmd is None and ephemeral is None:  # commands always get through: /stop must work
             allowed, notice = self._rate_limit.check(msg.platform, msg.user_id)
             if not allowed:
@@ -284,18 +306,25 @@ class Router:
         if ephemeral is None and self._seen(msg, hops):
             return Submitted(Outcome.DUPLICATE)
 
+        if refused:  # the rest of the message is answered; the user learns why this part is not read
+            await speaker.notify(msg.chat, refused, reply_to=msg.message_id, kind=NoticeKind.INFO)
         turn = Turn(msg, key, speaker, fence, ephemeral)
+        if ephemeral is None:
+            self._remember_origin(key, msg)
         lane = self._lanes.get(key)
         busy = lane is not None and (lane.current is not None or bool(lane.pending))
         policy = self.busy_policy(key)
         # A message that arrives late (held up in a forward while its owner was paused) must not
         # cut off the answer to one the user sent after it: it waits its turn instead.
         late = busy and lane is not None and _newer_in(lane, msg)
-        steer = (policy == "steer" and busy and not late and ephemeral is None and outlet.can_steer
+        # A message with images or files is a turn of its own: steering hands the model text only.
+        steer = (policy == "steer" and busy and not late and ephemeral is None and outlet.can_steer and not readable
                  and lane is not None and lane.current is not None and not lane.pending
                  and not lane.current.run.is_cancelled())
         queue = policy != "interrupt" or late
         if busy and not queue:
+            if self.jobs is not None:  # long commands move to the background before the cancel reaches them
+                self.jobs.yield_foreground(key, now=True)
             self._cancel_lane(key, NEW_MESSAGE)
         if steer and lane is not None and lane.current is not None:
             lane.current.steered.append(turn)  # handed to the running turn at its next boundary
@@ -320,6 +349,8 @@ class Router:
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
         if steer:
+            if self.jobs is not None:  # the turn's long commands move to the background: it can take this now
+                self.jobs.yield_foreground(key, now=False)
             await speaker.notify(msg.chat, STEERED, reply_to=msg.message_id, kind=NoticeKind.INFO)
             return Submitted(Outcome.STEERED, STEERED, turn.run)
         if busy and queue and ahead:
@@ -373,6 +404,7 @@ class Router:
         if fence is None:  # the session is not ours (any more): its owner recovers it
             return None
         turn = Turn(msg, key, self._speaker(outlet, fence), fence)
+        self._remember_origin(key, msg)  # a job started by a replayed turn reports to its chat too
         self._enqueue(turn)
         try:
             if self._cluster is not None:
@@ -475,6 +507,11 @@ class Router:
     async def _forward(self, owner: str, cmd: Command | None, msg: InboundMessage, key: str, outlet: Outlet,
                        hops: int) -> Submitted:
         assert self._cluster is not None
+        if hops >= MAX_HOPS and cmd is None and outlet.pushes_anywhere:
+            # Ownership is moving (a takeover under way): the platform was already answered, so
+            # the message stays in this worker's inbox and is handled again once idle for a TTL.
+            log.info("ownership moving; the message waits in the inbox", extra={"session": key})
+            return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
         if hops >= MAX_HOPS or (cmd is None and not outlet.pushes_anywhere):
             # A web chat or API client waits on this worker's connection, and only the owner may
             # answer: say so rather than answer twice or not at all.
@@ -508,6 +545,8 @@ class Router:
         if lane is not None:
             for turn in ([lane.current] if lane.current else []) + list(lane.pending):
                 turn.run.cancel(LEASE_LOST)
+        if self.jobs is not None:
+            self.jobs.kill_session(session, LEASE_LOST)
         self.cache.discard(session)
 
     def in_use(self, session: str) -> bool:
@@ -527,8 +566,17 @@ class Router:
     def stop(self, key: str) -> int:
         return len(self._cancel_lane(key, STOPPED_BY_USER))
 
+    def stop_run(self, key: str, token: str) -> int:
+        lane = self._lanes.get(key)
+        current = lane.current if lane is not None else None
+        if current is None or current.run.token != token or current.run.is_cancelled():
+            return 0  # that answer has ended (or never ran here): a later one is not stopped for it
+        return self.stop(key)
+
     async def reset(self, key: str) -> bool:
         self._cancel_lane(key, SESSION_RESET)
+        if self.jobs is not None:
+            self.jobs.kill_session(key, SESSION_RESET)
         self.cache.discard(key)
         fence = self._fence(key)
         try:
@@ -550,6 +598,53 @@ class Router:
                 self._busy.pop(next(iter(self._busy)))
         return self._busy.get(key, self.settings.busy)
 
+    def jobs_text(self, key: str) -> str:
+        if self.jobs is None:
+            return "Background jobs are off here (they need the shell tool)."
+        lines = self.jobs.describe(key)
+        return "Background jobs:\n" + "\n".join(lines) if lines else "No background jobs in this chat."
+
+    def kill_job(self, key: str, job_id: str) -> str | None:
+        return self.jobs.kill_job(key, job_id, KILLED_BY_USER) if self.jobs is not None else None
+
+    def _remember_origin(self, key: str, msg: InboundMessage) -> None:
+        self._origins[key] = msg
+        self._origins.move_to_end(key)
+        if len(self._origins) > 50_000:
+            self._origins.popitem(last=False)
+
+    async def deliver_automatic(self, key: str, message_id: str, text: str) -> bool:
+        """An automatic message into `key` (a background job ended): queued like a message, in the
+        chat the session last heard from, once (the store de-duplicates `message_id`). False if
+        there is no chat to tell."""
+        found = None if self._closing else self._automatic(key, message_id, text)
+        if found is not None:
+            await self.resume(*found, key)
+        return found is not None
+
+    async def _leave_automatic(self, key: str, message_id: str, text: str) -> None:
+        """The same, stopping: stored as accepted, so the next start replays it."""
+        found = self._automatic(key, message_id, text)
+        fence = self._fence(key)
+        if found is None or fence is None:
+            return
+        try:
+            await self.store.accept_inbound(fence, found[0])
+        except StoreError as exc:
+            log.warning("could not store a job's end for the next start: %s", exc, extra={"session": key})
+
+    def _automatic(self, key: str, message_id: str, text: str) -> tuple[InboundMessage, Outlet] | None:
+        origin = self._origins.get(key)
+        outlet = self._outlets.get(origin.platform) if origin is not None else None
+        if origin is None or outlet is None or not outlet.can_steer:
+            # The HTTP API has no chat to answer in (each request waits for its own answer): the
+            # job's end stays visible to the model through job_status.
+            log.info("not told (no chat to answer in): %s", text.split("\n", 1)[0], extra={"session": key})
+            return None
+        return InboundMessage(platform=origin.platform, chat_id=origin.chat_id, chat_type=origin.chat_type,
+                              user_id=origin.user_id, user_name=origin.user_name, message_id=message_id, text=text,
+                              thread_id=origin.thread_id, user_handle=origin.user_handle, tenant=origin.tenant), outlet
+
     def status_text(self, key: str) -> str:
         s = self.status(key)
         if s.running and s.since is not None:
@@ -558,11 +653,16 @@ class Router:
         else:
             state = "Idle"
         text = f"{state} · queued: {s.queued} · busy: {self.busy_policy(key)} · agent: {s.agent}"
+        if self.jobs is not None and (jobs := self.jobs.count_running(key)):
+            text += f" · background jobs running: {jobs} (/jobs)"
         conversation = self.cache.peek(key)
         if conversation is not None and conversation.prompt_tokens:
             prompt, completion = conversation.tokens_used
             text += (f"\ncontext: {conversation.prompt_tokens:,} tokens in the last request"
                      f" · used so far: {prompt:,} prompt, {completion:,} completion")
+        for extra in self.status_extras:
+            if line := extra(key):
+                text += "\n" + line
         return text
 
     # --- turns ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.core.attachments import MediaPart
 from gateway.core.cancellation import ReasonKind, ToolReason
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -34,6 +35,8 @@ class ChatMessage:
     interrupted_by: ReasonKind | None = None
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
+    # This turn's images and files as the model gets them; never stored (the content keeps placeholders).
+    media: tuple[MediaPart, ...] = field(default=(), compare=False, repr=False)
 
     def model_content(self) -> str:
         """The content as the model should see it: interrupted assistant text carries its marker."""
@@ -44,6 +47,8 @@ class ChatMessage:
 
     def to_openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.model_content()}
+        if self.media:  # content parts: the text, then each image or file
+            out["content"] = [{"type": "text", "text": out["content"]}, *(p.to_openai() for p in self.media)]
         if self.tool_calls:
             out["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id:
@@ -158,18 +163,21 @@ class TurnRecorder:
         self.rows.append(ChatMessage("assistant", self.text))
         return self.rows
 
-    def interrupted(self, reason: ToolReason, shown: str | None = None) -> list[ChatMessage]:
+    def interrupted(self, reason: ToolReason, shown: str | None = None,
+                    notes: dict[str, str] | None = None) -> list[ChatMessage]:
         """Rows for a stopped turn: in-flight tools get the marker, partial text is kept and marked.
         `shown` (the turn's streamed text the user saw, see `Reply.shown_text`) cuts the partial
-        text down to what was shown; None keeps all of it."""
+        text down to what was shown; None keeps all of it. `notes` (by call id) say what became of
+        an in-flight call (its command moved to the background): put before its marker."""
         partial = self.text if shown is None else shown[self._earlier:][:len(self.text)]
         cut_tools = any(call.id not in self._results for call in self._calls)
         for call in self._calls:  # finished ones keep their result; the rest get the marker
             if call.id in self._results:
                 self.rows.append(ChatMessage("tool", self._results.pop(call.id), tool_call_id=call.id))
             else:
-                self.rows.append(ChatMessage("tool", reason.marker, tool_call_id=call.id,
-                                             interrupted_by=reason.kind, reason=reason.text))
+                note = (notes or {}).get(call.id)
+                self.rows.append(ChatMessage("tool", f"{note}\n{reason.marker}" if note else reason.marker,
+                                             tool_call_id=call.id, interrupted_by=reason.kind, reason=reason.text))
         self._calls.clear()
         # The turn ends with the marker: on the interrupted tool results, or else on an assistant
         # row (also when a tool round had finished and the next model round never began).

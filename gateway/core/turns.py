@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
+from gateway.core.attachments import note, refusal_sentence, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     LEASE_LOST,
@@ -32,10 +34,12 @@ from gateway.core.logs import log_context
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.ports import (
+    UNAVAILABLE_RETRY_S,
     Agent,
     AgentError,
     FencedOut,
     InboundStatus,
+    MediaLoader,
     NoticeKind,
     Outlet,
     Reply,
@@ -121,8 +125,8 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "run", "speaker",
-                 "steered", "usage")
+    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "notes", "run",
+                 "speaker", "steered", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
@@ -132,6 +136,7 @@ class Turn:
         self.fence = fence
         self.run = Run(key)
         self.run.guard = speaker.guard
+        self.run.tenant = msg.tenant
         self.ephemeral = ephemeral
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
@@ -139,6 +144,7 @@ class Turn:
         self.steered: list[Turn] = []  # messages sent while this runs (busy "steer"), not yet handed over
         self.absorbed: list[Turn] = []  # those handed to the model: their answer is this turn's
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
+        self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
 
 
 class _Context:
@@ -157,7 +163,7 @@ class _Context:
             return None
         turn.steered = [t for t in turn.steered if t not in ready]
         turn.absorbed += ready
-        return "\n\n".join(t.msg.text for t in ready)
+        return "\n\n".join(with_placeholders(t.msg.text, t.msg.attachments) for t in ready)
 
     @property
     def token_ratio(self) -> float:
@@ -172,13 +178,17 @@ class _Context:
             conversation.memo = HistoryMemo()
         return conversation.memo
 
+    def note_result(self, call_id: str, text: str) -> None:
+        self._turn.notes[call_id] = text
+
 
 class TurnRunner:
     def __init__(self, *, store: Store, metrics: Metrics, cache: AgentCache[LiveConversation],
                  interruptions: Interruptions, agent: Callable[[], Agent], timeout_s: Callable[[], float],
                  check_lease: Callable[[str], None] | None = None,
-                 cancel_grace_s: Callable[[], float] = lambda: 2.0) -> None:
+                 cancel_grace_s: Callable[[], float] = lambda: 2.0, media: MediaLoader | None = None) -> None:
         self._store = store
+        self._media = media
         self._metrics = metrics
         self._cache = cache
         self._interruptions = interruptions
@@ -240,9 +250,10 @@ class TurnRunner:
             self._metrics.turns.labels("rejected").inc()
             await reply.failed("I'm at capacity right now (every agent slot is busy). Please try again shortly."
                                if isinstance(exc, CacheFull) else
-                               "Sorry, I could not load this conversation (storage error).")
+                               "Sorry, I could not load this conversation (storage error). Please try again "
+                               "shortly.", retry_after_s=UNAVAILABLE_RETRY_S)
             return None
-        user = ChatMessage("user", msg.text, created_at=msg.timestamp)
+        user = ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
         recorder = TurnRecorder()
         if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
             return None
@@ -259,7 +270,8 @@ class TurnRunner:
         conversation = agent.conversation if agent else 0
         if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
                                                          status=(InboundStatus.RUNNING, None)):
-            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.")
+            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.",
+                               retry_after_s=UNAVAILABLE_RETRY_S)
             return None
         reply.open()
         ctx = contextvars.copy_context()
@@ -282,7 +294,7 @@ class TurnRunner:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)
             self._metrics.turns_running.dec()
-        rows, status, detail = await self._outcome(task, run, recorder, reply)
+        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
         self._metrics.turns.labels(status.value).inc()
         if turn.usage[0]:
             log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
@@ -309,10 +321,18 @@ class TurnRunner:
     async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
                       recorder: TurnRecorder, context: _Context) -> None:
         run = turn.run
+        if any(a.refused is None for a in turn.msg.attachments):
+            user = await self._with_media(turn, user)
         async for event in agent.run_turn(history, user, context):
             if isinstance(event, Usage):
                 self._usage(turn, context, event)
                 continue
+            if not isinstance(event, TextDelta) and not await run.may_send_now():
+                # A boundary (tool calls asked for, a tool's result, a steered message): a run that
+                # was stopped, or whose lease is gone (it was paused), takes no further step — not
+                # one more tool, not one more provider request. The cancel lands at the sleep.
+                self._may_send(run)  # a lease our clock cannot prove is dropped: cancelled LEASE_LOST
+                await asyncio.sleep(0)
             separate = isinstance(event, Interjection) and recorder.has_text
             recorder.feed(event)
             if isinstance(event, TextDelta) and self._may_send(run):
@@ -321,6 +341,22 @@ class TurnRunner:
                 await reply.delta(ROUND_SEPARATOR)
         if await run.may_send_now():  # after a pause, the lease store decides: not our own clock
             await reply.finish(recorder.final_text)
+
+    async def _with_media(self, turn: Turn, user: ChatMessage) -> ChatMessage:
+        """The user's message with its images and files, fetched now — in the run's task, so a stop
+        or the turn's timeout cancels a slow download. One that fails is a note to the model, and
+        the user is told why."""
+        msg = turn.msg
+        taken = [a for a in msg.attachments if a.refused is None]
+        if self._media is None:
+            parts = tuple(note(a, "files cannot be fetched here") for a in taken)
+        else:
+            parts = await self._media.load(msg.platform, taken)
+        failed = [dataclasses.replace(p.attachment, refused=p.problem) for p in parts if p.kind == "note"]
+        if failed and (sentence := refusal_sentence(failed)) is not None and turn.speaker.may_speak():
+            log.info("attachments not read: %s", sentence, extra={"session": turn.key})
+            await turn.speaker.notify(msg.chat, sentence, reply_to=msg.message_id)
+        return dataclasses.replace(user, media=parts)
 
     def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:
         turn.usage[0] += usage.prompt_tokens
@@ -339,7 +375,7 @@ class TurnRunner:
         return False
 
     async def _outcome(self, task: asyncio.Task[None], run: Run, recorder: TurnRecorder,
-                       reply: Reply) -> tuple[list[ChatMessage], InboundStatus, str | None]:
+                       reply: Reply, notes: dict[str, str]) -> tuple[list[ChatMessage], InboundStatus, str | None]:
         # Cancelled — or stopped so late that the task still returned: its output was held back
         # from the chat by then (Run.may_send), so the record says interrupted either way.
         if task.cancelled() or run.reason is not None:
@@ -347,7 +383,8 @@ class TurnRunner:
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
             await reply.interrupted(run.reason)
-            return recorder.interrupted(run.reason, reply.shown_text()), InboundStatus.CANCELLED, run.reason.marker
+            rows = recorder.interrupted(run.reason, reply.shown_text(), notes=notes)
+            return rows, InboundStatus.CANCELLED, run.reason.marker
         exc = task.exception()
         if exc is None:
             return recorder.complete(), InboundStatus.DONE, None
@@ -400,8 +437,11 @@ class TurnRunner:
                                  lambda: self._store.finish_inbound(turn.fence, inbound_id, status, detail))
 
     async def _write(self, turn: Turn, what: str, write: Callable[[], Awaitable[object]]) -> bool:
-        """A write the turn's record needs, retried through a short store outage (a Redis restart)
-        while the session is still ours. False, and said loudly in the log, if it never lands."""
+        """A write the turn's record needs, retried through a short store outage (a Redis restart).
+        Retried even once our own clock can no longer prove the lease (it lapses during an outage):
+        the write is fenced, so the store alone decides — it lands if the lease is still ours there,
+        and is refused (FencedOut) once another worker holds it. False, and said loudly in the log,
+        if it never lands."""
         deadline = time.monotonic() + WRITE_RETRY_S
         delay = 0.05
         while True:
@@ -412,11 +452,11 @@ class TurnRunner:
                 log.warning("not storing a turn's %s: %s", what, exc, extra={"session": turn.key})
                 return True
             except StoreError as exc:
-                if time.monotonic() + delay > deadline or not turn.speaker.may_speak():
+                if time.monotonic() + delay > deadline:
                     log.error("could not store a turn's %s: %s", what, exc, extra={"session": turn.key})
                     return False
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 0.25)  # soon after the store is back: before the lease's TTL runs out
 
 
 UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."
@@ -451,9 +491,9 @@ class SettlingReply(Reply):
         self.ended = True
         await self.open().interrupted(reason)
 
-    async def failed(self, text: str) -> None:
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         self.ended = True
-        await self.open().failed(text)
+        await self.open().failed(text, retry_after_s=retry_after_s)
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)

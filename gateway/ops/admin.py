@@ -22,29 +22,30 @@ from gateway.core.cancellation import STOPPED_BY_OPERATOR
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Store
 from gateway.core.router import Router
+from gateway.ops.client_faults import client_faults
+from gateway.ops.hosts import HostPolicy, host_guard
 from gateway.ops.http import ReadinessCheck
 from platforms.assets import static_response
+from platforms.http_input import read_json, served_over_https
+from platforms.tenants import as_bytes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 COOKIE = "switchboard_admin"
 _PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login")}
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Strict JSON: the console parses it with JSON.parse, which has no Infinity.
 _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False, ensure_ascii=False))
 
 
 def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
-                    extra_stats: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+                    extra_stats: Callable[[], dict[str, Any]] | None = None,
+                    hosts: HostPolicy | None = None) -> web.Application:
     def valid(given: str) -> bool:
-        return token is not None and hmac.compare_digest(given.encode(), token.encode())
+        # as_bytes: a header that is not UTF-8, or a lone surrogate in JSON, is a wrong token, not a 500.
+        return token is not None and hmac.compare_digest(as_bytes(given), as_bytes(token))
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        origin = request.headers.get("Origin")
-        if request.method not in _SAFE_METHODS and origin and origin.split("://", 1)[-1] != request.host:
-            # Another site's page must not drive a loopback console through the operator's browser.
-            return web.json_response({"error": "cross-origin request refused"}, status=403)
         public = (request.method, request.path) in _PUBLIC or request.path.startswith("/admin/static/")
         if token is not None and not public:
             header = request.headers.get("Authorization", "")
@@ -53,11 +54,14 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
                 return web.json_response({"error": "admin token required"}, status=401)
         return await handler(request)
 
-    app = web.Application(middlewares=[auth])
+    # Host and Origin first (another site's page must not drive a loopback console through the
+    # operator's browser, by rebinding its name or by posting across sites), then client faults.
+    app = web.Application(middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults, auth])
 
     def signed_in(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
         assert token is not None
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/", secure=request.secure)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/",
+                            secure=served_over_https(request))
         return response
 
     async def console(request: web.Request) -> web.StreamResponse:
@@ -69,13 +73,15 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
         return static_response(request, "admin.html", page=True)
 
     async def login(request: web.Request) -> web.StreamResponse:
-        try:
-            given = (await request.json())["token"]
-        except (ValueError, KeyError, TypeError):
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        given = body.get("token") if isinstance(body, dict) else None
+        if not isinstance(given, str):
             return web.json_response({"error": 'body must be {"token": "..."}'}, status=400)
         if token is None:
             return web.json_response({"ok": True, "auth": "none"})
-        if not isinstance(given, str) or not valid(given):
+        if not valid(given):
             await asyncio.sleep(0.5)
             return web.json_response({"error": "wrong token"}, status=401)
         return signed_in(request, web.json_response({"ok": True, "auth": "token"}))
@@ -94,11 +100,11 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
         return _json({"sessions": await session_table(router, store)})
 
     async def stop(request: web.Request) -> web.Response:
-        try:
-            key = (await request.json())["key"]
-            if not isinstance(key, str):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        key = body.get("key") if isinstance(body, dict) else None
+        if not isinstance(key, str):
             return web.json_response({"error": "body must be {\"key\": \"<session key>\"}"}, status=400)
         run = router.hard_cancel(key, STOPPED_BY_OPERATOR)
         return web.json_response({"key": key, "stopped": run is not None})

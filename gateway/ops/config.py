@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_cache import CacheSettings
+from gateway.agents.mcp_config import McpConfig, check_mcp
+from gateway.core.attachments import MediaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
+from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
 ENV_PREFIX = "SWITCHBOARD_"
@@ -44,6 +47,7 @@ class DaemonConfig:
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -54,6 +58,7 @@ class AdminConfig:
     host: str = "127.0.0.1"
     port: int = 8766
     token: Secret | None = None
+    allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
 
 
 @dataclass
@@ -70,6 +75,7 @@ class AgentConfig:
     context_tokens: int = 32_000  # the model's context window
     reply_tokens: int = 4_000  # of it, kept free for the answer
     include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
+    vision: bool = False  # the model reads images: photos go to it as image_url parts
 
 
 @dataclass
@@ -82,6 +88,16 @@ class ToolsConfig:
     tool_kill_grace_s: float = 2.0
     parallel: bool = True  # several tool calls of one model round run side by side
     max_parallel: int = 4
+    # Background jobs (with the shell tool): a long command moves out of its tool call instead of
+    # being killed when the user writes, or once it runs past foreground_max_s.
+    jobs: bool = True
+    yield_after_s: float = 5.0  # a command at least this old moves when the user writes
+    foreground_max_s: float = 0.0  # a command this old moves on its own; 0: never (shell_timeout_s applies)
+    jobs_per_session: int = 4  # running jobs per chat...
+    jobs_total: int = 16  # ...and in the whole daemon
+    job_max_s: float = 3600.0  # a job running longer is killed, and its chat told
+    job_buffer_chars: int = 65_536  # output kept per job (the newest)
+    job_read_chars: int = 4_000  # at most this much per job_read and per completion notice
 
 
 @dataclass
@@ -122,6 +138,8 @@ class Config:
     discord: DiscordConfig = field(default_factory=DiscordConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    media: MediaSettings = field(default_factory=MediaSettings)
+    mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -134,7 +152,8 @@ class Config:
         found: list[str] = []
         for section in dataclasses.fields(self):
             for value in vars(getattr(self, section.name)).values():
-                items = value if isinstance(value, list) else [value]
+                items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) \
+                    else [value]
                 found += [v.reveal() for v in items if isinstance(v, Secret)]
         return found
 
@@ -212,7 +231,7 @@ def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[st
     if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
         for name in names:
             cred = Path(creds) / f"{section}.{name}"
-            if _is_secret(hints[name]) and getattr(target, name) in (None, []) and cred.is_file():
+            if _is_secret(hints[name]) and getattr(target, name) in (None, [], {}) and cred.is_file():
                 setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
                     f"{section}.{name}", str(cred)).replace("\n", ","), hints[name], from_env=True))
 
@@ -251,6 +270,18 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: must be a list")
         return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
+    if origin is dict:
+        return _coerce_table(where, value, args[1], from_env=from_env)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a table")
+        item = hint()
+        hints = typing.get_type_hints(hint)
+        for key, v in value.items():
+            if key not in hints:
+                raise ConfigError(f"{where}.{key}: unknown key")
+            setattr(item, key, _coerce(f"{where}.{key}", v, hints[key], from_env=False))
+        return item
     if hint is bool:
         if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
@@ -275,6 +306,26 @@ def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
             raise ConfigError(f"{where}: must be a string (got {value!r})")
         return value
     raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in the schema
+
+
+def _coerce_table(where: str, value: Any, inner: Any, *, from_env: bool) -> dict[str, Any]:
+    """A TOML table of names to values; from the environment or a file, a JSON object or
+    comma-separated `name=value` pairs."""
+    if from_env and isinstance(value, str):
+        try:
+            value = json.loads(value) if value.startswith("{") else dict(
+                (name.strip(), v.strip()) for name, _, v in (p.partition("=") for p in value.split(",") if p.strip()))
+        except ValueError:
+            raise ConfigError(f"{where}: must be a JSON object or comma-separated name=value pairs") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table of names")
+    return {str(k): _coerce(f"{where}.{k}", v, inner, from_env=from_env) for k, v in value.items()}
+
+
+def _validate_tenants(c: Config) -> None:
+    found = tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
+    if found is not None:
+        raise ConfigError(found)
 
 
 def _validate(c: Config) -> None:
@@ -312,24 +363,56 @@ def _validate(c: Config) -> None:
         raise ConfigError("agent.reply_tokens: must be less than agent.context_tokens")
     if c.tools.tool_kill_grace_s < 0:
         raise ConfigError("tools.tool_kill_grace_s: must not be negative")
+    for key, value in (("tools.jobs_per_session", c.tools.jobs_per_session), ("tools.jobs_total", c.tools.jobs_total),
+                       ("tools.job_max_s", c.tools.job_max_s), ("tools.job_buffer_chars", c.tools.job_buffer_chars),
+                       ("tools.job_read_chars", c.tools.job_read_chars)):
+        if value <= 0:
+            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
+    for key, value in (("tools.yield_after_s", c.tools.yield_after_s),
+                       ("tools.foreground_max_s", c.tools.foreground_max_s)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if c.agent.echo_delay_s < 0:
         raise ConfigError("agent.echo_delay_s: must not be negative")
     if not 0 < c.admin.port < 65536:
         raise ConfigError(f"admin.port: must be between 1 and 65535 (got {c.admin.port})")
     if c.admin.enabled and not c.admin.token and not is_loopback(c.admin.host):
         raise ConfigError(f"admin.token: required when admin.host is not loopback ({c.admin.host})")
-    if c.api.enabled and not c.api.keys and not is_loopback(c.http.host):
+    _validate_tenants(c)
+    if c.api.enabled and not c.api.keys and not c.api.tenants and not is_loopback(c.http.host):
         raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:
         raise ConfigError("telegram.webhook_url: required when telegram.mode is \"webhook\"")
     if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
         raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
     for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
-                       ("discord.edit_interval_s", c.discord.edit_interval_s)):
+                       ("discord.edit_interval_s", c.discord.edit_interval_s),
+                       ("telegram.draft_interval_s", c.telegram.draft_interval_s)):
         if value < 0:
             raise ConfigError(f"{key}: must not be negative")
+    _validate_media(c.media)
+    if not 0 < c.telegram.draft_refresh_s < 30:
+        raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
+    try:
+        check_mcp(c.mcp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
         raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
+
+
+def _validate_media(m: MediaSettings) -> None:
+    for key in ("max_image_bytes", "max_file_bytes", "max_message_bytes", "max_per_message", "download_timeout_s",
+                "inline_chars"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"media.{key}: must be greater than 0 (got {getattr(m, key)})")
+    for key in ("image_tokens", "retention_hours"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"media.{key}: must not be negative")
+    for key in ("image_types", "file_types"):
+        for mime in getattr(m, key):
+            if "/" not in mime:
+                raise ConfigError(f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)")
 
 
 def render(config: Config) -> str:
@@ -352,4 +435,8 @@ def _toml(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _toml({k: v for k, v in vars(value).items() if v is not None})
     return json.dumps(value, ensure_ascii=False)

@@ -19,8 +19,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import Gauge
+from yarl import URL
 
 from gateway.agents.echo import EchoAgent
+from gateway.agents.jobs import JobRegistry, JobSettings
+from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
@@ -32,23 +36,36 @@ from gateway.core.metrics import Metrics
 from gateway.core.ports import Agent, Health, Store
 from gateway.core.router import Router
 from gateway.ops.admin import build_admin_app
+from gateway.ops.client_faults import install_parser_filter
 from gateway.ops.config import Config, ConfigError, load_config
+from gateway.ops.hosts import HostPolicy
 from gateway.ops.http import build_app, start_sites
 from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
 from gateway.store.sqlite import SqliteStore
+from platforms.media import MediaStore
 
 log = logging.getLogger(__name__)
 
 
-def build_agent(config: Config, reaper: ProcessReaper) -> Agent:
+def job_settings(config: Config) -> JobSettings:
+    t = config.tools
+    return JobSettings(yield_after_s=t.yield_after_s, foreground_max_s=t.foreground_max_s,
+                       max_per_session=t.jobs_per_session, max_total=t.jobs_total, job_max_s=t.job_max_s,
+                       buffer_chars=t.job_buffer_chars, read_chars=t.job_read_chars)
+
+
+def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None,
+                jobs: JobRegistry | None = None) -> Agent:
     """The one place config sections become agent settings."""
     t = config.tools
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
                             allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
-        shell=t.shell)
+        shell=t.shell, jobs=jobs if t.jobs else None,
+        sources=[mcp.tools] if mcp is not None and mcp.servers else [],
+        unavailable=mcp.unavailable if mcp is not None and mcp.servers else None)
     a = config.agent
     if a.kind == "openai":
         return OpenAIAgent(OpenAISettings(
@@ -101,6 +118,15 @@ def build_cluster(config: Config, metrics: Metrics) -> Cluster | None:
                          "admin": f"{config.admin.host}:{config.admin.port}"})
 
 
+def http_hosts(config: Config) -> HostPolicy:
+    """The names the http listener answers to: configured ones and Telegram's webhook host."""
+    names = list(config.http.allowed_hosts)
+    t = config.telegram
+    if t.token is not None and t.mode == "webhook" and t.webhook_url:
+        names.append(URL(t.webhook_url).host or "")
+    return HostPolicy(config.http.host, names)
+
+
 def tune_gc() -> None:
     """Fewer, cheaper garbage collections: a busy gateway allocates many short-lived objects per
     message, and the default gen-0 threshold (700) made collections a third of the router's time.
@@ -131,12 +157,26 @@ class Daemon:
         self.cluster = build_cluster(config, self.metrics)
         self.adapters = build_adapters(config, self.cluster)
         self.access = AccessControl(self.store, access_policies(config))
-        self.agent = build_agent(config, self.reaper)
+        # MCP servers: stdio ones are tool process groups of the reaper's; restarted with backoff.
+        self.mcp = McpHub.build(config.mcp.servers, self.reaper, max_output=config.tools.shell_max_output)
+        # Background jobs: their groups are the reaper's like any tool's, so they die with the daemon too.
+        self.jobs = JobRegistry(self.reaper, job_settings(config))
+        Gauge("switchboard_background_jobs", "Background jobs running now", registry=self.metrics.registry
+              ).set_function(lambda: len(self.jobs.running()))
+        self.agent = build_agent(config, self.reaper, self.mcp, self.jobs)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
+        # Attachments are fetched in their turn, and a copy kept for replays, under the data dir.
+        self.media = MediaStore(config.media, Path(config.store.data_dir) / "media", self.adapters)
         self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
                              cache=config.agent_cache, metrics=self.metrics, access=self.access,
                              cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
-                             cancel_grace_s=config.tools.tool_kill_grace_s)
+                             cancel_grace_s=config.tools.tool_kill_grace_s, media=config.media,
+                             vision=config.agent.vision, media_loader=self.media,
+                             jobs=self.jobs)
+        self.jobs.deliver = self.router.deliver_automatic
+        if self.mcp.servers:
+            self.router.status_extras.append(self.mcp.status_line)
+            self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
@@ -147,6 +187,8 @@ class Daemon:
             checks["cluster"] = self.cluster.health()
         for name, adapter in self.adapters.items():
             checks[name] = adapter.health()
+        if self.mcp.servers:
+            checks["mcp"] = self.mcp.health()
         return checks
 
     async def start(self) -> None:
@@ -167,7 +209,10 @@ class Daemon:
         self._on_stop(stack, "the store", self.store.close)
         self._on_stop(stack, "the tool sentinel", self.ledger.close)  # after the tools are drained
         self._on_stop(stack, "the agents", self._close_agents)
+        self._on_stop(stack, "attachment downloads", self.media.close)
         self._on_stop(stack, "tool processes", self._drain_tools)
+        self.mcp.start()  # in the background: a server that is slow or fails never holds the start up
+        self._on_stop(stack, "MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
         if self.cluster is not None:
             await self.cluster.start(self.router.cluster_events())
             self._on_stop(stack, "cluster membership", self.cluster.stop)  # releases leases
@@ -175,7 +220,11 @@ class Daemon:
             self.notifier.status(f"starting {name}")
             await adapter.start(self.router)
             self._on_stop(stack, f"the {name} client", adapter.close)
-        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()])
+        install_parser_filter()  # requests aiohttp cannot parse: a warning line, not an error traceback
+        # Room for an API request carrying images as base64 (a third larger than the bytes).
+        max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
+        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
+                        max_body=max_body, hosts=http_hosts(self.config))
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
@@ -184,7 +233,8 @@ class Daemon:
             runners.append(web.AppRunner(
                 build_admin_app(self.router, self.metrics, self.store, self.readiness,
                                 token=admin.token.reveal() if admin.token else None,
-                                extra_stats=self._cluster_stats),
+                                extra_stats=self._cluster_stats,
+                                hosts=HostPolicy(admin.host, admin.allowed_hosts)),
                 access_log=None, shutdown_timeout=2.0))
         for runner in runners:
             await runner.setup()
@@ -212,6 +262,9 @@ class Daemon:
         stack.push_async_callback(run)
 
     async def _drain_tools(self) -> None:
+        self.jobs.kill_all(self._stop_reason)  # the router did, unless it never started
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.jobs.close(), self.config.tools.tool_kill_grace_s + 1)
         try:
             await asyncio.wait_for(self.reaper.drain(), self.config.tools.tool_kill_grace_s + 1)
         except TimeoutError:
@@ -262,6 +315,7 @@ class Daemon:
         if not stopping.done():
             log.warning("second signal: exiting now")
             self.router.cancel_all(GATEWAY_RESTART)
+            self.jobs.kill_all(GATEWAY_RESTART)
             self.reaper.kill_all_now()  # no tool outlives us, drained or not
             await asyncio.wait({stopping}, timeout=1.0)
             stopping.cancel()
@@ -293,8 +347,12 @@ class Daemon:
         needs_restart = [name for name in changed if name not in RELOADABLE]
         for secret in new.secrets():
             redactor.add(secret)
+        if "agent" in changed:
+            self.router.vision = new.agent.vision
         if "agent" in changed or "tools" in changed:
-            self.agent = build_agent(new, self.reaper)  # running turns finish on the agent they started with
+            # running turns finish on the agent they started with
+            self.agent = build_agent(new, self.reaper, self.mcp, self.jobs)
+            self.jobs.settings = job_settings(new)
             self._agents.append(self.agent)
             self.router.use_agent(self.agent)
             self.router.cancel_grace_s = self.reaper.grace_s = new.tools.tool_kill_grace_s

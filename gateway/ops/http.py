@@ -7,13 +7,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from gateway.core.ports import Health
+from gateway.ops.client_faults import client_faults
+from gateway.ops.hosts import HostPolicy, host_guard
 
 ReadinessCheck = Callable[[], Awaitable[dict[str, Health]]]
 
 
 def build_app(readiness: ReadinessCheck, routes: Sequence[web.AbstractRouteDef] = (), *,
-              max_body: int = 1 << 20) -> web.Application:
-    app = web.Application(client_max_size=max_body)
+              max_body: int = 1 << 20, hosts: HostPolicy | None = None) -> web.Application:
+    # Outermost first: a foreign Host is refused before anything else runs.
+    app = web.Application(client_max_size=max_body,
+                          middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults])
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -6,8 +6,12 @@ the daemon, the access policies and readiness all come from this list.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent_cache import keys
 from gateway.cluster.coordinator import Cluster
@@ -15,6 +19,8 @@ from gateway.cluster.ingress import IngressLeader
 from gateway.core.access import AccessPolicy
 from gateway.ops.config import Config
 from platforms.base import Adapter
+
+WEBCHAT_SECRET_KEY = f"{keys.PREFIX}:webchat-secret"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +53,40 @@ def _discord(config: Config, cluster: Cluster | None) -> Adapter:
     return DiscordAdapter(c, leader=_leader(cluster, "discord", c.token.reveal()))
 
 
-def _webchat(config: Config, _cluster: Cluster | None) -> Adapter:
+def _webchat(config: Config, cluster: Cluster | None) -> Adapter:
     from platforms.webchat import WebchatAdapter
 
-    return WebchatAdapter(max_message_chars=config.router.max_message_chars)
+    m = config.media
+    return WebchatAdapter(max_message_chars=config.router.max_message_chars,
+                          secret=functools.partial(webchat_secret, config, cluster),
+                          max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes),
+                          max_frame_bytes=max(4 * 1024 * 1024, m.max_message_bytes * 4 // 3 + 1024 * 1024))
+
+
+async def webchat_secret(config: Config, cluster: Cluster | None) -> bytes:
+    """The key of the web chat's cookie hash: configured, else one per cluster (the first worker
+    to start makes it in Redis), else one per data dir."""
+    from platforms.webchat_sessions import load_or_create
+
+    if config.webchat.session_secret is not None:
+        return config.webchat.session_secret.reveal().encode()
+    if cluster is not None:
+        await cluster.redis.set(WEBCHAT_SECRET_KEY, secrets.token_hex(32), nx=True)
+        value = await cluster.redis.get(WEBCHAT_SECRET_KEY)
+        if value is None:  # evicted between the two calls: only under memory pressure; never guess
+            raise RuntimeError("the web chat secret vanished from Redis while starting; start again")
+        return value.encode() if isinstance(value, str) else bytes(value)
+    return await asyncio.to_thread(load_or_create, Path(config.store.data_dir))
 
 
 def _api(config: Config, _cluster: Cluster | None) -> Adapter:
     from platforms.api import ApiAdapter
 
-    return ApiAdapter(keys=[k.reveal() for k in config.api.keys], model_name=config.api.model_name)
+    m = config.media
+    return ApiAdapter(keys=[k.reveal() for k in config.api.keys],
+                      tenants={name: k.reveal() for name, k in config.api.tenants.items()},
+                      model_name=config.api.model_name,
+                      max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes))
 
 
 PLATFORMS: tuple[PlatformEntry, ...] = (

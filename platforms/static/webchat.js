@@ -235,7 +235,9 @@ const SB_MD = (() => {
   let attempt = 0;
   let everConnected = false;
   let restarting = false;
-  let outbox = [];  // unacknowledged messages: {id, text, index, el}
+  let outbox = [];  // unacknowledged messages: {id, text, parts, index, el}
+  let attached = [];  // images and files pasted or dropped, sent with the next message: {name, size, url, image}
+  const attachments = $("attachments");
   let userCount = 0;  // user messages in the conversation as shown, for matching the outbox to history
   let maxChars = 0;  // the longest message the gateway takes (from hello); 0: not known yet
   const bots = new Map();  // bot message id -> {el, body}
@@ -386,6 +388,8 @@ const SB_MD = (() => {
     for (const m of f.history) {
       if (m.role === "user" && m.resume) {
         addNotice("resume", "Continuing the answer after the restart");
+      } else if (m.role === "user" && m.job) {
+        addNotice("info", m.job);
       } else if (m.role === "user") {
         addUser(m.text, null, false, m.at);
         users.push(m.text);
@@ -400,18 +404,18 @@ const SB_MD = (() => {
     for (const e of outbox) {
       let found = -1;
       for (let i = Math.min(e.index, users.length); i < users.length; i++) {
-        if (!claimed.has(i) && users[i] === e.text) { found = i; break; }
+        if (!claimed.has(i) && sameMessage(users[i], e)) { found = i; break; }
       }
       if (found >= 0) {
         claimed.add(found);
         continue;
       }
       e.index = userCount++;
-      e.el = addUser(e.text, e.id, true);
+      e.el = addUser(e.shown, e.id, true);
       keep.push(e);
     }
     outbox = keep;
-    for (const e of outbox) sendFrame({ type: "message", id: e.id, text: e.text });
+    for (const e of outbox) sendFrame({ type: "message", id: e.id, text: e.text, parts: e.parts });
     setRunning(Boolean(f.running));
     if (f.running) showTyping(true);
     empty.hidden = log.childElementCount > 0;
@@ -561,9 +565,52 @@ const SB_MD = (() => {
     return over;
   }
 
+  /** Is a history row (as stored: the text, then a placeholder per attachment) this outbox entry? */
+  function sameMessage(row, e) {
+    if (!e.parts.length) return row === e.text;
+    return row.startsWith(e.text.trim() ? e.text + "\n[" : "[");
+  }
+
+  function sizeText(n) {
+    if (n < 1024) return `${n} B`;
+    if (n < 1048576) return `${Math.round(n / 1024)} KB`;
+    return `${(n / 1048576).toFixed(1)} MB`;
+  }
+
+  /** Pasted or dropped files wait in the composer as chips (× removes one) until the next send. */
+  function showAttached() {
+    attachments.replaceChildren();
+    attachments.hidden = !attached.length;
+    attached.forEach((a, i) => {
+      const chip = document.createElement("span");
+      chip.className = "chip";
+      chip.textContent = `${a.image ? "🖼" : "📄"} ${a.name} · ${sizeText(a.size)}`;
+      const drop = document.createElement("button");
+      drop.className = "chip-x";
+      drop.type = "button";
+      drop.textContent = "×";
+      drop.title = `Remove ${a.name}`;
+      drop.addEventListener("click", () => { attached.splice(i, 1); showAttached(); });
+      chip.append(drop);
+      attachments.append(chip);
+    });
+  }
+
+  function attach(files) {
+    for (const file of files) {
+      const reader = new FileReader();
+      reader.onload = () => {
+        attached.push({ name: file.name || "pasted.png", size: file.size, url: String(reader.result),
+                        image: file.type.startsWith("image/") });
+        showAttached();
+      };
+      reader.readAsDataURL(file);
+    }
+  }
+
   function submit() {
     const text = input.value;
-    if (!text.trim()) return;
+    if (!text.trim() && !attached.length) return;
     if (updateCount()) {  // over the limit: the draft stays in the composer, the counter says why
       count.hidden = false;
       return;
@@ -575,10 +622,16 @@ const SB_MD = (() => {
     input.value = "";
     grow();
     updateCount();
-    const e = { id: newId(), text, index: userCount++, el: null };
-    e.el = addUser(text, e.id, true);
+    // Every attachment goes as a `file` part (its name kept); the gateway decides what it reads.
+    const parts = attached.map((a) => ({ type: "file", file: { filename: a.name, file_data: a.url } }));
+    const marks = attached.map((a) => `[${a.image ? "image" : "file"}: ${a.name}, ${sizeText(a.size)}]`);
+    const shown = [text.trim() ? text : "", ...marks].filter(Boolean).join("\n");
+    attached = [];
+    showAttached();
+    const e = { id: newId(), text, parts, shown, index: userCount++, el: null };
+    e.el = addUser(shown, e.id, true);
     outbox.push(e);
-    sendFrame({ type: "message", id: e.id, text });
+    sendFrame({ type: "message", id: e.id, text, parts });
   }
 
   function grow() {
@@ -591,6 +644,18 @@ const SB_MD = (() => {
     if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); submit(); }
   });
   input.addEventListener("input", () => { grow(); updateCount(); });
+  input.addEventListener("paste", (ev) => {
+    const files = [...(ev.clipboardData ? ev.clipboardData.files : [])];
+    if (files.length) { ev.preventDefault(); attach(files); }
+  });
+  const composer = $("composer");
+  composer.addEventListener("dragover", (ev) => { ev.preventDefault(); composer.dataset.drop = "true"; });
+  composer.addEventListener("dragleave", () => { delete composer.dataset.drop; });
+  composer.addEventListener("drop", (ev) => {
+    ev.preventDefault();
+    delete composer.dataset.drop;
+    if (ev.dataTransfer) attach([...ev.dataTransfer.files]);
+  });
   stopBtn.addEventListener("click", () => {
     if (sendFrame({ type: "command", name: "stop" })) stopBtn.disabled = true;
   });
@@ -600,7 +665,7 @@ const SB_MD = (() => {
     const pending = outbox;
     clearView();
     setRunning(false);
-    for (const e of pending) { e.index = userCount++; e.el = addUser(e.text, e.id, true); }
+    for (const e of pending) { e.index = userCount++; e.el = addUser(e.shown, e.id, true); }
     return true;
   }
 

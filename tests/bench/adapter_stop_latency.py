@@ -1,8 +1,9 @@
 """Stop latency through each chat adapter, against its loopback fake.
 
 From the /stop update reaching the adapter (Telegram: posted to the webhook; Discord: the
-MESSAGE_CREATE frame sent on the gateway) to the provider — a separate process — seeing the
-connection closed. N chats stream at once; half of them are stopped, 5 ms apart.
+MESSAGE_CREATE frame sent on the gateway) — or a Stop button's press (Telegram: the callback query
+posted; Discord: the INTERACTION_CREATE frame sent) — to the provider — a separate process —
+seeing the connection closed. N chats stream at once; half of them are stopped, 5 ms apart.
 
     python -m tests.bench.adapter_stop_latency            # N = 50
 """
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -43,7 +45,8 @@ async def _closes(port: int) -> dict[str, float | None]:
 
 
 async def _measure(n: int, port: int, say: Callable[[int, str], Awaitable[None]],
-                   streaming: Callable[[int], bool]) -> list[float]:
+                   streaming: Callable[[int], bool],
+                   press: Callable[[int], Awaitable[None]] | None = None) -> list[float]:
     for i in range(n):
         await say(i, f"story {i}")
     deadline = time.monotonic() + 60
@@ -53,14 +56,23 @@ async def _measure(n: int, port: int, say: Callable[[int, str], Awaitable[None]]
     sent: dict[int, float] = {}
     for i in random.Random(2).sample(range(n), n // 2):
         sent[i] = time.perf_counter()
-        await say(i, "/stop")
+        await (press(i) if press is not None else say(i, "/stop"))
         await asyncio.sleep(0.005)
     await asyncio.sleep(1.0)
     closed = await _closes(port)
     return [((closed[f"story {i}"] or float("inf")) - t) * 1000 for i, t in sent.items()]
 
 
-async def telegram(n: int, provider: str, port: int, data: Path) -> list[float]:
+def _telegram_button(fake: FakeTelegramAPI, chat: int) -> tuple[int, str] | None:
+    for mid in fake.messages(chat):
+        for row_ in (fake.message(chat, mid) or {}).get("reply_markup", {}).get("inline_keyboard", []):
+            data = [b["callback_data"] for b in row_ if str(b.get("callback_data", "")).startswith("stop:")]
+            if data:
+                return mid, data[0]
+    return None
+
+
+async def telegram(n: int, provider: str, port: int, data: Path, *, button: bool = False) -> list[float]:
     async with FakeTelegramAPI() as fake:
         env = _env(provider, data, SWITCHBOARD_TELEGRAM__TOKEN=fake.token, SWITCHBOARD_TELEGRAM__BASE_URL=fake.base_url,
                    SWITCHBOARD_TELEGRAM__BASE_FILE_URL=fake.base_file_url, SWITCHBOARD_TELEGRAM__ACCESS="open",
@@ -77,12 +89,30 @@ async def telegram(n: int, provider: str, port: int, data: Path) -> list[float]:
                 update = {"message": fake.user_message(1000 + i, user_id=1000 + i, text=text, entities=entities)}
                 assert await fake.post_webhook(url, update, "bench-secret") == 200
 
+            async def press(i: int) -> None:
+                found = _telegram_button(fake, 1000 + i)
+                assert found is not None, "no Stop button"
+                query = fake.push_callback(1000 + i, found[0], found[1], user_id=1000 + i)
+                update = next(u for u in fake.pending_updates if u["update_id"] == query)
+                assert await fake.post_webhook(url, update, "bench-secret") == 200
+
+            if button:
+                return await _measure(n, port, say, lambda i: _telegram_button(fake, 1000 + i) is not None, press)
             return await _measure(n, port, say, lambda i: bool(fake.messages(1000 + i)))
         finally:
             await daemon.stop()
 
 
-async def discord(n: int, provider: str, port: int, data: Path) -> list[float]:
+def _discord_button(messages: list[dict[str, Any]]) -> tuple[int, str] | None:
+    for msg in messages:
+        for row_ in msg.get("components", []):
+            for c in row_.get("components", []):
+                if str(c.get("custom_id", "")).startswith("stop:"):
+                    return int(msg["id"]), c["custom_id"]
+    return None
+
+
+async def discord(n: int, provider: str, port: int, data: Path, *, button: bool = False) -> list[float]:
     users = [FakeUser(7000 + i, f"user{i}") for i in range(n)]
     async with FakeDiscord(users=users) as fake, patch_discord(fake):
         from platforms.discord_bot import DiscordAdapter
@@ -101,6 +131,14 @@ async def discord(n: int, provider: str, port: int, data: Path) -> list[float]:
             async def say(i: int, text: str) -> None:
                 await fake.dispatch_message(dms[i], text, author_id=users[i].id, author_name=users[i].username)
 
+            async def press(i: int) -> None:
+                found = _discord_button(fake.messages(dms[i]))
+                assert found is not None, "no Stop button"
+                await fake.push_component_interaction(dms[i], found[0], found[1], user_id=users[i].id)
+
+            if button:
+                return await _measure(n, port, say, lambda i: _discord_button(fake.messages(dms[i])) is not None,
+                                      press)
             return await _measure(n, port, say, lambda i: bool(fake.messages(dms[i])))
         finally:
             await daemon.stop()
@@ -119,6 +157,9 @@ async def main(n: int) -> None:
             base = f"http://127.0.0.1:{port}/v1"
             lines.append(row("telegram /stop → close", n, await telegram(n, base, port, Path(tmp) / "tg")))
             lines.append(row("discord /stop → close", n, await discord(n, base, port, Path(tmp) / "dc")))
+            lines.append(row("telegram button → close", n,
+                             await telegram(n, base, port, Path(tmp) / "tgb", button=True)))
+            lines.append(row("discord button → close", n, await discord(n, base, port, Path(tmp) / "dcb", button=True)))
     finally:
         provider.terminate()
         provider.wait()

@@ -6,8 +6,14 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from playwright.async_api import Browser, BrowserContext, Page, expect
+
+from platforms.webchat import WebchatAdapter
+
+if TYPE_CHECKING:
+    from gateway.ops.daemon import Daemon
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -53,7 +59,10 @@ async def say(page: Page, text: str) -> None:
     await page.locator("#text").press("Enter")
 
 
-async def session_key(context: BrowserContext) -> str:
-    """The router's session key of a browser context's web chat session (from its cookie)."""
+async def session_key(context: BrowserContext, daemon: Daemon) -> str:
+    """The router's session key of a browser context's web chat session: a keyed hash of its
+    cookie (the cookie itself is a credential, never an identifier)."""
     cookies = {c.get("name"): c.get("value") for c in await context.cookies()}
-    return f"webchat:dm:{cookies['switchboard_session']}"
+    webchat = daemon.adapters["webchat"]
+    assert isinstance(webchat, WebchatAdapter)
+    return f"webchat:dm:{webchat.session_id(str(cookies['switchboard_chat']))}"

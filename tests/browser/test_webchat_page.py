@@ -257,7 +257,7 @@ async def test_a_stopped_answer_shows_exactly_what_is_stored_live_and_after_a_re
     provider.delay_s, provider.words = 0.002, 3000
     daemon = await make_daemon()
     page = await open_chat(browser, f"http://127.0.0.1:{daemon.config.http.port}")
-    key = await session_key(page.context)
+    key = await session_key(page.context, daemon)
     live: list[str] = []
     for trial in range(4):
         await say(page, f"long {trial}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_cache import keys
+from platforms.telegram_draft import STATUS_TEXT
 from tests.chaos import faults
 from tests.chaos.checker import Report, check
 from tests.chaos.cluster import ChaosCluster
@@ -155,6 +156,8 @@ async def collect(cluster: ChaosCluster, traffic: Traffic, fault_log: list[Fault
     calls: list[TgCall] = []
     for rec in cluster.telegram.sent:
         if rec.method not in ("sendMessage", "editMessageText", "sendChatAction") or rec.chat_id is None:
+            continue
+        if rec.text == STATUS_TEXT:  # a draft's "writing…" line (it carries the Stop button): not an answer
             continue
         reply = rec.params.get("reply_parameters")
         reply_to = int(reply["message_id"]) if isinstance(reply, dict) and "message_id" in reply else None

@@ -374,11 +374,11 @@ class RestMixin(FakeState):
             return _error(404, 10008, "Unknown Message")
         return web.Response(status=204)
 
-    async def _get_attachment(self, request: web.Request) -> web.Response:
+    async def _get_attachment(self, request: web.Request) -> web.StreamResponse:
         data = self._files.get(int(request.match_info["attachment_id"]))
         if data is None:
             return web.Response(status=404)
-        return web.Response(body=data, content_type="application/octet-stream")
+        return await self.file_serving.serve(request, data)
 
     # ----- application commands ---------------------------------------------
     async def _commands_route(self, request: web.Request) -> web.Response:

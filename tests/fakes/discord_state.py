@@ -25,6 +25,7 @@ from tests.fakes.discord_models import (
     member_payload,
     user_payload,
 )
+from tests.fakes.file_serving import FileServing
 
 _MENTION_RE = re.compile(r"<@!?(\d+)>")
 
@@ -59,7 +60,10 @@ class FakeState:
         self.ids = Snowflakes()
         self._messages: dict[int, Json] = {}
         self._files: dict[int, bytes] = {}
+        self.file_serving = FileServing()  # how fast attachments download, and every download so far
         self._interactions: dict[str, FakeInteraction] = {}
+        # A member's permissions as interactions carry them (user id -> bit set); default: all of them.
+        self.member_permissions: dict[int, int] = {}
         self._commands: dict[int | None, list[Json]] = {}
         self._latency: dict[int, float] = {}
         self._base_url = ""

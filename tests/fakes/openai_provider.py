@@ -50,7 +50,19 @@ class Connection:
     @property
     def last_user(self) -> str:
         users = [m for m in self.body.get("messages", []) if m.get("role") == "user"]
-        return str(users[-1]["content"]) if users else ""
+        if not users:
+            return ""
+        content = users[-1]["content"]
+        if isinstance(content, list):  # content parts: the text of the first, the message itself
+            return str(content[0].get("text", "")) if content and isinstance(content[0], dict) else ""
+        return str(content)
+
+    @property
+    def last_user_parts(self) -> list[dict[str, Any]]:
+        """The content parts of the last user message (empty when its content is a plain string)."""
+        users = [m for m in self.body.get("messages", []) if m.get("role") == "user"]
+        content = users[-1]["content"] if users else None
+        return [p for p in content if isinstance(p, dict)] if isinstance(content, list) else []
 
 
 class FakeProvider:

@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl
 
 from aiohttp import ClientSession, web
 
+from .file_serving import FileServing
 from .telegram_html import HtmlParseError, parse_html, utf16_len
 
 JSONDict = dict[str, Any]
@@ -226,6 +227,7 @@ class FakeTelegramAPI:
         self._msgs: dict[int | str, dict[int, JSONDict]] = {}
         self._last_msg_id: dict[int | str, int] = {}
         self._files: dict[str, bytes] = {}
+        self.file_serving = FileServing()  # how fast files download, and every download so far
         self._callbacks: dict[str, _Callback] = {}
         self._faults: dict[str, list[tuple[ApiError, int | str | None]]] = {}
         self._latency: dict[int | str, float] = {}
@@ -238,6 +240,7 @@ class FakeTelegramAPI:
         self.drafts_enabled = True  # False: sendMessageDraft answers TEXTDRAFT_PEER_INVALID
         self.draft_ttl_s = 30.0  # a draft not refreshed for this long is gone (clients: ~30 s)
         self.callback_ttl_s: float | None = 15.0  # unanswered query older than this: invalid
+        self.chat_admins: dict[int, set[int]] = {}  # group id -> its administrators (getChatMember)
         self.count_raw_html = False  # True: 4096 limit on the raw text (markup included)
         self._conflict = False
         self._closing = False
@@ -256,6 +259,7 @@ class FakeTelegramAPI:
             "sendMessageDraft": self._send_message_draft,
             "editMessageReplyMarkup": self._edit_message_reply_markup,
             "answerCallbackQuery": self._answer_callback_query, "getChat": self._get_chat,
+            "getChatMember": self._get_chat_member,
             "getFile": self._get_file, "close": lambda p: True, "logOut": lambda p: True,
         }  # fmt: skip
         self._handlers: dict[str, tuple[str, Handler]] = {}
@@ -308,6 +312,10 @@ class FakeTelegramAPI:
     def set_handler(self, method: str, handler: Handler) -> None:
         """Add or replace an API method (handler gets decoded params, returns `result`)."""
         self._handlers[method.lower()] = (method, handler)
+
+    def drop_method(self, method: str) -> None:
+        """Answer `method` 404 Not Found, as a Bot API server older than the method does."""
+        self._handlers.pop(method.lower(), None)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -366,7 +374,7 @@ class FakeTelegramAPI:
         data = self._files.get(path.removeprefix("files/"))
         if request.match_info["token"] != self.token or data is None:
             return _error(404, "Not Found")
-        return web.Response(body=data, content_type="application/octet-stream")
+        return await self.file_serving.serve(request, data)
 
     def _raise_fault(self, method: str, params: JSONDict) -> None:
         faults = self._faults.get(method.lower(), [])
@@ -705,6 +713,21 @@ class FakeTelegramAPI:
         extra = {"accent_color_id": 0, "max_reaction_count": 11, "accepted_gift_types": gifts}
         return {**self._chat(p.get("chat_id")), **extra}
 
+    def _get_chat_member(self, p: JSONDict) -> JSONDict:
+        chat = self._chat(p.get("chat_id"))
+        user_id = _opt_int(p.get("user_id"))
+        if user_id is None:
+            raise ApiError(400, "Bad Request: user_id is empty")
+        user: JSONDict = {"id": user_id, "is_bot": False, "first_name": f"User{user_id}"}
+        if chat["type"] == "private":
+            return {"status": "member" if user_id != chat["id"] else "creator", "user": user, "is_anonymous": False}
+        if user_id not in self.chat_admins.get(chat["id"], set()):
+            return {"status": "member", "user": user}
+        rights = ("can_be_edited", "is_anonymous", "can_manage_chat", "can_delete_messages",
+                  "can_manage_video_chats", "can_restrict_members", "can_promote_members", "can_change_info",
+                  "can_invite_users", "can_post_stories", "can_edit_stories", "can_delete_stories")
+        return {"status": "administrator", "user": user, **dict.fromkeys(rights, False), "can_manage_chat": True}
+
     def _get_file(self, p: JSONDict) -> JSONDict:
         file_id = str(p.get("file_id"))
         if file_id not in self._files:
@@ -786,6 +809,22 @@ class FakeTelegramAPI:
             sizes.append({"file_id": file_id, "file_unique_id": f"u-{file_id}",
                           "width": side, "height": side, "file_size": len(data)})  # fmt: skip
         msg = self.user_message(chat_id, user_id=user_id, photo=sizes, caption=caption, **kw)
+        return self.push_update({"message": msg})
+
+    def push_document(
+        self, chat_id: int, data: bytes, *, user_id: int, file_name: str | None = "notes.txt",
+        mime_type: str | None = "text/plain", caption: str | None = None, declared_size: int | None = -1,
+        **kw: Any,
+    ) -> int:  # fmt: skip
+        """Queue a document message (downloadable via getFile); `declared_size` is the file_size the
+        message claims (-1: the true size, None: none). Returns update_id."""
+        file_id = f"doc{next(self._update_ids)}"
+        self._files[file_id] = data
+        doc: JSONDict = {"file_id": file_id, "file_unique_id": f"u-{file_id}", "file_name": file_name,
+                         "mime_type": mime_type,
+                         "file_size": len(data) if declared_size == -1 else declared_size}  # fmt: skip
+        doc = {k: v for k, v in doc.items() if v is not None}
+        msg = self.user_message(chat_id, user_id=user_id, document=doc, caption=caption, **kw)
         return self.push_update({"message": msg})
 
     def push_callback(

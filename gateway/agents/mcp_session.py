@@ -1,0 +1,233 @@
+"""Connections to MCP servers with the official SDK: its `ClientSession` over its streamable HTTP
+transport, or over the pipes of a server process the daemon started itself.
+
+Two things the SDK (1.x) leaves to its caller are done here:
+
+- **Stopping a call tells the server.** `ClientSession.send_request` forgets a request whose
+  awaiting task is cancelled without telling the server (modelcontextprotocol/python-sdk#2507),
+  which would go on working for nobody. `CancellingSession` sends `notifications/cancelled` for it
+  at once, from a task of its own, so the run's repeated cancels cannot interrupt the send. A
+  result that arrives after that finds no waiter and is dropped by the SDK.
+- **A stdio server is one of our tool process groups.** The SDK's `stdio_client` starts the
+  process itself, out of reach of the daemon's process ledger. Here the `ProcessReaper` starts it
+  (its own process group, PDEATHSIG, recorded for the sentinel, TERM then KILL at the end) and the
+  SDK's message types frame the newline-delimited JSON-RPC on its pipes, as `stdio_client` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextvars import ContextVar
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import httpx
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from mcp import ClientSession, types
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, create_mcp_http_client
+from mcp.shared.message import SessionMessage
+from mcp.shared.session import ProgressFnT
+
+from gateway.agents.processes import ProcessReaper, Spawn
+from gateway.core.cancellation import get_run
+from gateway.core.logs import redactor
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 32 << 20  # one JSON-RPC message from a server; beyond this the connection is dropped
+STDERR_TAIL = 5  # last lines of a server's stderr kept for the report when it dies
+
+# Set by a caller that gives up on a call after a deadline: the reason the server is told.
+call_deadline: ContextVar[tuple[float, str] | None] = ContextVar("mcp_call_deadline", default=None)
+
+
+class ServerGone(Exception):
+    """The connection to the server ended (its process exited, its stream closed)."""
+
+
+def _cancel_reason() -> str:
+    """Why a call is being abandoned, in the words the run or the caller's deadline gives."""
+    run = get_run()
+    if run is not None and run.reason is not None:
+        return run.reason.marker
+    deadline = call_deadline.get()
+    if deadline is not None and time.monotonic() >= deadline[0]:
+        return deadline[1]
+    return "the client stopped waiting"
+
+
+class CancellingSession(ClientSession):
+    """`ClientSession` that tells the server about every request it stops waiting for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._notices: set[asyncio.Task[None]] = set()
+        self.cancels_sent = 0
+
+    async def send_request(self, request: Any, result_type: Any,
+                           request_read_timeout_seconds: timedelta | None = None, metadata: Any = None,
+                           progress_callback: ProgressFnT | None = None) -> Any:
+        request_id = self._request_id  # the id `super().send_request` takes before its first await
+        try:
+            return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
+                                              progress_callback)
+        except asyncio.CancelledError:
+            if not isinstance(request.root, types.InitializeRequest):  # the spec forbids cancelling initialize
+                self._notify_cancelled(request_id, _cancel_reason())
+            raise
+
+    def _notify_cancelled(self, request_id: int, reason: str) -> None:
+        notice = types.ClientNotification(types.CancelledNotification(
+            params=types.CancelledNotificationParams(requestId=request_id, reason=reason)))
+
+        async def send() -> None:
+            try:
+                await self.send_notification(notice)
+                self.cancels_sent += 1
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass  # the connection is gone: so is the request
+            except Exception as exc:  # best effort: the call is over for us either way
+                log.debug("could not send notifications/cancelled: %r", exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    async def settle(self) -> None:
+        """Wait for cancel notices still being sent (before the connection closes)."""
+        if self._notices:
+            await asyncio.wait(list(self._notices), timeout=1.0)
+
+
+# --- stdio over a process of our own -------------------------------------------------------------
+
+
+class ProcessPipes:
+    """A server process in its own group, its stdout/stdin as the SDK's message streams."""
+
+    def __init__(self, spawn: Spawn, name: str) -> None:
+        self.spawn = spawn
+        self.name = name
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self.ended = asyncio.Event()
+        self.end_reason = ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.spawn.proc.pid if self.spawn.proc is not None else None
+
+    async def exit_reason(self) -> str:
+        """How the process ended, once its output has: its exit status has a moment to arrive."""
+        if (proc := self.spawn.proc) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 1.0)
+        return self.end_reason or self.describe_exit()
+
+    def describe_exit(self) -> str:
+        proc = self.spawn.proc
+        code = proc.returncode if proc is not None else None
+        what = "exited" if code is None or code >= 0 else "was killed"
+        text = f"{what} (code {code})" if code is None or code >= 0 else f"{what} (signal {-code})"
+        if self.stderr_tail:
+            text += ": " + redactor(self.stderr_tail[-1])[:200]
+        return text
+
+
+@contextlib.asynccontextmanager
+async def stdio_streams(reaper: ProcessReaper, argv: Sequence[str], env: Mapping[str, str], cwd: str | None,
+                        name: str) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
+                                                          MemoryObjectSendStream[SessionMessage], ProcessPipes]]:
+    """Start the server and frame its pipes; at the end its stdin closes and its group is terminated
+    (TERM, then KILL after the reaper's grace)."""
+    spawn = reaper.spawn(argv, pipes=True, env=env, cwd=cwd)
+    pipes = ProcessPipes(spawn, name)
+    try:
+        proc = await asyncio.shield(spawn.task)
+    except BaseException:
+        spawn.stop()
+        raise
+    if proc is None:
+        raise ServerGone("stopped before it started")
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    stdin, stdout, stderr = proc.stdin, proc.stdout, proc.stderr
+    read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def read_messages() -> None:
+        buffer = b""
+        try:
+            async with read_writer:
+                while chunk := await stdout.read(65536):
+                    lines = (buffer + chunk).split(b"\n")
+                    buffer = lines.pop()
+                    if len(buffer) > MAX_LINE:
+                        pipes.end_reason = f"sent a message over {MAX_LINE >> 20} MiB"
+                        return
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        try:
+                            message = types.JSONRPCMessage.model_validate_json(line)
+                        except ValueError as exc:
+                            await read_writer.send(exc)
+                            continue
+                        await read_writer.send(SessionMessage(message))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            pipes.ended.set()
+
+    async def write_messages() -> None:
+        try:
+            async with write_reader:
+                async for message in write_reader:
+                    data = message.message.model_dump_json(by_alias=True, exclude_none=True)
+                    stdin.write(data.encode() + b"\n")
+                    await stdin.drain()
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError):
+            pass
+
+    async def read_stderr() -> None:
+        while line := await stderr.readline():
+            text = line.decode("utf-8", "replace").rstrip()
+            if text:
+                pipes.stderr_tail.append(text)
+                log.debug("mcp server %s: %s", name, redactor(text)[:500])
+
+    tasks = [asyncio.ensure_future(f()) for f in (read_messages, write_messages, read_stderr)]
+    try:
+        yield read_stream, write_stream, pipes
+    finally:
+        stdin.close()
+        spawn.stop()  # TERM to the group now; the reaper sends KILL after its grace
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in (read_stream, write_stream):
+            await stream.aclose()
+
+
+@contextlib.asynccontextmanager
+async def http_streams(url: str, headers: Mapping[str, str], timeout_s: float
+                       ) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
+                                                MemoryObjectSendStream[SessionMessage]]]:
+    """The SDK's streamable HTTP transport (the session is ended with a DELETE when it closes). Reads
+    may wait long (a call's result streams when it is ready): calls have their own deadline."""
+    timeout = httpx.Timeout(timeout_s, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    async with create_mcp_http_client(headers=dict(headers), timeout=timeout) as client, \
+            streamable_http_client(url, http_client=client) as (read, write, _session_id):
+        yield read, write
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Did a call fail because the connection did (rather than the tool)?"""
+    return isinstance(exc, (httpx.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
+                            ConnectionError, ServerGone))
+

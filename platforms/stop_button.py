@@ -1,0 +1,146 @@
+"""One-tap Stop: the tokens behind the Stop buttons of streaming answers, and what a press does.
+
+A button carries its run's token and the asker's id (`stop:<run token>:<user id>`), never a
+run id: run ids restart with the process, so an old button could otherwise name a new turn. A
+press is exactly `/stop` for the button's session — submitted through the router as
+`/stop run:<token>`, so access rules, metrics, cluster forwarding and the stop itself are those of
+a typed /stop — except that it stops only while the button's own run is the one running: a press
+on an answer that has ended (or on a button from before a restart) stops nothing and says so. In a
+group only the person who asked, or an admin of the chat, may press it; the payload says who asked,
+so any worker can tell.
+
+The router's "Stopped." notice for a press is not sent to the chat: the platform shows it as the
+press's own answer (a Telegram toast, a Discord interaction), and the answer's message is marked
+"⏹ stopped" as for a typed /stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.core.cancellation import Run
+from gateway.core.commands import ENDED, RUN_ARG, STOPPED
+from gateway.core.messages import ChatRef, ChatType, InboundMessage
+from gateway.core.ports import Gateway, Outcome, Outlet
+
+log = logging.getLogger(__name__)
+
+PREFIX = "stop:"
+PRESS_PREFIX = "stop-press:"  # message ids of the `/stop` a press submits
+LABEL = "⏹ Stop"
+MAX_LIVE = 10_000  # answers still streaming here; older ones are forgotten (their presses: forwarded)
+__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButtons"]
+
+
+class PressOutcome(StrEnum):
+    STOPPED = "stopped"
+    ENDED = "ended"  # the button's run is not running any more
+    REFUSED = "refused"  # not this user's to stop (or not allowed to use the bot)
+    FAILED = "failed"  # the stop could not be taken now (storage down)
+
+
+@dataclass(frozen=True, slots=True)
+class Press:
+    outcome: PressOutcome
+    text: str  # what the presser is told (a toast, an ephemeral message)
+
+
+@dataclass(slots=True)
+class StopTarget:
+    """What a live button stops: its run, its chat and who asked."""
+
+    run: Run
+    chat: ChatRef
+    asker_id: str
+    asker_name: str
+
+    def live(self) -> bool:
+        return not self.run.finished and not self.run.is_cancelled()
+
+
+def custom_id(run: Run, asker_id: str) -> str:
+    """The button's payload (Telegram callback_data: at most 64 bytes; Discord custom_id: 100)."""
+    return f"{PREFIX}{run.token}:{asker_id}"
+
+
+def parse(data: str | None) -> tuple[str, str] | None:
+    """(run token, asker id) from a button payload, or None if it is not a Stop button's."""
+    if data is None or not data.startswith(PREFIX):
+        return None
+    token, _, asker = data[len(PREFIX):].partition(":")
+    return (token, asker) if token and asker else None
+
+
+def is_press(reply_to: str | None) -> bool:
+    """Is this notice about a press (answered by the press itself, never sent to the chat)?"""
+    return reply_to is not None and reply_to.startswith(PRESS_PREFIX)
+
+
+class StopButtons:
+    """The live Stop buttons of one adapter."""
+
+    def __init__(self, platform: str) -> None:
+        self.platform = platform
+        self._live: OrderedDict[str, StopTarget] = OrderedDict()
+        self._absorbing: dict[str, list[str]] = {}  # press id -> notices the router sent for it
+
+    def open(self, msg: InboundMessage, run: Run) -> str:
+        """The payload of the Stop button of the answer to `msg`; the run is known here until `close`."""
+        self._live[run.token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
+        while len(self._live) > MAX_LIVE:
+            self._live.popitem(last=False)
+        return custom_id(run, msg.user_id)
+
+    def close(self, data: str | None) -> None:
+        parsed = parse(data)
+        if parsed is not None:
+            self._live.pop(parsed[0], None)
+
+    def absorb(self, reply_to: str | None, text: str) -> bool:
+        """A notice the router sends about a press: kept for the press's answer (or, for a press
+        another worker received, dropped: that worker answers it). True if taken."""
+        if not is_press(reply_to):
+            return False
+        notices = self._absorbing.get(reply_to or "")
+        if notices is not None:
+            notices.append(text)
+        return True
+
+    async def press(self, gateway: Gateway, outlet: Outlet, chat: ChatRef | None, data: str | None, *,
+                    user_id: str, user_name: str, press_id: str,
+                    is_admin: Callable[[], Awaitable[bool]]) -> Press:
+        """Handle a press of the button with payload `data` in `chat` by `user_id`; returns once the
+        cancel is issued (or handed to the worker that runs the answer)."""
+        parsed = parse(data)
+        target = self._live.get(parsed[0]) if parsed is not None else None
+        if parsed is None or chat is None or (target is not None and not target.live()):
+            return Press(PressOutcome.ENDED, ENDED)
+        token, asker = parsed
+        if chat.chat_type is not ChatType.DM and user_id != asker and not await is_admin():
+            who = target.asker_name if target is not None else "the person who asked"
+            return Press(PressOutcome.REFUSED, f"Only {who} or an admin can stop this answer.")
+        if target is not None:
+            chat = target.chat  # where the answer streams: its topic or thread included
+        msg = InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
+                             thread_id=chat.thread_id, user_id=user_id, user_name=user_name,
+                             message_id=PRESS_PREFIX + press_id, text=f"/stop {RUN_ARG}{token}")
+        notices: list[str] = []
+        self._absorbing[msg.message_id] = notices
+        try:
+            # The session: known here if the answer streams here; else the chat's, as for a typed /stop.
+            result = await gateway.submit(msg, outlet, key=target.run.session_key if target is not None else None)
+        finally:
+            self._absorbing.pop(msg.message_id, None)
+        log.info("%s: Stop button pressed: %s %s", self.platform, result.outcome.value, result.detail)
+        if result.outcome is Outcome.COMMAND:
+            return Press(PressOutcome.STOPPED if result.detail == STOPPED else PressOutcome.ENDED,
+                         result.detail or ENDED)
+        if result.outcome is Outcome.FORWARDED:  # cluster mode: the session's owner stops it
+            return Press(PressOutcome.STOPPED, "Stopping…")
+        if result.outcome is Outcome.UNAVAILABLE:
+            return Press(PressOutcome.FAILED, "Could not stop it right now; please try /stop.")
+        return Press(PressOutcome.REFUSED, notices[0] if notices else "Sorry, you cannot use this bot.")

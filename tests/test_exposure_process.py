@@ -1,0 +1,147 @@
+"""Issue 10's findings 1-5 as black-box probes against a real `python -m gateway run` process, its
+log read afterwards as an operator would (debug level, JSON lines): two tenants, a browser's
+cookie, a rebinding-shaped admin request, hostile input. The log must hold no traceback, no
+error-level line, no key and no cookie."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.conftest import free_port
+from tests.fakes.openai_provider import FakeProvider
+from tests.procs import until
+from tests.test_exposure import NESTED, _post, _raw
+
+ROOT = Path(__file__).resolve().parent.parent
+K1, K2 = "sk-proc-tenant-one-0123456789", "sk-proc-tenant-two-9876543210"
+ADMIN_TOKEN = "admin-proc-token-0123456789"
+
+
+class _Daemon:
+    def __init__(self, cwd: Path, provider: FakeProvider) -> None:
+        self.port, self.admin_port = free_port(), free_port()
+        self.log = cwd / "daemon.log"
+        # PYTHONPATH: this checkout's code, whichever one the environment has installed.
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SWITCHBOARD_HTTP__PORT": str(self.port),
+               "SWITCHBOARD_ADMIN__PORT": str(self.admin_port), "SWITCHBOARD_ADMIN__TOKEN": ADMIN_TOKEN,
+               "SWITCHBOARD_API__ENABLED": "true", "SWITCHBOARD_API__TENANTS": json.dumps({"team-a": K1}),
+               "SWITCHBOARD_API__KEYS": K2, "SWITCHBOARD_WEBCHAT__ENABLED": "true",
+               "SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": provider.base_url,
+               "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_LOG__LEVEL": "debug",
+               "SWITCHBOARD_LOG__FORMAT": "json"}
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "run"], cwd=cwd, env=env,
+                                         stdout=out, stderr=out)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def ready(self) -> None:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"the daemon exited:\n{self.logs()[-3000:]}"
+                try:
+                    async with http.get(f"http://127.0.0.1:{self.port}/readyz") as resp:
+                        if resp.status == 200:
+                            return
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"the daemon never became ready:\n{self.logs()[-3000:]}")
+
+    async def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.to_thread(self.proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+async def _ask(http: aiohttp.ClientSession, port: int, key: str, text: str) -> tuple[int, dict[str, Any]]:
+    async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": text}], "user": "alice"},
+                         headers={"Authorization": f"Bearer {key}"}) as resp:
+        return resp.status, dict(await resp.json())
+
+
+async def test_the_findings_as_black_box_probes_against_a_daemon_process(
+        tmp_path: Path, provider: FakeProvider) -> None:
+    provider.words = 2
+    daemon = _Daemon(tmp_path, provider)
+    port, aport = daemon.port, daemon.admin_port
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await daemon.ready()
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+            # 1. Tenants: the same session id under another key is another conversation.
+            assert (await _ask(http, port, K1, "my pin is 4711"))[0] == 200
+            assert (await _ask(http, port, K2, "what is my pin?"))[0] == 200
+            status, answer = await _ask(http, port, K2, "/stop")
+            assert (status, answer["choices"][0]["message"]["content"]) == (200, "Nothing is running.")
+            (k2_turn,) = provider.requests_for("what is my pin?")
+            assert "4711" not in json.dumps(k2_turn.body)
+            # 2. The web chat cookie: a turn, a stop, a status, all logged at debug level.
+            async with http.get(base + "/"):
+                pass
+            cookie = next(c.value for c in http.cookie_jar if c.key == "switchboard_chat")
+            ws = await http.ws_connect(base + "/ws", origin=base)
+            await ws.receive_json()
+            await ws.send_json({"type": "message", "id": "w1", "text": "hello from a browser"})
+            while (await asyncio.wait_for(ws.receive_json(), 10)) != {"type": "state", "running": False}:
+                pass
+            await ws.send_json({"type": "command", "name": "status"})
+            while (await asyncio.wait_for(ws.receive_json(), 10)).get("type") != "notice":
+                pass
+            await ws.close()
+            admin_auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            async with http.get(f"http://127.0.0.1:{aport}/admin/api/sessions", headers=admin_auth) as resp:
+                table = await resp.text()
+            assert "webchat:dm:" in table and cookie not in table
+        # 3. Rebinding shape: the attacker's name in Host and Origin, the operator's token and all.
+        evil = b"Host: evil.example\r\nOrigin: http://evil.example\r\nAuthorization: Bearer " + ADMIN_TOKEN.encode()
+        status, _ = await _raw(aport, b"POST /admin/api/sessions/stop HTTP/1.1\r\n" + evil +
+                               b"\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close"
+                               b"\r\n\r\n{}")
+        assert status == 421
+        # 4 and 5. Poison text and hostile input: each a clean 4xx.
+        for what, request, expected in (
+                ("a lone surrogate", _post("/v1/chat/completions", port, b'{"messages": [{"role": "user", '
+                                           b'"content": "\\ud800"}], "user": "p"}', auth=K1.encode()), 400),
+                ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 400),
+                ("charset=bogus", _post("/v1/chat/completions", port, b"{}", auth=K1.encode(),
+                                        content_type=b"application/json; charset=bogus"), 415),
+                ("a non-ASCII bearer", _post("/v1/chat/completions", port, b"{}", auth=b"\xff\xfe"), 401),
+                ("admin login with a lone surrogate", _post("/admin/login", aport, b'{"token": "\\ud800"}',
+                                                            auth=None), 401),
+                ("a NUL in a header", _post("/v1/chat/completions", port, b"{}", headers=b"X-A: \x00\r\n"), 400),
+                ("Content-Length: -1", b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400)):
+            status, response = await _raw(port if b"/admin" not in request[:40] else aport, request)
+            assert status == expected, f"{what}: {response[:200]!r}"
+    finally:
+        code = await daemon.stop()
+    assert code == 0, daemon.logs()[-3000:]
+    await until(lambda: "shutting down" in daemon.logs(), 5, "no shutdown line")
+    log = daemon.logs()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert lines, "no JSON log lines"
+    assert "Traceback" not in log
+    assert [x for x in lines if x.get("level") in ("error", "critical")] == []
+    faults = [x for x in lines if x["msg"].startswith("client fault")]
+    assert faults and all(x["level"] == "warning" for x in faults)
+    assert any("webchat:dm:" in json.dumps(x) for x in lines), "nothing about the web chat session was logged"
+    for secret, what in ((cookie, "the web chat cookie"), (K1, "a tenant's key"), (K2, "a plain key"),
+                         (ADMIN_TOKEN, "the admin token")):
+        assert secret not in log, f"{what} appears in the log"

@@ -1,0 +1,256 @@
+"""Tenancy, probed as a second client would: another API key's session id, another browser's cookie.
+
+A key reaches only its own sessions (the provider's recorded requests prove what history a turn
+was given); the web chat cookie opens a session but never names one (logs, the admin API and the
+metrics are searched for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from platforms.tenants import key_id
+from platforms.webchat_sessions import SECRET_FILE
+from tests.conftest import DaemonFactory
+from tests.fakes.openai_provider import FakeProvider
+from tests.procs import until
+
+K1, K2 = "sk-tenant-one-0123456789", "sk-tenant-two-9876543210"
+API = {"enabled": True, "tenants": {"team-a": K1}, "keys": [K2]}  # one named key, one plain one
+B = key_id(K2)  # the plain key's tenant name
+
+
+def _url(daemon: Any, path: str = "/v1/chat/completions") -> str:
+    return f"http://127.0.0.1:{daemon.config.http.port}{path}"
+
+
+async def _ask(http: aiohttp.ClientSession, daemon: Any, key: str, text: str, *, session: str = "alice",
+               via: str = "header") -> tuple[int, dict[str, Any]]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+    headers = {"Authorization": f"Bearer {key}"}
+    if via == "header":
+        headers["X-Session-Id"] = session
+    else:
+        body["user"] = session
+    async with http.post(_url(daemon), json=body, headers=headers) as resp:
+        return resp.status, dict(await resp.json())
+
+
+def _content(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["message"]["content"])
+
+
+@pytest.mark.parametrize("via", ["header", "user"])
+async def test_another_key_with_the_same_session_id_never_sees_the_first_keys_history(
+        make_daemon: DaemonFactory, provider: FakeProvider, via: str) -> None:
+    provider.words = 1
+    daemon = await make_daemon(api=API)
+    async with aiohttp.ClientSession() as http:
+        assert (await _ask(http, daemon, K1, "my pin is 4711", via=via))[0] == 200
+        assert (await _ask(http, daemon, K2, "what is my pin?", via=via))[0] == 200
+        assert (await _ask(http, daemon, K1, "and again?", via=via))[0] == 200
+    (k2_turn,) = provider.requests_for("what is my pin?")
+    assert [m["content"] for m in k2_turn.body["messages"]] == ["what is my pin?"], "K2 was given K1's history"
+    assert "4711" not in json.dumps(k2_turn.body)
+    (k1_turn,) = provider.requests_for("and again?")
+    assert k1_turn.body["messages"][0]["content"] == "my pin is 4711"  # K1 keeps its own
+    assert "what is my pin?" not in json.dumps(k1_turn.body)
+    _, a_rows = await daemon.store.conversation("api:dm:team-a/alice")
+    _, b_rows = await daemon.store.conversation(f"api:dm:{B}/alice")
+    assert [r.content for r in a_rows if r.role == "user"] == ["my pin is 4711", "and again?"]
+    assert [r.content for r in b_rows if r.role == "user"] == ["what is my pin?"]
+    assert await daemon.store.conversation("api:dm:alice") == (1, [])  # no shared, un-namespaced session
+    # Token use is counted per tenant, by name: never by key.
+    async with aiohttp.ClientSession() as http, http.get(
+            f"http://127.0.0.1:{daemon.config.admin.port}/metrics") as resp:
+        metrics = await resp.text()
+    assert 'tenant="team-a"' in metrics and f'tenant="{B}"' in metrics
+    assert K1 not in metrics and K2 not in metrics
+
+
+async def test_another_keys_stop_status_and_new_cannot_touch_a_running_turn(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.05, 40
+    daemon = await make_daemon(api=API)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(30)) as http:
+        running = asyncio.create_task(_ask(http, daemon, K1, "a long answer", via="user"))
+        await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "K1's turn never started")
+        for command in ("/stop", "/new", "/status"):
+            status, answer = await _ask(http, daemon, K2, command, via="user")
+            assert status == 200, command
+            if command == "/stop":
+                assert _content(answer) == "Nothing is running."
+            if command == "/status":
+                assert _content(answer).startswith("Idle"), "K2 sees K1's running turn"
+        assert daemon.router.status("api:dm:team-a/alice").running
+        status, answer = await asyncio.wait_for(running, 20)
+    assert status == 200 and "switchboard" not in answer, f"K1's turn was interrupted: {answer.get('switchboard')}"
+    assert _content(answer).endswith("w39 ")
+    conversation, rows = await daemon.store.conversation("api:dm:team-a/alice")
+    assert conversation == 1 and [r.role for r in rows] == ["user", "assistant"]  # K2's /new archived nothing
+    # And the owner's own /stop still works on its own session.
+    async with aiohttp.ClientSession() as http:
+        assert _content((await _ask(http, daemon, K1, "/stop", via="user"))[1]) == "Nothing is running."
+
+
+async def test_keys_and_tenants_are_checked_and_no_key_means_one_shared_namespace(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.words = 1
+    daemon = await make_daemon(api=API)
+    async with aiohttp.ClientSession() as http:
+        for header in ({"Authorization": f"Bearer {K1}x"}, {"Authorization": f"bearer {K1[:-1]}"},
+                       {"Authorization": "Basic Zm9vOmJhcg=="}, {}):
+            async with http.get(_url(daemon, "/v1/models"), headers=header) as resp:
+                assert resp.status == 401, header
+        async with http.get(_url(daemon, "/v1/models"), headers={"Authorization": f"bearer {K1}"}) as resp:
+            assert resp.status == 200  # the scheme is case-insensitive (RFC 9110)
+        # A session id past the limit is refused, not made into a key of any length.
+        status, answer = await _ask(http, daemon, K1, "hi", session="x" * 300, via="user")
+        assert status == 400 and answer["error"]["param"] == "user"
+    await daemon.stop()
+    open_api = await make_daemon(api={"enabled": True})  # no keys: a single anonymous tenant, keys as before
+    async with aiohttp.ClientSession() as http:
+        assert (await _ask(http, open_api, "anything", "hello"))[0] == 200
+    assert (await open_api.store.conversation("api:dm:alice"))[1][0].content == "hello"
+
+
+# --- the web chat cookie is a credential, not an identifier ---------------------------------------
+
+
+def _browser() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+
+
+async def _frames_until(ws: aiohttp.ClientWebSocketResponse, pred: Any) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    while True:
+        frame = await asyncio.wait_for(ws.receive_json(), 10)
+        seen.append(frame)
+        if pred(frame):
+            return seen
+
+
+async def test_the_cookie_never_appears_in_keys_logs_metrics_or_the_admin_api(
+        make_daemon: DaemonFactory, provider: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    provider.delay_s, provider.words = 0.02, 30
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    admin = f"http://127.0.0.1:{daemon.config.admin.port}"
+    async with _browser() as victim, aiohttp.ClientSession() as op:
+        async with victim.get(base + "/") as resp:
+            set_cookie = resp.headers["Set-Cookie"]
+        cookie = next(c.value for c in victim.cookie_jar if c.key == "switchboard_chat")
+        assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie
+        ws = await victim.ws_connect(base + "/ws", origin=base)
+        await ws.receive_json()
+        await ws.send_json({"type": "message", "id": "m1", "text": "the secret plan"})
+        await _frames_until(ws, lambda f: f["type"] == "message")
+        await ws.send_json({"type": "command", "name": "stop"})
+        await _frames_until(ws, lambda f: f == {"type": "state", "running": False})
+        await ws.send_json({"type": "command", "name": "status"})
+        await _frames_until(ws, lambda f: f["type"] == "notice" and "agent" in f["text"])
+        async with op.get(admin + "/admin/api/sessions") as resp:
+            table = await resp.text()
+        async with op.get(admin + "/metrics") as resp:
+            metrics = await resp.text()
+        await ws.close()
+    sid = daemon.adapters["webchat"].session_id(cookie)  # type: ignore[attr-defined]
+    assert sid != cookie and len(sid) == 32
+    key = f"webchat:dm:{sid}"
+    assert (await daemon.store.conversation(key))[1][0].content == "the secret plan"
+    assert key in table  # the operator sees the session, by its derived id
+    logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+    for where, text in (("the log", logged), ("the admin sessions list", table), ("/metrics", metrics)):
+        assert cookie not in text, f"the cookie value appears in {where}"
+    assert await daemon.store.sessions(limit=50), "no sessions to check"
+    assert all(cookie not in s.key for s in await daemon.store.sessions(limit=50))
+
+
+async def test_the_cookie_is_secure_when_the_page_is_served_over_https(make_daemon: DaemonFactory) -> None:
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with aiohttp.ClientSession() as http:  # no cookie jar of note: every request is a new browser
+        for headers, secure in (({}, False), ({"X-Forwarded-Proto": "https"}, True),
+                                ({"Forwarded": "for=1.2.3.4;proto=https"}, True),
+                                ({"X-Forwarded-Proto": "http"}, False)):
+            async with http.get(base + "/", headers=headers) as resp:
+                cookie = resp.headers["Set-Cookie"]
+            assert ("; Secure" in cookie) is secure, (headers, cookie)
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+            http.cookie_jar.clear()
+
+
+async def test_a_session_id_sent_back_as_a_cookie_opens_nothing(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.words = 1
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    admin = f"http://127.0.0.1:{daemon.config.admin.port}"
+    async with _browser() as victim:
+        async with victim.get(base + "/"):
+            pass
+        ws = await victim.ws_connect(base + "/ws", origin=base)
+        await ws.receive_json()
+        await ws.send_json({"type": "message", "id": "v1", "text": "private words"})
+        await _frames_until(ws, lambda f: f == {"type": "state", "running": False})
+        await ws.close()
+    async with aiohttp.ClientSession() as attacker:  # learns every session id from the console
+        async with attacker.get(admin + "/admin/api/sessions") as resp:
+            (row,) = [r for r in (await resp.json())["sessions"] if r["platform"] == "webchat"]
+        ws = await attacker.ws_connect(base + "/ws", origin=base,
+                                       headers={"Cookie": f"switchboard_chat={row['chat']}"})
+        hello = await ws.receive_json()
+        await ws.close()
+    assert hello["history"] == [], "a session id opened the session it names"
+
+
+async def test_the_server_secret_survives_a_restart_and_is_private(
+        make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path) -> None:
+    provider.words = 1
+    daemon = await make_daemon()
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with _browser() as http:
+        async with http.get(base + "/"):
+            pass
+        cookie = next(c.value for c in http.cookie_jar if c.key == "switchboard_chat")
+        ws = await http.ws_connect(base + "/ws", origin=base)
+        await ws.receive_json()
+        await ws.send_json({"type": "message", "id": "r1", "text": "remember me"})
+        await _frames_until(ws, lambda f: f == {"type": "state", "running": False})
+        await ws.close()
+    await daemon.stop()
+    secret = tmp_path / "data" / SECRET_FILE
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    again = await make_daemon()
+    base = f"http://127.0.0.1:{again.config.http.port}"
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(base + "/ws", origin=base, headers={"Cookie": f"switchboard_chat={cookie}"})
+        hello = await ws.receive_json()
+        await ws.close()
+    assert hello["history"][0]["text"] == "remember me"
+    # A configured secret wins over the file (and, being another key, opens other sessions).
+    await again.stop()
+    configured = await make_daemon(webchat={"session_secret": "a-configured-webchat-secret-0123456789"})
+    assert configured.adapters["webchat"].session_id(cookie) != again.adapters["webchat"].session_id(cookie)  # type: ignore[attr-defined]
+
+
+async def test_cluster_workers_share_one_webchat_secret_through_redis(
+        make_daemon: DaemonFactory, redis_server: Any, tmp_path: Path) -> None:
+    """A browser's next connection may reach another worker: every worker must derive the same id."""
+    workers = [await make_daemon(redis={"url": redis_server.url}, cluster={"worker_id": f"w{i}"},
+                                 webchat={"enabled": True}, store={"data_dir": str(tmp_path / f"w{i}")})
+               for i in (1, 2)]
+    cookie = "c" * 32
+    ids = {w.adapters["webchat"].session_id(cookie) for w in workers}  # type: ignore[attr-defined]
+    assert len(ids) == 1, "two workers name one browser's session differently"
+    assert not any((tmp_path / f"w{i}" / SECRET_FILE).exists() for i in (1, 2))  # it lives in Redis
