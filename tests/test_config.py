@@ -47,6 +47,8 @@ def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("toml", "env", "message"), [
     ('[agent]\nkind = "gpt"\n', {}, "agent.kind: must be one of 'echo', 'openai' (got 'gpt')"),
+    ("", {"SWITCHBOARD_DAEMON__EVENT_LOOP": "trio"},
+     "daemon.event_loop: must be one of 'auto', 'uvloop', 'asyncio' (got 'trio')"),
     ('[agent]\nmodle = "x"\n', {}, "agent.modle: unknown key"),
     ('[agnet]\n', {}, "agnet: unknown section"),
     ('[http]\nport = "80"\n', {}, "http.port: must be an integer (got '80')"),

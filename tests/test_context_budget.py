@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import random
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.core.context import SHORTENED, estimate, fit, message_tokens
+from gateway.core.attachments import Attachment, MediaPart
+from gateway.core.context import SHORTENED, HistoryMemo, encode, estimate, fit, message_tokens
 from gateway.core.transcript import ChatMessage, ToolCall
 
 
@@ -93,3 +97,61 @@ def test_fitting_reads_only_what_is_sent_not_the_whole_conversation() -> None:
     spy = Spy(history(5_000))  # 20,000 messages
     fitted = fit(spy, NEW, budget_tokens=4_000)
     assert spy.lowest >= len(spy) - len(fitted.messages) - 4  # at most one turn beyond the cut
+
+
+def random_turn(rng: random.Random, i: int) -> list[ChatMessage]:
+    words = ["word", "слово", "字", "x" * 50, "tool", "🙂", "\"quoted\"", "line\nbreak"]
+
+    def text(most: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(0, most)))
+
+    media: tuple[MediaPart, ...] = ()
+    if rng.random() < 0.15:  # an image or a file's text: encoded when sent, not kept by the memo
+        seen = Attachment("image", "photo.png", "image/png", 12, f"ref{i}")
+        media = (MediaPart("image", seen, data=rng.randbytes(12), mime="image/png"),
+                 MediaPart("text", Attachment("file", "a.txt", "text/plain", 5, f"f{i}"), text=text(20)))
+    rows = [ChatMessage("user", f"q{i} " + text(60), media=media)]
+    for r in range(rng.choice([0, 0, 1, 2])):
+        call = ToolCall(f"c{i}.{r}", "shell", json.dumps({"command": text(5)}))
+        rows += [ChatMessage("assistant", text(5), tool_calls=(call,)),
+                 ChatMessage("tool", text(rng.choice([10, 400])), tool_call_id=call.id)]
+    interrupted = rng.random() < 0.1
+    rows.append(ChatMessage("assistant", text(80), interrupted_by="user" if interrupted else None,
+                            reason="stop" if interrupted else None))
+    return rows
+
+
+def test_the_memo_cuts_exactly_where_the_plain_computation_does() -> None:
+    seed = int(os.environ.get("MEMO_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    for _history in range(30):
+        memo = HistoryMemo()
+        rows: list[ChatMessage] = []
+        if rng.random() < 0.2:  # a history that does not start with a user row
+            rows.append(ChatMessage("assistant", "resumed"))
+        for step in range(40):
+            rows += random_turn(rng, step)
+            if rng.random() < 0.05:  # a /new: another history, which the memo must not take for this one
+                rows = random_turn(rng, step)
+            snapshot = list(rows)  # each turn sees a copy, as the turn runner hands it
+            budget = rng.choice([200, 1_000, 3_000, 8_000, 30_000])
+            ratio = rng.choice([1.0, rng.uniform(0.25, 4.0)])
+            system = rng.choice([None, "be brief"])
+            plain = fit(snapshot, NEW, budget_tokens=budget, system_prompt=system, ratio=ratio)
+            memoed = fit(snapshot, NEW, budget_tokens=budget, system_prompt=system, ratio=ratio, memo=memo)
+            where = f"seed {seed} (MEMO_SEED), step {step}, budget {budget}, ratio {ratio}"
+            assert (memoed.messages, memoed.estimated_tokens, memoed.left_out, memoed.shortened) == \
+                (plain.messages, plain.estimated_tokens, plain.left_out, plain.shortened), where
+            assert memoed.encoded == b",".join(encode(m) for m in plain.messages), where
+            assert json.loads(b"[" + (memoed.encoded or b"") + b"]") == [m.to_openai() for m in plain.messages]
+
+
+def test_the_memo_reads_a_history_again_when_it_is_not_the_one_it_saw() -> None:
+    memo = HistoryMemo()
+    first = history(3)
+    fit(first, NEW, budget_tokens=32_000, memo=memo)
+    other = [*first[:-1], ChatMessage("assistant", "a different answer")]  # the same length, its end replaced
+    fitted = fit(other, NEW, budget_tokens=32_000, memo=memo)
+    assert fitted.messages == other and b"a different answer" in (fitted.encoded or b"")
+    shorter = fit(first[:2], NEW, budget_tokens=32_000, memo=memo)
+    assert shorter.messages == first[:2]

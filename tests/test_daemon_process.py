@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from gateway.agents.processes import GroupLedger
 from tests.conftest import DaemonFactory, console_script, free_port
@@ -97,6 +98,22 @@ async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchbo
             assert resp.status == 200
         assert (tmp_path / ".switchboard" / "switchboard.db").exists()
         daemon.proc.send_signal(signal.SIGINT)
+        assert await daemon.exited() == 0
+    finally:
+        daemon.kill()
+
+
+@pytest.mark.parametrize(("choice", "expected"), [(None, "uvloop"), ("asyncio", "asyncio"), ("uvloop", "uvloop")])
+async def test_the_event_loop_is_chosen_by_config_and_named_in_the_startup_log(tmp_path: Path, choice: str | None,
+                                                                              expected: str) -> None:
+    here = ("PYTHONPATH", str(Path(__file__).resolve().parents[1]))  # this checkout's gateway, whatever is installed
+    daemon = Daemon(tmp_path, here, *([("SWITCHBOARD_DAEMON__EVENT_LOOP", choice)] if choice else []), module=True)
+    try:
+        await daemon.ready()
+        await daemon.logged(f"event loop {expected})")
+        async with aiohttp.ClientSession() as http, await daemon.post(http, "hello", "loop-user") as resp:
+            assert resp.status == 200 and "hello" in (await resp.json())["choices"][0]["message"]["content"]
+        daemon.proc.send_signal(signal.SIGTERM)
         assert await daemon.exited() == 0
     finally:
         daemon.kill()

@@ -477,3 +477,33 @@ async def test_text_is_stored_as_text_and_old_escaped_rows_still_read(redis_stor
     assert "\\u041e" in escaped
     raw.rpush(keys.messages(S1, 1), escaped)
     assert [m.content for m in (await redis_store.conversation(S1))[1]] == ["Привет, мир — 你好", "Ответ"]
+
+
+async def test_sqlite_a_failing_write_in_a_commit_group_fails_alone(tmp_path: Path) -> None:
+    """Writes queued while the writer waits share one transaction; one of them failing rolls the
+    group back and each runs again on its own: the others land, the failing one leaves nothing."""
+    store = SqliteStore(tmp_path / "group.db")
+    await store.open()
+    lock = sqlite3.connect(store.path, isolation_level=None)
+    try:
+        F1, F2 = Fence.local(S1), Fence.local(S2)
+        lock.execute("BEGIN IMMEDIATE")  # the writer's next transaction waits for this one
+        first = asyncio.create_task(store.append(F1, 1, ROWS[:1]))
+        bad = ChatMessage("user", None)  # type: ignore[arg-type]  # NOT NULL: this write must fail
+        group = [asyncio.create_task(w) for w in (
+            store.append(F1, 1, ROWS[1:2]), store.append(F2, 1, [ROWS[0], bad]), store.append(F1, 1, ROWS[2:3]),
+            store.accept_inbound(F1, msg("m1")), store.append(F1, 1, ROWS[3:]))]
+        for _ in range(3):  # every task queues its write at its first step; the writer waits for the lock
+            await asyncio.sleep(0)
+        # However the writer split them into groups, the failing write shares one with others.
+        lock.execute("COMMIT")
+        await first
+        outcomes = await asyncio.gather(*group, return_exceptions=True)
+        assert isinstance(outcomes[1], StoreError) and "NOT NULL" in str(outcomes[1])
+        assert [o for i, o in enumerate(outcomes) if i != 1] == [None, None, 1, None]
+        assert await store.conversation(S1) == (1, ROWS)
+        assert await store.conversation(S2) == (1, [])  # nothing of the failed write, not even its session row
+        assert [s.key for s in await store.sessions()] == [S1]
+    finally:
+        lock.close()
+        await store.close()

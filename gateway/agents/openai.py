@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from gateway.agents.jobs import call_note
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import get_run
-from gateway.core.context import estimate, fit
+from gateway.core.context import encode, estimate, fit
 from gateway.core.logs import redactor
 from gateway.core.ports import AgentError, TurnContext
 from gateway.core.transcript import (
@@ -103,6 +104,8 @@ class OpenAIAgent:
         self.settings = settings
         self.tools = tools
         self._session: aiohttp.ClientSession | None = None
+        self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
+        self._url = URL(settings.base_url.rstrip("/") + "/chat/completions")  # parsed once, not per request
 
     @property
     def description(self) -> str:
@@ -126,15 +129,17 @@ class OpenAIAgent:
         s = self.settings
         budget = s.context_tokens - s.reply_tokens
         ratio = context.token_ratio if context is not None else 1.0
+        memo = context.history_memo if context is not None else None
+        system = [_dumps({"role": "system", "content": s.system_prompt})] if s.system_prompt else []
         turn: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
         for _round in range(s.max_tool_rounds + 1):
             rnd = _Round()
             for attempt in range(2):  # once more with a smaller budget if the provider says too long
                 extra = sum(estimate(json.dumps(m, ensure_ascii=False)) for m in turn[1:])  # this turn's rounds
                 fitted = fit(history, message, budget_tokens=budget - extra, system_prompt=s.system_prompt,
-                             ratio=ratio)
-                messages = ([{"role": "system", "content": s.system_prompt}] if s.system_prompt else []) + \
-                    [m.to_openai() for m in fitted.messages] + turn
+                             ratio=ratio, memo=memo)
+                rows = fitted.encoded if fitted.encoded is not None else b",".join(map(encode, fitted.messages))
+                messages = b"[" + b",".join([*system, *([rows] if rows else []), *map(_dumps, turn)]) + b"]"
                 try:
                     async for event in self._complete(messages, rnd, fitted.estimated_tokens + extra):
                         yield event
@@ -196,19 +201,29 @@ class OpenAIAgent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, messages: list[dict[str, Any]], rnd: _Round,
-                        estimated: int) -> AsyncIterator[TextDelta | Usage]:
+    def _body_head(self) -> bytes:
+        """The request body up to its messages: model, stream options and tool schemas, encoded
+        once (again only if the tools change)."""
         s = self.settings
-        body: dict[str, Any] = {"model": s.model, "messages": messages, "stream": True}
-        if s.include_usage:
-            body["stream_options"] = {"include_usage": True}
-        if schemas := self.tools.schemas():  # asked every round: MCP servers come and go
-            body["tools"] = schemas
-        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-        url = s.base_url.rstrip("/") + "/chat/completions"
+        registered = tuple(self.tools.available().values())  # asked every round: MCP servers come and go
+        if self._head is None or self._head[0] != registered:
+            head: dict[str, Any] = {"model": s.model, "stream": True}
+            if s.include_usage:
+                head["stream_options"] = {"include_usage": True}
+            tools = b',"tools":' + _dumps([t.schema() for t in registered]) if registered else b""
+            self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
+        return self._head[1]
+
+    async def _complete(self, messages: bytes, rnd: _Round, estimated: int) -> AsyncIterator[TextDelta | Usage]:
+        """One streamed completion; `messages` is the JSON array to send."""
+        s = self.settings
+        body = self._body_head() + messages + b"}"
+        headers = {"Content-Type": "application/json"}
+        if s.api_key:
+            headers["Authorization"] = f"Bearer {s.api_key}"
         for attempt in range(s.retries + 1):
             try:
-                resp = await self._http().post(url, json=body, headers=headers)
+                resp = await self._http().post(self._url, data=body, headers=headers)
             except aiohttp.ClientError as exc:
                 if attempt < s.retries:
                     await asyncio.sleep(s.backoff_s * 2 ** attempt)
@@ -272,6 +287,13 @@ async def _from_message(payload: dict[str, Any], rnd: _Round) -> AsyncIterator[T
         content = _text(str(content))
         rnd.text.append(content)
         yield TextDelta(content)
+
+
+def _dumps(value: Any) -> bytes:
+    return _ENCODER.encode(value).encode()
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def _json(text: str) -> dict[str, Any]:

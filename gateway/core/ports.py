@@ -15,6 +15,7 @@ from typing import Protocol
 
 from gateway.core.attachments import Attachment, MediaPart
 from gateway.core.cancellation import Run, ToolReason
+from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.transcript import AgentEvent, ChatMessage
@@ -44,6 +45,11 @@ class TurnContext(Protocol):
     @property
     def token_ratio(self) -> float:
         """The provider's token count over the local estimate, as seen in this session (1.0: none yet)."""
+
+    @property
+    def history_memo(self) -> HistoryMemo | None:
+        """What the context budget keeps of this session's history between turns (None: a turn
+        without a stored session)."""
 
     def note_result(self, call_id: str, text: str) -> None:
         """What became of a tool call if the turn is stopped before it returns (its command moved to

@@ -28,6 +28,7 @@ from gateway.core.cancellation import (
     current_run,
     timed_out,
 )
+from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
 from gateway.core.logs import log_context
 from gateway.core.messages import ChatRef, InboundMessage
@@ -54,7 +55,7 @@ class LiveConversation:
     """What the agent cache holds per session: its current conversation, loaded once from the store,
     and what the provider said about its size."""
 
-    __slots__ = ("conversation", "history", "key", "prompt_tokens", "token_ratio", "tokens_used")
+    __slots__ = ("conversation", "history", "key", "memo", "prompt_tokens", "token_ratio", "tokens_used")
 
     def __init__(self, key: str, conversation: int, history: list[ChatMessage]) -> None:
         self.key = key
@@ -63,6 +64,7 @@ class LiveConversation:
         self.token_ratio = 1.0  # the provider's count over our estimate (moving average)
         self.prompt_tokens = 0  # the last request's prompt, as the provider counted it
         self.tokens_used = [0, 0]  # prompt and completion tokens of this conversation so far
+        self.memo: HistoryMemo | None = None  # made by the first turn that fits the history to a budget
 
     def observe(self, usage: Usage) -> None:
         """Learn from the provider's count: the estimate is corrected per session."""
@@ -166,6 +168,15 @@ class _Context:
     @property
     def token_ratio(self) -> float:
         return self._conversation.token_ratio if self._conversation is not None else 1.0
+
+    @property
+    def history_memo(self) -> HistoryMemo | None:
+        conversation = self._conversation
+        if conversation is None or self._turn.ephemeral is not None:
+            return None
+        if conversation.memo is None:
+            conversation.memo = HistoryMemo()
+        return conversation.memo
 
     def note_result(self, call_id: str, text: str) -> None:
         self._turn.notes[call_id] = text

@@ -87,9 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         config.log.level = args.log_level
     setup_logging(config.log.level, config.log.format)
     from gateway.ops.daemon import Daemon
+    from gateway.ops.loop import LoopUnavailable, loop_factory
 
     try:
-        asyncio.run(Daemon(config, config_path=args.config).run())
+        factory = loop_factory(config.daemon.event_loop)
+    except LoopUnavailable as exc:
+        print(f"switchboard: config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(Daemon(config, config_path=args.config).run())
     except OSError as exc:  # e.g. the port is taken: one clear line, not a traceback
         print(f"switchboard: cannot start: {redactor(str(exc.strerror or exc))}", file=sys.stderr)
         return 1

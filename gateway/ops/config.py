@@ -40,6 +40,7 @@ class DaemonConfig:
     drain_timeout_s: float = 0.0  # on SIGTERM, let running turns finish for this long first
     resume_max_age_s: float = 600.0  # turns cut off by a restart are resumed if this fresh
     shutdown_grace_s: float = 10.0  # after cancelling, wait this long for outcomes to be recorded
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"  # auto: uvloop where installed (needs a restart)
 
 
 @dataclass

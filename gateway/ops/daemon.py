@@ -40,6 +40,7 @@ from gateway.ops.client_faults import install_parser_filter
 from gateway.ops.config import Config, ConfigError, load_config
 from gateway.ops.hosts import HostPolicy
 from gateway.ops.http import build_app, start_sites
+from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
 from gateway.store.sqlite import SqliteStore
@@ -196,9 +197,9 @@ class Daemon:
             await self._start(stack)
             self._stack = stack.pop_all()
         tune_gc()
-        log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s)",
+        log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s, event loop %s)",
                  self.config.http.host, self.config.http.port, self.agent.description,
-                 ", ".join(self.adapters) or "none")
+                 ", ".join(self.adapters) or "none", loop_name(asyncio.get_running_loop()))
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         # Registered in the reverse of the order they must stop in: intake first, the store last.

@@ -1,8 +1,9 @@
 """SQLite store (WAL). One writer thread commits queued operations in groups.
 
 Group commit keeps the event loop free of disk waits and makes thousands of small writes a
-second cheap: every operation waiting when the thread wakes shares one transaction, and each
-runs under its own savepoint so one failure does not undo the others.
+second cheap: every operation waiting when the thread wakes shares one transaction and one commit
+(no savepoint per operation). When one of them fails, the group is rolled back and run again one
+operation per transaction, so a failing write fails alone and the others land.
 """
 
 from __future__ import annotations
@@ -138,29 +139,13 @@ class SqliteStore:
                     batch.append(self._ops.get_nowait())
                 except queue.Empty:
                     break
-            results: list[_Result] = []
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                for item in batch:
-                    if item is None:
-                        stopping = True
-                        continue
-                    op, fut = item
-                    conn.execute("SAVEPOINT op")
-                    try:
-                        results.append((fut, op(conn), None))
-                        conn.execute("RELEASE op")
-                    except Exception as exc:
-                        conn.execute("ROLLBACK TO op")
-                        conn.execute("RELEASE op")
-                        results.append((fut, None, StoreError(str(exc))))
-                conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                log.error("store commit failed: %s", exc)
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                err = StoreError(f"commit failed: {exc}")
-                results = [(fut, None, err) for fut, _, _ in results]
+            ops: list[tuple[Op, asyncio.Future[Any]]] = []
+            for item in batch:
+                if item is None:
+                    stopping = True
+                else:
+                    ops.append(item)
+            results = _run_group(conn, ops) if ops else []
             if results:
                 loop.call_soon_threadsafe(_settle, results)
         conn.close()
@@ -307,6 +292,43 @@ class SqliteStore:
         """Forget finished inbound rows past the dedup window (transcripts are kept)."""
         c.execute(f"DELETE FROM inbound WHERE status NOT IN {OPEN_STATUSES!r} AND received_at < ?",
                   (time.time() - self.dedup_ttl_s,))
+
+
+def _run_group(conn: sqlite3.Connection, ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[_Result]:
+    """Every operation in one transaction (one commit for the group). If any of them fails, the
+    group is rolled back and each runs again in a transaction of its own, so a failing write
+    fails alone and the others still land."""
+    if len(ops) > 1:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            results: list[_Result] = [(fut, op(conn), None) for op, fut in ops]
+            conn.execute("COMMIT")
+            return results
+        except Exception:  # told apart below, one operation at a time
+            _rollback(conn)
+    return [_run_alone(conn, op, fut) for op, fut in ops]
+
+
+def _run_alone(conn: sqlite3.Connection, op: Op, fut: asyncio.Future[Any]) -> _Result:
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        value = op(conn)
+        conn.execute("COMMIT")
+        return fut, value, None
+    except Exception as exc:
+        _rollback(conn)
+        if isinstance(exc, sqlite3.OperationalError):  # the database itself (locked, full, gone), not this write
+            log.error("store write failed: %s", exc)
+        return fut, None, StoreError(str(exc))
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Undo the open transaction, if SQLite has not already (a failed rollback must not end the writer)."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.error("store rollback failed: %s", exc)
 
 
 def _settle(results: list[_Result]) -> None:

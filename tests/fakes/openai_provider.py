@@ -81,6 +81,8 @@ class FakeProvider:
         self.max_context_tokens: int | None = None
         # Optional: the script for a request that has no queued or by-text script (None: the default).
         self.script_for: Callable[[Connection], Script | None] | None = None
+        self.record = True  # keep every request in `connections` (a long benchmark turns it off)
+        self.count_body = False  # count prompt tokens from the body's length (cheap: for benchmarks)
         self._runner: web.AppRunner | None = None
         self._closed = asyncio.Condition()
         self.port = 0
@@ -131,10 +133,12 @@ class FakeProvider:
         return [c for c in self.connections if c.last_user == text]
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
         conn = Connection(time.perf_counter(), body, via=request.match_info.get("via"))
-        self.connections.append(conn)
-        self._hook_close(request, conn)
+        if self.record:
+            self.connections.append(conn)
+            self._hook_close(request, conn)
         script = self.scripts.popleft() if self.scripts else self.by_text.get(conn.last_user) or (
             self.script_for(conn) if self.script_for is not None else None) or Script()
         if script.echo_key:
@@ -146,8 +150,8 @@ class FakeProvider:
             conn.completed = True
             return web.json_response({"error": {"message": f"fake failure {script.status}",
                                                 "type": "server_error"}}, status=script.status)
-        prompt_tokens = int(sum(len(json.dumps(m, ensure_ascii=False)) for m in body.get("messages", []))
-                            / self.chars_per_token)
+        prompt_tokens = int((len(raw) if self.count_body else sum(
+            len(json.dumps(m, ensure_ascii=False)) for m in body.get("messages", []))) / self.chars_per_token)
         if self.max_context_tokens is not None and prompt_tokens > self.max_context_tokens:
             conn.completed = True
             return web.json_response({"error": {
@@ -253,8 +257,12 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _serve(port: int, delay_s: float, words: int) -> None:
+async def _serve(port: int, delay_s: float, words: int, text: str | None, record: bool) -> None:
     provider = FakeProvider(delay_s=delay_s, words=words)
+    provider.record = record
+    provider.count_body = not record
+    if text is not None:
+        provider.text_for = lambda _conn: text
     await provider.start_on(port)
     print(f"fake provider on {provider.base_url}", flush=True)
     await asyncio.Event().wait()
@@ -267,5 +275,8 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--delay", type=float, default=0.05)
     parser.add_argument("--words", type=int, default=200)
+    parser.add_argument("--text", help="the same answer to every request (default: 'reply to: ...' and --words words)")
+    parser.add_argument("--no-record", action="store_true",
+                        help="keep no request bodies; count tokens from the body length (benchmarks)")
     args = parser.parse_args()
-    asyncio.run(_serve(args.port, args.delay, args.words))
+    asyncio.run(_serve(args.port, args.delay, args.words, args.text, not args.no_record))

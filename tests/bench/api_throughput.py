@@ -1,0 +1,366 @@
+"""HTTP API throughput of one daemon process against the bare-client limit, CPU per message, and
+where the daemon's time goes.
+
+The fake OpenAI-compatible provider runs in its own process (0 delay, 5-word answers); the daemon
+runs as `python -m gateway run` with a temporary config (SQLite store, API platform with a key).
+C clients, each with its own aiohttp session and its own chat session, send non-streaming
+requests back to back. The limit is a bare aiohttp client asking the provider directly, measured
+in the same run. Fresh sessions start a new chat every 20 messages; long sessions have 1,000 prior
+turns, seeded through the SQLite store before the daemon starts. The daemon's CPU time comes from
+/proc/<pid>/stat over the measured window.
+
+    python -m tests.bench.api_throughput [--clients 10,50,200] [--seconds 5] [--runs 3]
+    python -m tests.bench.api_throughput --profile /tmp/prof   # py-spy on the daemon, raw stacks
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.core.fencing import Fence
+from gateway.core.transcript import ChatMessage
+from gateway.store.sqlite import SqliteStore
+from tests.conftest import free_port
+
+KEY = "bench-key"
+ANSWER = "one two three four five"
+PRIOR_TURNS = 1_000
+FRESH_EVERY = 20  # messages per chat session in the fresh-session runs
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Point:
+    rate: float  # msg/s
+    p50_ms: float
+    p99_ms: float
+    cpu_ms: float | None  # daemon CPU per message
+    errors: int
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (and its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+async def load(url: str, clients: int, seconds: float,
+               body_for: collections.abc.Callable[[int, int], dict[str, Any] | bytes],
+               headers_for: collections.abc.Callable[[int, int], dict[str, str]], pid: int | None,
+               profile: Path | None = None) -> Point:
+    """`clients` loops, each in its own aiohttp session, asking back to back. Warm-up lasts until
+    every client has had an answer; then `seconds` are measured."""
+    answered = [0] * clients
+    warm = asyncio.Event()
+    stop = asyncio.Event()
+    latencies: list[float] = []
+    errors = [0]
+    measuring = [False]
+    sent = [0] * clients
+
+    async def client(i: int) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            while not stop.is_set():
+                n = sent[i]
+                sent[i] += 1
+                t0 = time.perf_counter()
+                body = body_for(i, n)
+                try:
+                    async with (http.post(url, data=body, headers={**headers_for(i, n), **JSON}) if isinstance(
+                            body, bytes) else http.post(url, json=body, headers=headers_for(i, n))) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                if not ok:
+                    errors[0] += measuring[0]
+                    await asyncio.sleep(0.01)
+                    continue
+                if measuring[0]:
+                    latencies.append(time.perf_counter() - t0)
+                answered[i] += 1
+                if answered[i] == 1 and all(answered):
+                    warm.set()
+
+    tasks = [asyncio.create_task(client(i)) for i in range(clients)]
+    spy = None
+    try:
+        await asyncio.wait_for(warm.wait(), 120)
+        await asyncio.sleep(0.5)
+        if profile is not None and pid is not None:
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                                    "--duration", str(int(seconds)), "--output", str(profile), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cpu0 = cpu_s(pid) if pid is not None else 0.0
+        measuring[0] = True
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        measuring[0] = False
+        elapsed = time.perf_counter() - t0
+        cpu1 = cpu_s(pid) if pid is not None else 0.0
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if spy is not None:
+            await asyncio.to_thread(spy.wait, 30)
+    done = len(latencies)
+    lat = sorted(latencies)
+    return Point(done / elapsed, 1000 * lat[len(lat) // 2] if lat else 0.0,
+                 1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
+                 1000 * (cpu1 - cpu0) / done if pid is not None and done else None, errors[0])
+
+
+def bare_body(i: int, n: int) -> dict[str, Any]:
+    # What the daemon sends for a first message: one user message, streamed, with usage.
+    return {"model": "bench", "messages": [{"role": "user", "content": f"hello number {n}"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+LONG_HISTORY = [m for t in range(PRIOR_TURNS) for m in (
+    {"role": "user", "content": f"hello number {t}"}, {"role": "assistant", "content": ANSWER + " "})]
+
+
+_LONG_HEAD = json.dumps({"model": "bench", "stream": True, "stream_options": {"include_usage": True},
+                         "messages": LONG_HISTORY}).encode()[:-2]  # open after the history
+JSON = {"Content-Type": "application/json"}
+
+
+def bare_body_long(i: int, n: int) -> bytes:
+    # What the daemon sends in a session with 1,000 prior turns (all of it fits the budget), encoded
+    # once, so that the client's own JSON encoding does not set the limit.
+    return _LONG_HEAD + f', {{"role": "user", "content": "hello number {n}"}}]}}'.encode()
+
+
+async def seed(db: Path, sessions: list[str]) -> None:
+    """1,000 prior turns per session, written through the store as the daemon would have."""
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        for key in sessions:
+            rows = []
+            for t in range(PRIOR_TURNS):
+                rows += [ChatMessage("user", f"hello number {t}"), ChatMessage("assistant", ANSWER + " ")]
+            await store.append(Fence.local(key), 1, rows)
+    finally:
+        await store.close()
+
+
+class Daemon:
+    def __init__(self, tmp: Path, provider_url: str, event_loop: str | None, code: Path | None = None) -> None:
+        self.tmp = tmp
+        self.code = code  # another checkout's gateway (PYTHONPATH), for a side-by-side comparison
+        self.port = free_port()
+        self.config = tmp / "switchboard.toml"
+        loop = f'event_loop = "{event_loop}"\n' if event_loop else ""
+        self.config.write_text(f"""
+[daemon]
+{loop}
+[http]
+host = "127.0.0.1"
+port = {self.port}
+
+[admin]
+enabled = false
+
+[webchat]
+enabled = false
+
+[api]
+enabled = true
+keys = ["{KEY}"]
+
+[agent]
+kind = "openai"
+base_url = "{provider_url}"
+model = "bench"
+retries = 0
+
+[router]
+messages_per_minute = 0
+
+[agent_cache]
+max_agents = 100000
+
+[store]
+data_dir = "{tmp / 'data'}"
+""")
+        self.log = tmp / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def db(self) -> Path:
+        return self.tmp / "data" / "switchboard.db"
+
+    async def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHBOARD_")}
+        code = self.code or Path(__file__).resolve().parents[2]
+        env["PYTHONPATH"] = str(code)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(self.config)],
+                                         env=env, stdout=log, stderr=log, cwd=code)
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the daemon exited:\n{self.log.read_text()[-3000:]}")
+                try:
+                    async with http.get(f"http://127.0.0.1:{self.port}/readyz") as resp:
+                        if resp.status == 200:
+                            return
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"the daemon never became ready:\n{self.log.read_text()[-3000:]}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.wait, 30)
+
+
+async def daemon_points(kind: str, clients: list[int], seconds: float, provider_url: str, event_loop: str | None,
+                        profile: Path | None, code: Path | None = None) -> dict[int, Point]:
+    with tempfile.TemporaryDirectory(prefix="sb-bench-") as tmp:
+        daemon = Daemon(Path(tmp), provider_url, event_loop, code)
+        offsets = {c: sum(clients[:k]) for k, c in enumerate(clients)}  # each level its own sessions
+        if kind == "long":
+            await seed(daemon.db, [f"api:dm:long-{i}" for i in range(sum(clients))])
+        await daemon.start()
+        assert daemon.proc is not None
+        url = f"http://127.0.0.1:{daemon.port}/v1/chat/completions"
+        points = {}
+        try:
+            for c in clients:
+                base = offsets[c]
+
+                def headers(i: int, n: int, base: int = base) -> dict[str, str]:
+                    session = f"long-{base + i}" if kind == "long" else f"fresh-{base + i}-{n // FRESH_EVERY}"
+                    return {"Authorization": f"Bearer {KEY}", "X-Session-Id": session}
+
+                def body(i: int, n: int) -> dict[str, Any]:
+                    return {"model": "switchboard", "messages": [{"role": "user", "content": f"hello number {n}"}]}
+
+                points[c] = await load(url, c, seconds, body, headers, daemon.proc.pid,
+                                       profile / f"{kind}-c{c}.txt" if profile else None)
+        finally:
+            await daemon.stop()
+        return points
+
+
+def top_functions(raw: Path, n: int = 15) -> list[str]:
+    """From py-spy's raw (collapsed) stacks: the functions with the most samples on the stack
+    (inclusive) and at the top of it (self), as a share of all samples."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        total += k
+        for f in set(frames):
+            inclusive[f] += k
+        own[frames[-1]] += k
+    if not total:
+        return ["(no samples)"]
+    out = [f"{total} samples; self % | inclusive % | function"]
+    for f, k in own.most_common(n):
+        out.append(f"{100 * k / total:6.1f} | {100 * inclusive[f] / total:6.1f} | {f}")
+    out.append("inclusive, ours:")
+    ours = [(f, k) for f, k in inclusive.most_common() if any(p in f for p in (
+        "context.py", "openai.py", "sqlite.py", "turns.py", "router.py", "api.py", "transcript.py"))]
+    for f, k in ours[:n]:
+        out.append(f"{100 * k / total:6.1f} | {f}")
+    return out
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="10,50,200")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--runs", type=int, default=1, help="repeat and report medians")
+    parser.add_argument("--kinds", default="fresh,long")
+    parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default=None,
+                        help="daemon.event_loop for the daemon (default: its config default)")
+    parser.add_argument("--profile", type=Path, help="run py-spy on the daemon, raw stacks into this directory")
+    parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a `git worktree` of main): its daemon "
+                        "is measured in the same runs, alternating with this one's")
+    args = parser.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    kinds = args.kinds.split(",")
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    provider = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_provider", "--port", str(port),
+                                 "--delay", "0", "--words", "5", "--text", ANSWER, "--no-record"],
+                                stdout=subprocess.DEVNULL)
+    provider_url = f"http://127.0.0.1:{port}/v1"
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; {args.runs} run(s), "
+          f"{args.seconds:g} s per point", flush=True)
+    bare: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
+    ours: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
+    base: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
+    try:
+        await asyncio.sleep(1.0)
+        for run in range(args.runs):
+            for kind in kinds:
+                for c in clients:
+                    bare[kind, c].append(await load(provider_url + "/chat/completions", c, args.seconds,
+                                                    bare_body_long if kind == "long" else bare_body,
+                                                    lambda i, n: {}, None))
+            for kind in kinds:
+                profile = args.profile if args.profile and run == 0 else None
+                sides = [(ours, None), (base, args.baseline)] if args.baseline else [(ours, None)]
+                for table, code in sides if run % 2 == 0 else sides[::-1]:
+                    for c, p in (await daemon_points(kind, clients, args.seconds, provider_url, args.event_loop,
+                                                     profile if code is None else None, code)).items():
+                        table[kind, c].append(p)
+            print(f"run {run + 1} done (load average {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        provider.terminate()
+        provider.wait(10)
+    tables = [("this checkout", ours), (f"baseline {args.baseline}", base)] if args.baseline else [("", ours)]
+    for title, table in tables:
+        print(f"\n{title}" if title else "")
+        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for kind in kinds:
+            for c in clients:
+                ps = table[kind, c]
+                rate = med([p.rate for p in ps])
+                limit = med([p.rate for p in bare[kind, c]])
+                cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
+                errs = sum(p.errors for p in ps)
+                print(f"| {kind} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
+                      f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
+                      + (f" {errs} errors" if errs else ""))
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    if args.profile:
+        for raw in sorted(args.profile.glob("*.txt")):
+            print(f"\n## profile {raw.stem}")
+            print("\n".join(top_functions(raw)))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
