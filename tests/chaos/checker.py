@@ -304,7 +304,10 @@ class _Checker:
         if s.tool_call:  # the turn goes on running the tool, until its next round (or its next turn) starts
             later = [t.opened_at for t in self.streams_by_session.get(s.session or "", [])
                      if t.via == s.via and t.opened_at > s.opened_at]
-            end = min([*later[:1], s.opened_at + TOOL_WINDOW_S, self.r.collected_at])
+            # The tool's own record of its end where there is one (it is stopped with its turn);
+            # else the longest a tool could run.
+            until = s.tool_ended_at if s.tool_ended_at is not None else s.opened_at + TOOL_WINDOW_S
+            end = min([*later[:1], until, self.r.collected_at])
         inc = self.r.incarnations.get(s.via or "")
         if inc is not None and inc.ended_at is not None:
             end = min(end, inc.ended_at)

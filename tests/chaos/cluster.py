@@ -308,10 +308,21 @@ class ChaosCluster:
         after_tool = bool(messages) and messages[-1].get("role") == "tool"
         if self.tools and not after_tool and rng.random() < TOOL_P:
             pids = self.tool_dir / f"{conn.via}.pids"
-            command = f"echo $$ >> {pids}; exec sleep {rng.uniform(*TOOL_S):.1f}"
-            self.tool_streams.add(self.stream_number(conn))
+            number = self.stream_number(conn)
+            end = self.tool_dir / f"c{number}.end"  # when the tool ended, ran out or stopped (TERM): evidence
+            command = (f"echo $$ >> {pids}; trap 'date +%s.%N >> {end}; exit 143' TERM HUP; "
+                       f"sleep {rng.uniform(*TOOL_S):.1f} & wait $!; date +%s.%N >> {end}")
+            self.tool_streams.add(number)
             return Script(tool_calls=[("shell", {"command": command})])
         return Script(think_s=rng.uniform(*THINK_S) if rng.random() < THINK_P else 0.0)
+
+    def tool_ended_at(self, number: int) -> float | None:
+        """When stream `number`'s tool process ended (time.monotonic), if it lived to say so (not
+        when it was SIGKILLed)."""
+        with contextlib.suppress(OSError, ValueError):
+            wall = float((self.tool_dir / f"c{number}.end").read_text().split()[0])
+            return wall - (time.time() - time.monotonic())
+        return None
 
     def stream_number(self, conn: Connection) -> int:
         number = self._numbers.get(id(conn))

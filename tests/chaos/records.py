@@ -165,6 +165,7 @@ class Stream:
     resume: bool  # its last user message is an automatic "continue" prompt
     tool_call: bool = False  # answered with a tool call: the turn goes on with a tool process
     after_tool: bool = False  # the request that carries a tool's result (the turn's next round)
+    tool_ended_at: float | None = None  # when its tool process ended (it wrote the time), if seen
 
     @property
     def session(self) -> str | None:

@@ -152,6 +152,7 @@ async def collect(cluster: ChaosCluster, traffic: Traffic, fault_log: list[Fault
         streams.append(Stream(number, conn.via, conn.opened_at - offset, None if ended is None else ended - offset,
                               conn.completed, tag, resume=message_tag(last) is None,
                               tool_call=number in cluster.tool_streams,
+                              tool_ended_at=cluster.tool_ended_at(number) if number in cluster.tool_streams else None,
                               after_tool=bool(messages) and messages[-1].get("role") == "tool"))
     calls: list[TgCall] = []
     for rec in cluster.telegram.sent:
