@@ -11,15 +11,23 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from gateway.agents.echo import EchoAgent
+from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.fencing import Fence
+from gateway.core.messages import InboundMessage
+from gateway.store.sqlite import SqliteStore
 from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
+from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.routers import start_router
 
 KEY = "sk-settle-0123456789"
 SETTLE_S = 2.0  # far below the 5 s tool a late answer would have waited for
@@ -174,3 +182,46 @@ async def test_stops_at_random_offsets_never_leave_a_request_open(
             await asyncio.gather(*(trial(i) for i in range(start, start + 20)))
     assert not slow, f"seed {seed}: settled as late as the stopped work would have ended: {slow[:10]}"
     assert await daemon.store.unfinished_inbound() == []
+
+
+class _SlowToStore(SqliteStore):
+    """A store whose disk is slow to accept one message: the gateway shuts down meanwhile."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.storing = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        if msg.text == "queued while storing":
+            self.storing.set()
+            await self.go_on.wait()
+        return await super().accept_inbound(fence, msg)
+
+
+async def test_a_message_still_being_stored_at_shutdown_is_answered(tmp_path: Path, tools: ToolRegistry) -> None:
+    """Queued behind a running turn and still being written when the shutdown comes: once stored,
+    its reply ends with the restart like any queued message's — it never waits forever."""
+    store = _SlowToStore(tmp_path / "slow.db")
+    await store.open()
+    chat = MemoryChat()
+    router = await start_router(store, EchoAgent(tools, delay_s=0.0), chat, busy="queue")
+    try:
+        await router.submit(chat.message("c", "!sleep 30"), chat)
+        await until(lambda: router.status("memory:dm:c").running)
+        queued = asyncio.create_task(router.submit(chat.message("c", "queued while storing"), chat))
+        await asyncio.wait_for(store.storing.wait(), 5)
+        shutdown = asyncio.create_task(router.shutdown(GATEWAY_RESTART, grace_s=5))
+        await asyncio.sleep(0.05)  # the shutdown has swept the lanes by now
+        store.go_on.set()
+        submitted = await asyncio.wait_for(queued, 5)
+        await asyncio.wait_for(shutdown, 10)
+        assert submitted.run is not None and submitted.run.reason == GATEWAY_RESTART
+        # Both messages' replies ended with the restart: the running one and the one being stored.
+        assert len([t for t in chat.texts("c") if "gateway restart" in t]) == 2, chat.texts("c")
+        assert not [t for t in chat.texts("c") if t.startswith("Queued")], "told it was queued after it was stopped"
+        # Both stay open in the store: resumed and replayed on the next start.
+        assert sorted(r.message.text for r in await store.unfinished_inbound()) == ["!sleep 30",
+                                                                                    "queued while storing"]
+    finally:
+        await store.close()

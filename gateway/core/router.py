@@ -206,16 +206,23 @@ class Router:
                 lane.current.steered = []
             queued += lane.pending
             lane.pending.clear()
+        storing: list[asyncio.Task[None]] = []
         for turn in queued:  # stays accepted in the store, replayed on the next start; its reply ends now
             turn.run.cancel(reason)
-            if turn.accepted.done() and turn.accepted.result():
+            if not turn.accepted.done():  # its intake is still storing it: its reply ends once it is stored
+                storing.append(asyncio.ensure_future(self._settle_once_stored(turn)))
+            elif turn.accepted.result():
                 await self._turns.settle(turn)
             turn.run.end()
-        workers = [lane.worker for lane in self._lanes.values() if lane.worker]
+        workers = [lane.worker for lane in self._lanes.values() if lane.worker] + storing
         if workers:
             _done, late = await asyncio.wait(workers, timeout=grace_s)
             for task in late:
                 task.cancel()
+
+    async def _settle_once_stored(self, turn: Turn) -> None:
+        if await turn.accepted:
+            await self._turns.settle(turn)
 
     # --- the Gateway port -----------------------------------------------------------------
 
@@ -353,7 +360,7 @@ class Router:
                 self.jobs.yield_foreground(key, now=False)
             await speaker.notify(msg.chat, STEERED, reply_to=msg.message_id, kind=NoticeKind.INFO)
             return Submitted(Outcome.STEERED, STEERED, turn.run)
-        if busy and queue and ahead:
+        if busy and queue and ahead and not turn.run.is_cancelled():  # (stopped meanwhile: its reply says so)
             await speaker.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
                                  reply_to=msg.message_id, kind=NoticeKind.QUEUED)
             return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
