@@ -46,6 +46,12 @@ def inbound(session_key: str) -> str:
     return f"{PREFIX}:{_tag(session_key)}:inbound"
 
 
+def seen(session_key: str, platform: str, chat_id: str, message_id: str) -> str:
+    """SET NX with a TTL, in the session's slot: claimed in the same script that records the
+    message, so a crash can never leave a claim without its record (the Redis store)."""
+    return f"{PREFIX}:{_tag(session_key)}:seen:{platform}:{chat_id}:{message_id}"
+
+
 # --- global -----------------------------------------------------------------------------
 
 def dedup(platform: str, chat_id: str, message_id: str) -> str:

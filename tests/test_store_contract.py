@@ -373,7 +373,7 @@ async def test_all_keys_of_a_session_share_one_slot(redis_store: RedisStore, red
     await redis_store.append(fence, 2, ROWS)
     written = {k for k in redis_server.client().scan_iter("*") if "{s:" in k}
     named = {keys.lease(session), keys.fence(session), keys.meta(session), keys.inbound(session),
-             keys.messages(session, 1), keys.messages(session, 2)}
+             keys.messages(session, 1), keys.messages(session, 2), keys.seen(session, "webchat", "alice", "m1")}
     assert written == named
     assert len({key_slot(k.encode()) for k in named}) == 1
     assert len({key_slot(k.encode()) for k in (keys.pairing_codes("x"), keys.paired_users("x"))}) == 1

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -68,10 +68,16 @@ local function finish(key, id, keep, head)
 end
 """
 
-# KEYS: lease, inbound.  ARGV: fence, id, record.
+# KEYS: lease, inbound, seen.  ARGV: fence, id, record, token, seen ttl ms.
+# Returns 1 recorded, 0 a duplicate. The claim and the record are one step: a worker killed in
+# between cannot leave a claim that makes every later delivery of the message a "duplicate".
+# A retry of our own call (same token, same id) finds its claim and writes the same record again.
 ACCEPT = _FENCED_LUA + """
+if not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'PX', ARGV[5]) then
+  if redis.call('GET', KEYS[3]) ~= ARGV[4] then return 0 end
+end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-return 0
+return 1
 """
 
 # KEYS: lease, inbound.  ARGV: fence, id, keep (1/0), head.
@@ -226,26 +232,16 @@ class RedisStore:
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
         r, key = self._r, _fenced(fence)
-        dedup, token = keys.dedup(msg.platform, msg.chat_id, msg.message_id), _token()
+        seen, token = keys.seen(key, msg.platform, msg.chat_id, msg.message_id), _token()
         with self._errors("accept_inbound"):
-            pipe = r.pipeline(transaction=False)
-            pipe.set(dedup, token, nx=True, px=max(1, int(self.dedup_ttl_s * 1000)))
-            pipe.incr(keys.inbound_ids())  # an id wasted on a duplicate costs nothing
-            first, inbound_id = await pipe.execute()
-            if not first and await r.get(dedup) != token:  # (our token: a retry of our own SET)
-                return None
+            inbound_id = await r.incr(keys.inbound_ids())  # an id wasted on a duplicate costs nothing
         record = {"status": InboundStatus.ACCEPTED.value, "detail": None, "received_at": time.time(),
                   "message": msg.to_dict()}
-        try:
-            with self._errors("accept_inbound"):
-                await self._accept(keys=[keys.lease(key), keys.inbound(key)],
-                                   args=[fence.number, str(inbound_id), _json(record)])
-        except StoreError:
-            # Not recorded: let the platform's redelivery (or the user's retry) through again.
-            with suppress(RedisError, OSError):
-                await r.delete(dedup)
-            raise
-        return int(inbound_id)
+        with self._errors("accept_inbound"):
+            recorded = await self._accept(keys=[keys.lease(key), keys.inbound(key), seen],
+                                          args=[fence.number, str(inbound_id), _json(record), token,
+                                                max(1, int(self.dedup_ttl_s * 1000))])
+        return int(inbound_id) if int(recorded) == 1 else None
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:
