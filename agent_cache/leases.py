@@ -82,27 +82,6 @@ end
 return table.concat(out)
 """
 
-# The same for a single Redis (not Redis Cluster, where keys must be declared and each call holds
-# one): KEYS none.  ARGV: token, ttl ms, lease keys joined by newlines, their fences joined by
-# commas.  Returns the same string. Two arguments to encode per 100 leases instead of 200.
-_RENEW_PACKED = """
-local out = {}
-local fences = {}
-for fence in string.gmatch(ARGV[4], '[^,]+') do fences[#fences + 1] = fence end
-local i = 0
-for key in string.gmatch(ARGV[3], '[^\\n]+') do
-  i = i + 1
-  local cur = redis.call('HMGET', key, 'token', 'fence')
-  if cur[1] == ARGV[1] and cur[2] == fences[i] then
-    redis.call('PEXPIRE', key, ARGV[2])
-    out[i] = '1'
-  else
-    out[i] = '0'
-  end
-end
-return table.concat(out)
-"""
-
 # KEYS: lease.  ARGV: token, fence.  Returns 1 released, 0 not ours (any more).
 _RELEASE = """
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence')
@@ -174,7 +153,6 @@ class LeaseManager:
         self.renewed_at: dict[str, float] = {}  # name -> `now()` when its last renewal (or acquisition) was sent
         self._acquire_sha: str | None = None
         self._renew_sha: str | None = None
-        self._renew_packed_sha: str | None = None
         self._release_sha: str | None = None
         self._queued: list[tuple[str, str, str, asyncio.Future[Acquired]]] = []
         # Releases on the wire, per name: an acquisition of the same name waits for them, so a
@@ -387,12 +365,8 @@ class LeaseManager:
             return self._evalsha_many("_renew_sha", _RENEW,
                                       [([lease.key], [self.token, self.ttl_ms, lease.fence]) for lease in part],
                                       flatten=True)
-        fences = ",".join([str(lease.fence) for lease in part])
-        packed = "\n".join([lease.key for lease in part])
-        if packed.count("\n") == len(part) - 1:  # no key holds a newline itself (a client's session id may)
-            return self._evalsha_many("_renew_packed_sha", _RENEW_PACKED, [([], [self.token, self.ttl_ms, packed,
-                                                                                   fences])], flatten=True)
         keys = [lease.key for lease in part]
+        fences = ",".join([str(lease.fence) for lease in part])
         return self._evalsha_many("_renew_sha", _RENEW, [(keys, [self.token, self.ttl_ms, fences])], flatten=True)
 
     async def _evalsha_many(self, attr: str, script: str, calls: list[tuple[list[str], list[Any]]], *,

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import asyncpg
 
+from tests.procs import children
+
 
 class PgServerMissing(RuntimeError):
     """No initdb/pg_ctl, and they could not be installed."""
@@ -184,8 +186,7 @@ class PgServer:
         pid = self.pid()
         if pid is None or not _alive(pid):
             return
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-        pids = [pid, *map(int, children)]
+        pids = [pid, *(p.pid for p in children(pid))]  # its backends, by parent PID from /proc
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
