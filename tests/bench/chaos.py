@@ -3,6 +3,7 @@ a fresh cluster (3 real workers, a real redis-server); prints every run's report
 summed over all runs.
 
     python -m tests.bench.chaos --minutes 10 [--seed 1] [--workers 3] [--run-s 60] [--ttl 3]
+    python -m tests.bench.chaos --runs 20 --seed 5 [--store postgres]   # a fixed number of runs
     python -m tests.bench.chaos --recheck chaos-1.json   # the checker again, on a run's saved records
 
 Exit status 1 if any run found a violation. Each run's records and report are kept under
@@ -19,31 +20,36 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tests.chaos import faults
 from tests.chaos.checker import check
 from tests.chaos.scenario import Settings, load, run_scenario, save
 
 
-async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: float, out: Path) -> int:
+async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: float, out: Path,
+               runs_wanted: int | None = None, store: str = "redis") -> int:
     deadline = time.monotonic() + minutes * 60
     totals: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     failing: list[int] = []
     runs = 0
-    while runs == 0 or time.monotonic() + run_s + 30 < deadline:
+    while (runs < runs_wanted if runs_wanted is not None
+           else runs == 0 or time.monotonic() + run_s + 30 < deadline):
         run_seed = seed + runs
         runs += 1
         started = time.monotonic()
         settings = Settings(seed=run_seed, workers=workers, ttl_s=ttl_s, chaos_s=run_s,
-                            settle_max_s=2 * ttl_s + 10)
+                            settle_max_s=2 * ttl_s + 10, store=store,
+                            kinds=faults.PG_KINDS if store == "postgres" else faults.KINDS)
         records, report = await run_scenario(settings, out / f"run-{run_seed}")
-        save(records, report, out)
+        save(records, report, out, store)
         totals.update(report.counts)
         kinds.update(report.by_kind())
         if not report.ok:
             failing.append(run_seed)
         print(f"\n=== run {runs}, seed {run_seed}, {time.monotonic() - started:.0f} s ===", flush=True)
         print(report.text(limit=40), flush=True)
-    print(f"\n=== soak: {runs} run(s), seeds {seed}..{seed + runs - 1}, workers {workers}, TTL {ttl_s:g} s ===")
+    print(f"\n=== soak: {runs} run(s), seeds {seed}..{seed + runs - 1}, workers {workers}, TTL {ttl_s:g} s,"
+          f" history in {store} ===")
     print("counts: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     print("violations: " + (", ".join(f"{k} {n}" for k, n in kinds.most_common()) or "none"))
     print(f"runs with violations: {failing or 'none'}")
@@ -58,6 +64,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--run-s", type=float, default=60.0, help="traffic and faults per run (seconds)")
     parser.add_argument("--ttl", type=float, default=3.0, help="lease TTL (seconds, at least 3)")
+    parser.add_argument("--runs", type=int, default=None, help="run exactly this many seeds (overrides --minutes)")
+    parser.add_argument("--store", choices=("redis", "postgres"), default="redis", help="where the history lives")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--recheck", type=Path, default=None, help="check a run's saved records (chaos-<seed>.json)")
     args = parser.parse_args()
@@ -66,7 +74,8 @@ def main() -> None:
         print(report.text(limit=10_000))
         sys.exit(0 if report.ok else 1)
     out = args.out or Path(tempfile.mkdtemp(prefix="switchboard-chaos-"))
-    sys.exit(asyncio.run(soak(args.minutes, args.seed, args.workers, args.run_s, args.ttl, out)))
+    sys.exit(asyncio.run(soak(args.minutes, args.seed, args.workers, args.run_s, args.ttl, out,
+                              runs_wanted=args.runs, store=args.store)))
 
 
 if __name__ == "__main__":
