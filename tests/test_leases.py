@@ -85,6 +85,31 @@ async def test_renewals_go_in_slices_and_report_leases_taken_elsewhere(redis: Re
     assert 1_000 < await redis.pttl(keys.lease("s0")) <= 30_000
 
 
+async def test_a_worker_lists_exactly_the_sessions_it_acquired(redis: Redis) -> None:
+    other = LeaseManager(redis, "w2", "a", ttl_s=30, listed_in=keys.worker_sessions("w2"))
+    assert await take(other, "theirs") is not None
+    m = LeaseManager(redis, "w1", "a", ttl_s=30, listed_in=keys.worker_sessions("w1"))
+    got = await asyncio.gather(*(take(m, name) for name in ("a", "b", "theirs")))
+    assert [lease is not None for lease in got] == [True, True, False]
+    assert await redis.smembers(keys.worker_sessions("w1")) == {"a", "b"}  # never another's session
+
+
+async def test_a_round_runs_alone_and_survives_leases_taken_and_dropped_while_it_runs(redis: Redis) -> None:
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    n = RENEW_SLICE * 12
+    await asyncio.gather(*(take(m, f"s{i}") for i in range(n)))
+    before = dict(m.renewed_at)
+    rounds = [asyncio.create_task(m.renew_all()) for _ in range(3)]  # callers while a round runs share it
+    await asyncio.sleep(0)
+    await asyncio.gather(*(take(m, f"new{i}") for i in range(50)))  # the held map changes meanwhile
+    await m.release_many([f"s{i}" for i in range(0, n, 3)])
+    await asyncio.gather(*rounds)
+    assert m._round is not None and all(r.done() for r in rounds)
+    kept = [f"s{i}" for i in range(n) if i % 3]
+    assert all(m.renewed_at[name] > before[name] for name in kept) and len(m.held) == len(kept) + 50
+    assert not any(f"s{i}" in m.held for i in range(0, n, 3))
+
+
 async def test_a_lease_is_given_up_locally_before_redis_expires_it(redis: Redis) -> None:
     m = LeaseManager(redis, "w1", "a", ttl_s=3)
     lease = await take(m, "s")

@@ -408,17 +408,17 @@ class Cluster:
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""
         assert self._events is not None
-        held = list(self.leases.held)
-        for start in range(0, len(held), SLICE):  # a slice at a time: a worker may hold many
-            idle = [s for s in held[start:start + SLICE]
-                    if s not in self._acquiring and s not in self.ingress and not self._events.in_use(s)]
-            if idle:
-                await self.leases.release_many(idle)
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(keys.leased(), *idle)
-                    pipe.srem(keys.worker_sessions(self.worker_id), *idle)
-                    await pipe.execute()
-                self._watched.difference_update(idle)
+        for part in self.leases.held.parts():  # a part at a time: a worker may hold many
+            for start in range(0, len(part), SLICE):
+                idle = [lease.name for lease in part[start:start + SLICE] if (s := lease.name) not in self._acquiring
+                        and s not in self.ingress and not self._events.in_use(s)]
+                if idle:
+                    await self.leases.release_many(idle)
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.zrem(keys.leased(), *idle)
+                        pipe.srem(keys.worker_sessions(self.worker_id), *idle)
+                        await pipe.execute()
+                    self._watched.difference_update(idle)
             await asyncio.sleep(0)
 
     async def _reclaim_own(self) -> None:
