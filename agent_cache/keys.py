@@ -54,11 +54,6 @@ def seen(session_key: str, platform: str, chat_id: str, message_id: str) -> str:
 
 # --- global -----------------------------------------------------------------------------
 
-def dedup(platform: str, chat_id: str, message_id: str) -> str:
-    """SET NX with a TTL: the first worker to see a platform message id wins."""
-    return f"{PREFIX}:dedup:{platform}:{chat_id}:{message_id}"
-
-
 def inbound_ids() -> str:
     """Integer counter for inbound ids."""
     return f"{PREFIX}:inbound-ids"

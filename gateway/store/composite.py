@@ -5,10 +5,10 @@
 - PostgreSQL (`PostgresStore`, built with `require_fence=True`): transcripts, inbound records,
   sessions, approved pairings — durable, queryable, kept for `keep_days`. Every session-scoped
   write is fenced by the database itself.
-- Redis (the cluster's own, through `RedisStore`): de-duplication of platform message ids (a
-  `SET NX` with a TTL, before PostgreSQL is asked) and pending pairing codes (short-lived, capped,
-  expiring on Redis server time) — the coordination state it already keeps for leases, inboxes
-  and routing.
+- Redis (the cluster's own, through `RedisStore`): pending pairing codes (short-lived, capped,
+  expiring on Redis server time) — next to the coordination state it already keeps for leases,
+  inboxes and routing. Platform message ids are de-duplicated by PostgreSQL, in the same fenced
+  statement that records the message, so no claim can exist without its record.
 
 At a takeover the new owner reads what the session left open (`unfinished_inbound`); that read
 first raises PostgreSQL's fence for the session to the live lease's, so from the acquisition on
@@ -16,30 +16,27 @@ the previous owner is refused by the database, as the Redis store refuses it.
 
 Delegation rather than inheritance: each half is the unchanged store of its own backend, so the
 contract tests of each still describe it. The Redis half's client and error mapping are reused
-for the de-duplication claim and to read a pending code before approving it.
+to read the lease fence at a takeover and a pending code before approving it.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Sequence
 from contextlib import suppress
 from typing import cast
 
-from redis.exceptions import RedisError
-
 from agent_cache import keys
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo, StoreError
+from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo
 from gateway.core.transcript import ChatMessage
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 
 
 class PostgresClusterStore:
-    """The Store protocol for a cluster: history in PostgreSQL, de-duplication and pairing codes in Redis."""
+    """The Store protocol for a cluster: history and de-duplication in PostgreSQL, pairing codes in Redis."""
 
     def __init__(self, history: PostgresStore, coordination: RedisStore) -> None:
         if not history.require_fence:
@@ -67,23 +64,13 @@ class PostgresClusterStore:
     async def ping(self) -> bool:
         return await self.history.ping() and await self.coordination.ping()
 
-    # --- inbound: claimed in Redis, recorded in PostgreSQL ------------------------------------
+    # --- inbound: PostgreSQL ------------------------------------------------------------------
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        redis = self.coordination
-        dedup, token = keys.dedup(msg.platform, msg.chat_id, msg.message_id), secrets.token_hex(8)
-        with redis._errors("accept_inbound"):
-            first = await redis._r.set(dedup, token, nx=True, px=max(1, int(redis.dedup_ttl_s * 1000)))
-            if not first and await redis._r.get(dedup) != token:  # (our token: a retry of our own SET)
-                return None
-        try:
-            # PostgreSQL de-duplicates too (a unique key), for as long as it keeps the record.
-            return await self.history.accept_inbound(fence, msg)
-        except StoreError:
-            # Not recorded: let the platform's redelivery (or the user's retry) through again.
-            with suppress(RedisError, OSError):
-                await redis._r.delete(dedup)
-            raise
+        """PostgreSQL alone de-duplicates (a unique key, checked in the fenced insert): a claim
+        kept elsewhere first could outlive a worker killed before the record was written, and
+        turn every redelivery of that message into a 'duplicate' that nobody answers."""
+        return await self.history.accept_inbound(fence, msg)
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:
