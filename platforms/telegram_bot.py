@@ -354,12 +354,10 @@ class TelegramAdapter(Adapter):
         user = m.from_user
         if user is None or user.is_bot:  # includes our own messages
             return None
-        if m.chat.type == TgChatType.PRIVATE:
-            chat_type = ChatType.DM
-        elif m.chat.type in (TgChatType.GROUP, TgChatType.SUPERGROUP):
-            chat_type = ChatType.GROUP
-        else:
+        chat = self._chat_of(m)
+        if chat is None:
             return None
+        chat_type = chat.chat_type
         text = m.text if m.text is not None else m.caption
         entities = m.parse_entities() if m.text is not None else m.parse_caption_entities()
         if text is None and m.effective_attachment is None:
@@ -382,10 +380,10 @@ class TelegramAdapter(Adapter):
         reply = m.reply_to_message
         files = _attachments(m)
         return InboundMessage(
-            platform=PLATFORM, chat_id=str(m.chat.id), chat_type=chat_type,
+            platform=PLATFORM, chat_id=chat.chat_id, chat_type=chat_type,
             user_id=str(user.id), user_name=user.full_name, user_handle=user.username,
             message_id=str(m.message_id), text=text or "",
-            thread_id=str(m.message_thread_id) if m.is_topic_message and m.message_thread_id else None,
+            thread_id=chat.thread_id,
             reply_to=str(reply.message_id) if reply is not None else None,
             timestamp=m.date.timestamp(), attachments=files,
             media=m.effective_attachment is not None and not files)  # a sticker, a poll...
