@@ -90,7 +90,8 @@ class Cluster:
             raise ClusterUnavailable(f"cannot reach Redis ({type(exc).__name__})") from None
         self.leases.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._consume()), loop.create_task(self._background())]
+        self._tasks = [loop.create_task(self._consume()), loop.create_task(self._background()),
+                       loop.create_task(self._expire_own())]
         log.info("cluster: worker %s, incarnation %s", self.worker_id, self.incarnation)
 
     async def adopt(self) -> None:
@@ -389,6 +390,15 @@ class Cluster:
                 log.warning("cluster housekeeping failed: %s", exc or type(exc).__name__)
             except Exception:  # never let housekeeping die quietly
                 log.exception("cluster housekeeping crashed; retrying")
+
+    async def _expire_own(self) -> None:
+        """Drop the lease of a session with work open the moment our clock can no longer prove it,
+        not at the next renewal round (TTL/3 later, or later still while Redis hangs): its turn and
+        its tools stop while the lease is still ours in Redis, before another worker can adopt it."""
+        while True:
+            await asyncio.sleep(self.leases.margin_s / 3)
+            for session in [s for s in self._watched if s in self.leases.held]:
+                self.leases.check_lease(session)
 
     async def _heartbeat(self) -> None:
         beat = {"seen_at": time.time(), "incarnation": self.incarnation, "sessions": len(self.leases.held),
