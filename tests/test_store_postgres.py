@@ -179,6 +179,13 @@ async def test_nul_characters_are_stored_as_replacement_characters(pg: PostgresS
     assert (await pg.unfinished_inbound(S1))[0].message.text == "x\x00y"  # JSON escapes it
 
 
+async def test_an_inbound_message_is_stored_as_text_not_as_escapes(pg: PostgresStore, pg_url: str) -> None:
+    assert await pg.accept_inbound(fence(), msg("m1", text="Привет, мир")) is not None
+    [(payload,)] = await rows(pg_url, "SELECT payload FROM inbound")
+    assert "Привет, мир" in payload and "\\u" not in payload
+    assert (await pg.unfinished_inbound(S1))[0].message.text == "Привет, мир"
+
+
 async def test_in_a_cluster_a_takeover_refuses_the_previous_owner_from_its_first_read(
         redis_server: RedisServer, pg_url: str) -> None:
     """The new owner's first look at the session (what was left open) raises PostgreSQL's fence to

@@ -446,7 +446,7 @@ class PostgresStore:
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
         number, token = self._fence(fence), _token()
-        payload = json.dumps(msg.to_dict())
+        payload = json.dumps(msg.to_dict(), ensure_ascii=False)  # text as text, not escapes
         row = await self._run("accept_inbound", lambda c: c.fetchrow(
             ACCEPT, fence.session_key, number, _text(msg.platform), _text(msg.chat_id), _text(msg.message_id),
             payload, time.time(), token))

@@ -227,8 +227,9 @@ class RedisSource:
             for inbound_id, raw in records.items():
                 rec = json.loads(raw)
                 msg = rec["message"]
+                payload = json.dumps(msg, ensure_ascii=False)
                 found.append((int(inbound_id), InboundRow(k, msg["platform"], msg["chat_id"], msg["message_id"],
-                                                          json.dumps(msg), rec["status"], rec["detail"],
+                                                          payload, rec["status"], rec["detail"],
                                                           float(rec["received_at"]))))
         for _, row in sorted(found, key=lambda item: item[0]):
             yield row
