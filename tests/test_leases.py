@@ -13,10 +13,8 @@ from redis.asyncio import Redis
 from agent_cache import keys
 from agent_cache.leases import RENEW_SLICE, Lease, LeaseManager, now
 from gateway.cluster.coordinator import Cluster
-from gateway.core.cluster import ClusterEvents
-from gateway.core.messages import InboundMessage
 from gateway.core.metrics import Metrics
-from gateway.core.ports import Submitted
+from tests.cluster_events import Working
 from tests.redis_server import RedisServer
 
 
@@ -228,31 +226,12 @@ async def test_renewals_keep_each_lease_apart_whatever_its_name_holds(redis: Red
     assert lost == ["last"] and set(m.held) == {"plain", "sb:lease:plain"}
 
 
-class _Working(ClusterEvents):
-    """Every session is busy; a lost lease is noted with the time it was reported."""
-
-    def __init__(self) -> None:
-        self.lost: dict[str, float] = {}
-
-    def lease_lost(self, session: str) -> None:
-        self.lost.setdefault(session, now())
-
-    def in_use(self, session: str) -> bool:
-        return True
-
-    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
-        return None
-
-    async def adopted(self, session: str) -> None:
-        pass
-
-
 async def test_a_turn_loses_its_lease_by_our_clock_before_redis_can_give_it_to_another_worker(
         redis_server: RedisServer) -> None:
     """Redis hangs (paused), so renewals neither succeed nor fail: the session with work open is
     still given up at its local deadline — while Redis keeps it for us — not whenever a renewal
     call finally errors (a tool would run on while another worker adopts the session)."""
-    events = _Working()
+    events = Working()
     cluster = Cluster(Redis.from_url(redis_server.url, decode_responses=True), "w1", ttl_s=6, metrics=Metrics())
     await cluster.start(events)
     try:

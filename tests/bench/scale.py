@@ -18,14 +18,12 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from gateway.cluster.coordinator import Cluster
-from gateway.core.cluster import ClusterEvents
 from gateway.core.fencing import Fence
-from gateway.core.messages import InboundMessage
 from gateway.core.metrics import Metrics
-from gateway.core.ports import Submitted
 from gateway.core.transcript import ChatMessage
 from gateway.ops.daemon import tune_gc
 from gateway.store.redis import RedisStore, blocking_pool
+from tests.cluster_events import Working
 from tests.redis_server import RedisServer
 
 TTL = 30.0
@@ -33,22 +31,6 @@ ENGLISH = ("The quick brown fox jumps over the lazy dog while the gateway keeps 
            "renewed and every answer streamed. ") * 6
 CYRILLIC = ("Съешь же ещё этих мягких французских булок, да выпей чаю — шлюз продлевает каждую "
             "сессию и передаёт каждый ответ. ") * 6
-
-
-class _Busy(ClusterEvents):
-    """Every held session counts as in use (nothing is released during the measurement)."""
-
-    def lease_lost(self, session: str) -> None:
-        pass
-
-    def in_use(self, session: str) -> bool:
-        return True
-
-    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
-        return None
-
-    async def adopted(self, session: str) -> None:
-        pass
 
 
 class LoopLag:
@@ -99,7 +81,7 @@ async def leases_at(n: int, url: str, r: Redis) -> str:
     base = await used_memory(r)
     cluster = Cluster(Redis.from_pool(blocking_pool(url, decode_responses=True)), "scale", ttl_s=TTL,
                       metrics=Metrics())
-    await cluster.start(_Busy())
+    await cluster.start(Working())
     try:
         started = time.perf_counter()
         for chunk in range(0, n, 2000):  # bursts of new sessions, as after a restart
@@ -151,7 +133,7 @@ async def bytes_per_message(url: str, r: Redis, text: str, n: int = 2000) -> flo
     await store.open()
     cluster = Cluster(Redis.from_pool(blocking_pool(url, decode_responses=True)), "mem", ttl_s=TTL,
                       metrics=Metrics())
-    await cluster.start(_Busy())
+    await cluster.start(Working())
     try:
         route = await cluster.route("telegram:dm:1")
         assert route.fence is not None
