@@ -211,7 +211,7 @@ class LeaseManager:
         self.ttl_s = ttl_s
         self.margin_s = min(2.0, ttl_s / 10)
         self.on_lost = on_lost
-        self.listed_in = listed_in  # a set every acquired name is added to (one call per batch)
+        self.listed_in = listed_in  # a set every acquired name is added to (by the acquisition itself)
         self.held = Held()
         self.renewed_at: dict[str, float] = {}  # name -> `now()` when its last renewal (or acquisition) was sent
         self._acquire_sha: str | None = None
@@ -302,8 +302,7 @@ class LeaseManager:
         sent = now()
         # One Redis: the script lists what it acquires (one round trip). Redis Cluster: the listing
         # lives in another slot, so it follows, for the acquired names.
-        list_in_script = self.listed_in is not None and not self._cluster
-        listing_key = [self.listed_in] if self.listed_in is not None and list_in_script else []
+        listing_key = [self.listed_in] if self.listed_in is not None and not self._cluster else []
         try:
             results = await self._evalsha_many("_acquire_sha", _ACQUIRE, [
                 ([key, fence_key, *listing_key], [self.token, self.worker_id, self.ttl_ms, name])
@@ -320,7 +319,7 @@ class LeaseManager:
         acquired = [name for (name, *_), result in zip(batch, results, strict=True)
                     if not isinstance(result, Exception) and int(result[0]) == 1]
         listing: Exception | None = None
-        if acquired and self.listed_in is not None and not list_in_script:
+        if acquired and self.listed_in is not None and not listing_key:
             try:
                 await self.redis.sadd(self.listed_in, *acquired)
             except (RedisError, OSError) as exc:

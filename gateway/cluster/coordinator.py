@@ -417,12 +417,16 @@ class Cluster:
 
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""
-        assert self._events is not None
+        events = self._events
+        assert events is not None
+
+        def is_idle(s: str) -> bool:
+            return s not in self._acquiring and s not in self.ingress and not events.in_use(s)
+
         for part in self.leases.held.parts():  # a part at a time: a worker may hold many
-            for start in range(0, len(part), SLICE):
-                idle = [lease.name for lease in part[start:start + SLICE] if (s := lease.name) not in self._acquiring
-                        and s not in self.ingress and not self._events.in_use(s)]
-                if idle:
+            names = [lease.name for lease in part]
+            for start in range(0, len(names), SLICE):
+                if idle := [s for s in names[start:start + SLICE] if is_idle(s)]:
                     await self.leases.release_many(idle)
                     async with self.redis.pipeline(transaction=False) as pipe:
                         pipe.zrem(keys.leased(), *idle)
