@@ -544,6 +544,40 @@ async def test_an_owner_paused_for_less_than_the_ttl_leaves_no_turn_stalled(
     assert len([t for t in texts if t.startswith("reply to: [interrupted by system")]) == 1, texts
 
 
+async def test_an_answer_that_ends_while_redis_is_down_is_shown_whole_only_once_it_is_recorded(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    """The answer ends during a Redis outage longer than the lease's remaining life: its record is
+    refused once Redis is back (another worker owns the session by then), so the chat must never
+    have seen it whole — the new owner says it was cut off and answers it again."""
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    provider.delay_s, provider.words = 0.05, 40
+    async with FakeTelegramAPI() as fake:
+        a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL,
+                       **_telegram_env(fake, BASE_URL=fake.base_url_via(name), **WEBHOOK)) for name in "ab")
+        await asyncio.gather(a.start(), b.start())
+        try:
+            await _post(fake, a, 62, "answer while redis sleeps")
+            await until(lambda: any("w30" in str(c.params.get("text")) for c in fake.calls), 10,
+                        "the answer never streamed", every=0.01)
+            redis_server.pause()  # the last ten words arrive while Redis is down
+            await asyncio.sleep(TTL + 1.5)
+            provider.delay_s, provider.words = 0.0, 2
+            redis_server.resume()
+            await until(lambda: any(t.startswith("reply to: [interrupted by system")
+                                    for t in fake.messages(62).values()),
+                        TTL + 5, "the cut-off turn was never resumed", every=0.05)
+        finally:
+            for w in (a, b):
+                w.kill()
+    whole = [c.params.get("text") for c in fake.calls
+             if c.via == "a" and str(c.params.get("text", "")).rstrip().endswith("w39")]
+    assert whole == [], "the first owner showed the whole answer, which was then taken over"
+    texts = list(fake.messages(62).values())
+    assert len([t for t in texts if t.startswith("⏹ interrupted:")]) == 1, texts
+    assert len(provider.requests_for("answer while redis sleeps")) == 1
+
+
 async def test_while_redis_is_down_clients_are_told_to_retry_and_nothing_is_lost(
         provider: FakeProvider, tmp_path: Path) -> None:
     """The API answers 503 with Retry-After (not 400), the Telegram webhook answers non-2xx so

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
 from gateway.agents.processes import ProcessReaper
 from gateway.core.cancellation import EVICTED, NEW_MESSAGE, STOPPED_BY_USER, ToolReason
-from gateway.core.messages import ChatRef
 from gateway.core.ports import Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
@@ -183,35 +183,27 @@ async def test_hard_cancel_demands_a_reason(make_router: RouterFactory) -> None:
         router.hard_cancel("memory:dm:c1", None)  # type: ignore[arg-type]
 
 
-async def test_a_stop_landing_while_the_reply_winds_down_is_not_swallowed(
+async def test_an_answer_is_shown_whole_only_once_recorded_and_a_stop_meanwhile_finds_nothing_to_stop(
         make_router: RouterFactory, provider: FakeProvider, store: SqliteStore) -> None:
-    class SlowTyping(MemoryChat):
-        """A platform whose typing call takes a while to finish even when cancelled."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.typing_started = asyncio.Event()
-            self.release = asyncio.Event()
-
-        async def typing(self, chat: ChatRef) -> None:
-            self.typing_started.set()
-            try:
-                await asyncio.sleep(30)
-            except asyncio.CancelledError:
-                await self.release.wait()  # e.g. an HTTP request that completes regardless
-                raise
-
-    chat = SlowTyping()
-    provider.then(Script(text="short answer", delay_s=0.3))  # slow first token: typing starts
+    """The agent's stream has ended while the disk stalls: the chat sees the answer's end only once
+    the turn is stored, and a /stop in between says nothing is running — not "Stopped." for an
+    answer that is then shown whole and recorded as answered."""
+    chat = MemoryChat()
+    provider.then(Script(text="one two three four", delay_s=0.3))
     router = await make_router()
     run = (await router.submit(chat.message("c1", "hi"), chat)).run
-    await asyncio.wait_for(chat.typing_started.wait(), 2)
-    await chat.wait_for(lambda: len(provider.connections) == 1 and provider.connections[0].completed)
-    await asyncio.sleep(0.05)  # the turn is now winding down its reply, waiting on the typing call
-    assert (await router.submit(chat.message("c1", "/stop"), chat)).detail == "Stopped."
-    chat.release.set()
     assert run is not None
+    await chat.wait_for(lambda: len(provider.connections) == 1)  # the user's row is stored by now
+    gate = threading.Event()
+    stalled = asyncio.ensure_future(store._call(lambda _c: gate.wait(10)))  # the writer thread stalls
+    await chat.wait_for(lambda: provider.connections[0].completed)
+    await asyncio.sleep(0.1)  # the stream has ended; its record waits for the disk
+    assert [t.strip() for t in chat.texts("c1")] == ["one two three"]  # the last words are held back
+    assert (await router.submit(chat.message("c1", "/stop"), chat)).detail == "Nothing is running."
+    gate.set()
+    await stalled
     await run.wait()
-    assert run.reason == STOPPED_BY_USER
+    assert run.reason is None
     _, history = await store.conversation("memory:dm:c1")
-    assert (history[-1].interrupted_by, history[-1].reason) == ("user", "stopped by user (/stop)")
+    assert (history[-1].content.strip(), history[-1].interrupted_by) == ("one two three four", None)
+    await chat.wait_for(lambda: "one two three four" in [t.strip() for t in chat.texts("c1")])

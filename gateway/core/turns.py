@@ -125,8 +125,8 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "inbound_id", "key", "msg", "notes", "run",
-                 "speaker", "steered", "usage")
+    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "fenced_out", "inbound_id", "key", "msg", "notes",
+                 "run", "speaker", "steered", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
                  ephemeral: Sequence[ChatMessage] | None = None) -> None:
@@ -145,6 +145,7 @@ class Turn:
         self.absorbed: list[Turn] = []  # those handed to the model: their answer is this turn's
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
         self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
+        self.fenced_out = False  # the store refused a write of its record: another worker owns the session
 
 
 class _Context:
@@ -299,6 +300,8 @@ class TurnRunner:
         if turn.usage[0]:
             log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
         saved = await self._record(turn, agent, conversation, user, rows, status, detail)
+        if status is InboundStatus.DONE:
+            await self._show_end(turn, reply, recorder.final_text)
         for joined in turn.absorbed:  # messages handed to this turn are answered by it
             saved = await self._finish(joined, status, f"answered with message {msg.message_id}") and saved
         return None if saved else UNSAVED
@@ -318,7 +321,18 @@ class TurnRunner:
             return await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         return await self._finish(turn, status, detail)
 
-    async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage, reply: Reply,
+    async def _show_end(self, turn: Turn, reply: SettlingReply, text: str) -> None:
+        """The answer's end, shown once the turn is recorded. Not if the store refused the record
+        (fenced out): the session's new owner records the turn as cut off and answers it again, so
+        the chat must not have seen it whole."""
+        if turn.fenced_out:
+            await reply.interrupted(LEASE_LOST)  # only where no other worker can speak (an HTTP client)
+            return
+        await turn.run.may_send_now()  # after a pause the lease store decides, not our own clock
+        await reply.finish(text)  # each platform's reply checks the run's guard itself
+
+    async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage,
+                      reply: SettlingReply,
                       recorder: TurnRecorder, context: _Context) -> None:
         run = turn.run
         if any(a.refused is None for a in turn.msg.attachments):
@@ -335,12 +349,14 @@ class TurnRunner:
                 await asyncio.sleep(0)
             separate = isinstance(event, Interjection) and recorder.has_text
             recorder.feed(event)
-            if isinstance(event, TextDelta) and self._may_send(run):
-                await reply.delta(event.text)
-            elif separate and self._may_send(run):  # the continuation starts below the answer so far
-                await reply.delta(ROUND_SEPARATOR)
-        if await run.may_send_now():  # after a pause, the lease store decides: not our own clock
-            await reply.finish(recorder.final_text)
+            if isinstance(event, TextDelta):
+                if self._may_send(run):
+                    await reply.delta(event.text)
+            elif self._may_send(run):
+                await reply.release()  # a boundary: the text so far is not the answer's end
+                if separate:  # the continuation starts below the answer so far
+                    await reply.delta(ROUND_SEPARATOR)
+        # The answer's end is shown by the lane worker once the turn is recorded (SettlingReply).
 
     async def _with_media(self, turn: Turn, user: ChatMessage) -> ChatMessage:
         """The user's message with its images and files, fetched now — in the run's task, so a stop
@@ -450,6 +466,7 @@ class TurnRunner:
                 return True
             except FencedOut as exc:  # not ours any more: its new owner closes the record
                 log.warning("not storing a turn's %s: %s", what, exc, extra={"session": turn.key})
+                turn.fenced_out = True
                 return True
             except StoreError as exc:
                 if time.monotonic() + delay > deadline:
@@ -465,13 +482,19 @@ WRITE_RETRY_S = 10.0
 
 class SettlingReply(Reply):
     """The platform's reply for one turn, opened on first use, that knows whether it has been ended
-    (finish, interrupted or failed) — so the turn's owner can settle it exactly once."""
+    (finish, interrupted or failed) — so the turn's owner can settle it exactly once.
 
-    __slots__ = ("_inner", "_turn", "ended", "settled_once")
+    It holds back the latest delta until the next one, a tool boundary (`release`) or `finish`: the
+    last words of an answer reach the chat only once the turn is recorded, so an answer shown whole
+    is never also taken over (and answered again) by another worker."""
+
+    __slots__ = ("_given", "_held", "_inner", "_turn", "ended", "settled_once")
 
     def __init__(self, turn: Turn) -> None:
         self._turn = turn
         self._inner: Reply | None = None
+        self._held = ""
+        self._given: list[str] = []  # what went to the platform's reply, for `shown_text`
         self.ended = False
         self.settled_once = False
 
@@ -481,22 +504,40 @@ class SettlingReply(Reply):
         return self._inner
 
     async def delta(self, text: str) -> None:
-        await self.open().delta(text)
+        if not text:
+            return
+        held, self._held = self._held, text
+        if held:
+            self._given.append(held)
+            await self.open().delta(held)
+
+    async def release(self) -> None:
+        """Show the held delta: the answer goes on (a tool runs), so it is not the answer's end."""
+        held, self._held = self._held, ""
+        if held:
+            self._given.append(held)
+            await self.open().delta(held)
 
     async def finish(self, text: str) -> None:
         self.ended = True
+        await self.release()
         await self.open().finish(text)
 
     async def interrupted(self, reason: ToolReason) -> None:
         self.ended = True
+        self._held = ""
         await self.open().interrupted(reason)
 
     async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         self.ended = True
+        self._held = ""
         await self.open().failed(text, retry_after_s=retry_after_s)
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)
 
     def shown_text(self) -> str | None:
-        return self._inner.shown_text() if self._inner is not None else ""
+        if self._inner is None:
+            return ""
+        shown = self._inner.shown_text()
+        return "".join(self._given) if shown is None and self._held else shown
