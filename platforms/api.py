@@ -19,7 +19,6 @@ import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from gateway.core.attachments import MB, Attachment
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
+from gateway.core.ids import unique_id
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Outcome, Reply, Submitted
 from gateway.core.transcript import ChatMessage
@@ -56,13 +56,15 @@ class _ApiReply(Reply):
     """Feeds one HTTP request: a queue of ("delta" | "end" | "settled", payload) items the handler
     drains; the response is complete at "settled" (the turn is recorded, or could not be)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streaming: bool = False) -> None:
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.text = ""
+        self._streaming = streaming  # a whole answer is sent at the end: its deltas wake nobody
 
     async def delta(self, text: str) -> None:
         self.text += text
-        self.queue.put_nowait(("delta", text))
+        if self._streaming:
+            self.queue.put_nowait(("delta", text))
 
     async def finish(self, text: str) -> None:
         self.text = text
@@ -144,13 +146,13 @@ class ApiAdapter(Adapter):
                                                           else None)
         if session is not None and len(session) > MAX_SESSION_ID:
             return _error(400, f"The session id is longer than {MAX_SESSION_ID} characters.", param="user")
-        mid = uuid.uuid4().hex
+        mid = unique_id()
         # The tenant's namespace: another key's "alice" is another conversation.
         chat_id = f"{tenant}/{session or f'ephemeral-{mid}'}" if tenant else session or f"ephemeral-{mid}"
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
                              user_name=chat_id, message_id=mid, text=text, tenant=tenant or None,
                              attachments=attachments)
-        reply = self._replies[mid] = _ApiReply()
+        reply = self._replies[mid] = _ApiReply(stream)
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
         submit = asyncio.ensure_future(self.gateway.submit(msg, self, ephemeral=None if session else history))
@@ -190,7 +192,7 @@ class ApiAdapter(Adapter):
     async def _stream(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        cid, created = f"chatcmpl-{unique_id()}", int(time.time())
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -236,7 +238,7 @@ class ApiAdapter(Adapter):
 
     def _completion(self, text: str, end: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{unique_id()}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": end["finish_reason"]}],

@@ -21,6 +21,9 @@ class Working(ClusterEvents):
     def in_use(self, session: str) -> bool:
         return True
 
+    def running(self, session: str) -> bool:
+        return True
+
     async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
         return None
 

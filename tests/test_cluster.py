@@ -578,6 +578,37 @@ async def test_an_answer_that_ends_while_redis_is_down_is_shown_whole_only_once_
     assert len(provider.requests_for("answer while redis sleeps")) == 1
 
 
+async def test_an_answer_recorded_after_an_outage_that_outlasted_the_workers_clock_is_still_shown(
+        provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Redis hangs as the answer ends and comes back after the worker's own clock gave up on the
+    lease but before Redis let it go: the record lands under the lease, so the answer's end must
+    be shown (asking Redis first) — not held back forever with the record saying "answered"."""
+    from agent_cache import keys
+    from tests.fakes.telegram_api import FakeTelegramAPI
+
+    ttl = 10.0  # a wide margin (1 s) between the worker's deadline and Redis's
+    provider.delay_s, provider.words = 0.05, 40
+    async with FakeTelegramAPI() as fake:
+        a = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **_telegram_env(fake, **WEBHOOK))
+        await a.start()
+        try:
+            await _post(fake, a, 63, "answer across the outage")
+            await until(lambda: any("w30" in str(c.params.get("text")) for c in fake.calls), 10,
+                        "the answer never streamed", every=0.01)
+            left_s = redis_server.client().pttl(keys.lease("telegram:dm:63")) / 1000
+            assert left_s > 1.0, left_s
+            redis_server.pause()  # the answer ends while Redis hangs...
+            await asyncio.sleep(left_s - 0.4)  # ...past the worker's deadline (1 s before Redis's)
+            redis_server.resume()
+            await until(lambda: any(t.rstrip().endswith("w39") for t in fake.messages(63).values()), 10,
+                        "the recorded answer was never shown whole", every=0.05)
+        finally:
+            a.kill()
+    texts = list(fake.messages(63).values())
+    assert not any(t.startswith("⏹") for t in texts), texts
+    assert len(provider.requests_for("answer across the outage")) == 1
+
+
 async def test_while_redis_is_down_clients_are_told_to_retry_and_nothing_is_lost(
         provider: FakeProvider, tmp_path: Path) -> None:
     """The API answers 503 with Retry-After (not 400), the Telegram webhook answers non-2xx so

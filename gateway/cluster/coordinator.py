@@ -392,12 +392,16 @@ class Cluster:
                 log.exception("cluster housekeeping crashed; retrying")
 
     async def _expire_own(self) -> None:
-        """Drop the lease of a session with work open the moment our clock can no longer prove it,
-        not at the next renewal round (TTL/3 later, or later still while Redis hangs): its turn and
-        its tools stop while the lease is still ours in Redis, before another worker can adopt it."""
+        """Drop the lease of a session with a turn running the moment our clock can no longer prove
+        it, not at the next renewal round (TTL/3 later, or later still while Redis hangs): its turn
+        and its tools stop while the lease is still ours in Redis, before another worker can adopt
+        it. A turn that has ended and is being recorded keeps its lease: its record is fenced, and
+        showing its last words asks Redis first (a lease dropped here could not be asked for)."""
+        events = self._events
+        assert events is not None
         while True:
             await asyncio.sleep(self.leases.margin_s / 3)
-            for session in [s for s in self._watched if s in self.leases.held]:
+            for session in [s for s in self._watched if s in self.leases.held and events.running(s)]:
                 self.leases.check_lease(session)
 
     async def _heartbeat(self) -> None:

@@ -124,14 +124,12 @@ class Run:
     """
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
-                 "_task", "_thread_event", "_waiters", "cancelled_at", "done_at", "guard", "redeliveries",
-                 "run_id", "session_key", "started_at", "tenant", "token")
+                 "_task", "_thread_event", "_token", "_waiters", "cancelled_at", "done_at", "guard",
+                 "redeliveries", "run_id", "session_key", "started_at", "tenant")
 
     def __init__(self, session_key: str) -> None:
         self.run_id = f"r{next(_run_ids)}"
-        # Names this run across workers and restarts (run ids restart with the process): what a
-        # Stop button carries, so a press stops this turn and no later one.
-        self.token = secrets.token_urlsafe(9)
+        self._token: str | None = None
         self.session_key = session_key
         self.tenant: str | None = None  # whose turn this is, where the platform knows (tools may be limited by it)
         # In cluster mode: "do we still provably own the session?" — a pure check made before
@@ -160,6 +158,14 @@ class Run:
             if self._reason is not None:  # re-check after publishing: cancel() may have just run
                 event.set()
         return event
+
+    @property
+    def token(self) -> str:
+        """Names this run across workers and restarts (run ids restart with the process): what a
+        Stop button carries, so a press stops this turn and no later one. Drawn on first use."""
+        if self._token is None:
+            self._token = secrets.token_urlsafe(9)
+        return self._token
 
     @property
     def reason(self) -> ToolReason | None:

@@ -37,6 +37,11 @@ class ClusterEvents(ABC):
         """Does this worker still need `session` (idle leases are released)?"""
 
     @abstractmethod
+    def running(self, session: str) -> bool:
+        """Is a turn of `session` running here (starting, or its agent or tools at work)? Not once
+        it is only being recorded: its writes are fenced and its last words wait for the record."""
+
+    @abstractmethod
     async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
         """A message or command forwarded to us by another worker."""
 

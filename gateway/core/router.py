@@ -561,6 +561,11 @@ class Router:
         lane = self._lanes.get(session)
         return session in self.cache or (lane is not None and (lane.current is not None or bool(lane.pending)))
 
+    def running(self, session: str) -> bool:
+        """Is a turn of `session` running (not yet ended, or not yet started)? Not while it is recorded."""
+        lane = self._lanes.get(session)
+        return lane is not None and lane.current is not None and not lane.current.run.finished
+
     # --- commands (never behind the lane) -------------------------------------------------
 
     async def _command(self, cmd: Command, key: str, msg: InboundMessage, speaker: Speaker) -> Submitted:
@@ -724,6 +729,9 @@ class _ClusterEvents(ClusterEvents):
 
     def in_use(self, session: str) -> bool:
         return self._router.in_use(session)
+
+    def running(self, session: str) -> bool:
+        return self._router.running(session)
 
     async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
         outlet = self._router._outlets.get(msg.platform)

@@ -11,6 +11,10 @@ turns, seeded through the SQLite store before the daemon starts. The daemon's CP
 
     python -m tests.bench.api_throughput [--clients 10,50,200] [--seconds 5] [--runs 3]
     python -m tests.bench.api_throughput --profile /tmp/prof   # py-spy on the daemon, raw stacks
+    python -m tests.bench.api_throughput --workers 1,2,3 --kinds fresh   # cluster mode, one Redis
+
+With `--workers`, N daemons in cluster mode share a private redis-server (history in Redis);
+client i talks to worker i mod N, and CPU per message sums every worker's (Redis not counted).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from gateway.core.fencing import Fence
 from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import free_port
+from tests.redis_server import RedisServer
 
 KEY = "bench-key"
 ANSWER = "one two three four five"
@@ -58,12 +63,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-async def load(url: str, clients: int, seconds: float,
+async def load(urls: list[str], clients: int, seconds: float,
                body_for: collections.abc.Callable[[int, int], dict[str, Any] | bytes],
-               headers_for: collections.abc.Callable[[int, int], dict[str, str]], pid: int | None,
+               headers_for: collections.abc.Callable[[int, int], dict[str, str]], pids: list[int],
                profile: Path | None = None) -> Point:
-    """`clients` loops, each in its own aiohttp session, asking back to back. Warm-up lasts until
-    every client has had an answer; then `seconds` are measured."""
+    """`clients` loops, each in its own aiohttp session, asking back to back (client i asks
+    `urls[i % len(urls)]`). Warm-up lasts until every client has had an answer; then `seconds`
+    are measured. CPU per message sums the processes in `pids`."""
     answered = [0] * clients
     warm = asyncio.Event()
     stop = asyncio.Event()
@@ -73,6 +79,7 @@ async def load(url: str, clients: int, seconds: float,
     sent = [0] * clients
 
     async def client(i: int) -> None:
+        url = urls[i % len(urls)]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             while not stop.is_set():
                 n = sent[i]
@@ -101,17 +108,17 @@ async def load(url: str, clients: int, seconds: float,
     try:
         await asyncio.wait_for(warm.wait(), 120)
         await asyncio.sleep(0.5)
-        if profile is not None and pid is not None:
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+        if profile is not None and pids:
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(pids[0]), "--format", "raw", "--rate", "250",
                                     "--duration", str(int(seconds)), "--output", str(profile), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        cpu0 = cpu_s(pid) if pid is not None else 0.0
+        cpu0 = sum(cpu_s(pid) for pid in pids)
         measuring[0] = True
         t0 = time.perf_counter()
         await asyncio.sleep(seconds)
         measuring[0] = False
         elapsed = time.perf_counter() - t0
-        cpu1 = cpu_s(pid) if pid is not None else 0.0
+        cpu1 = sum(cpu_s(pid) for pid in pids)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -121,7 +128,7 @@ async def load(url: str, clients: int, seconds: float,
     lat = sorted(latencies)
     return Point(done / elapsed, 1000 * lat[len(lat) // 2] if lat else 0.0,
                  1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
-                 1000 * (cpu1 - cpu0) / done if pid is not None and done else None, errors[0])
+                 1000 * (cpu1 - cpu0) / done if pids and done else None, errors[0])
 
 
 def bare_body(i: int, n: int) -> dict[str, Any]:
@@ -160,12 +167,15 @@ async def seed(db: Path, sessions: list[str]) -> None:
 
 
 class Daemon:
-    def __init__(self, tmp: Path, provider_url: str, event_loop: str | None, code: Path | None = None) -> None:
+    def __init__(self, tmp: Path, provider_url: str, event_loop: str | None, code: Path | None = None,
+                 redis_url: str | None = None, worker_id: str | None = None) -> None:
         self.tmp = tmp
         self.code = code  # another checkout's gateway (PYTHONPATH), for a side-by-side comparison
         self.port = free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
         self.config = tmp / "switchboard.toml"
         loop = f'event_loop = "{event_loop}"\n' if event_loop else ""
+        cluster = f'[redis]\nurl = "{redis_url}"\n\n[cluster]\nworker_id = "{worker_id}"\n' if redis_url else ""
         self.config.write_text(f"""
 [daemon]
 {loop}
@@ -197,7 +207,8 @@ max_agents = 100000
 
 [store]
 data_dir = "{tmp / 'data'}"
-""")
+
+{cluster}""")
         self.log = tmp / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -233,17 +244,22 @@ data_dir = "{tmp / 'data'}"
 
 
 async def daemon_points(kind: str, clients: list[int], seconds: float, provider_url: str, event_loop: str | None,
-                        profile: Path | None, code: Path | None = None) -> dict[int, Point]:
+                        profile: Path | None, code: Path | None = None, workers: int = 0) -> dict[int, Point]:
+    """One daemon (SQLite), or with `workers` that many in cluster mode on a private redis-server."""
     with tempfile.TemporaryDirectory(prefix="sb-bench-") as tmp:
-        daemon = Daemon(Path(tmp), provider_url, event_loop, code)
+        redis = RedisServer(Path(tmp) / "redis").start() if workers else None
+        daemons = [Daemon(Path(tmp) / f"w{n}", provider_url, event_loop, code,
+                          redis.url if redis else None, f"w{n}") for n in range(max(1, workers))]
         offsets = {c: sum(clients[:k]) for k, c in enumerate(clients)}  # each level its own sessions
         if kind == "long":
-            await seed(daemon.db, [f"api:dm:long-{i}" for i in range(sum(clients))])
-        await daemon.start()
-        assert daemon.proc is not None
-        url = f"http://127.0.0.1:{daemon.port}/v1/chat/completions"
-        points = {}
+            if redis is not None:
+                raise SystemExit("--kinds long is seeded through SQLite: not with --workers")
+            await seed(daemons[0].db, [f"api:dm:long-{i}" for i in range(sum(clients))])
         try:
+            await asyncio.gather(*(d.start() for d in daemons))
+            pids = [d.proc.pid for d in daemons if d.proc is not None]
+            urls = [f"http://127.0.0.1:{d.port}/v1/chat/completions" for d in daemons]
+            points = {}
             for c in clients:
                 base = offsets[c]
 
@@ -254,10 +270,12 @@ async def daemon_points(kind: str, clients: list[int], seconds: float, provider_
                 def body(i: int, n: int) -> dict[str, Any]:
                     return {"model": "switchboard", "messages": [{"role": "user", "content": f"hello number {n}"}]}
 
-                points[c] = await load(url, c, seconds, body, headers, daemon.proc.pid,
+                points[c] = await load(urls, c, seconds, body, headers, pids,
                                        profile / f"{kind}-c{c}.txt" if profile else None)
         finally:
-            await daemon.stop()
+            await asyncio.gather(*(d.stop() for d in daemons))
+            if redis is not None:
+                redis.stop()
         return points
 
 
@@ -291,6 +309,10 @@ def top_functions(raw: Path, n: int = 15) -> list[str]:
     return out
 
 
+def _row(kind: str, workers: int) -> str:
+    return f"{kind}, {workers} worker{'s' if workers > 1 else ''} (Redis)" if workers else kind
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -306,8 +328,11 @@ async def main() -> None:
     parser.add_argument("--profile", type=Path, help="run py-spy on the daemon, raw stacks into this directory")
     parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a `git worktree` of main): its daemon "
                         "is measured in the same runs, alternating with this one's")
+    parser.add_argument("--workers", default="", help="cluster mode with these numbers of workers, e.g. 1,2,3 "
+                        "(default: one daemon without Redis)")
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
+    worker_counts = [int(w) for w in args.workers.split(",") if w] or [0]
     kinds = args.kinds.split(",")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -326,16 +351,18 @@ async def main() -> None:
         for run in range(args.runs):
             for kind in kinds:
                 for c in clients:
-                    bare[kind, c].append(await load(provider_url + "/chat/completions", c, args.seconds,
+                    bare[kind, c].append(await load([provider_url + "/chat/completions"], c, args.seconds,
                                                     bare_body_long if kind == "long" else bare_body,
-                                                    lambda i, n: {}, None))
+                                                    lambda i, n: {}, []))
             for kind in kinds:
                 profile = args.profile if args.profile and run == 0 else None
                 sides = [(ours, None), (base, args.baseline)] if args.baseline else [(ours, None)]
                 for table, code in sides if run % 2 == 0 else sides[::-1]:
-                    for c, p in (await daemon_points(kind, clients, args.seconds, provider_url, args.event_loop,
-                                                     profile if code is None else None, code)).items():
-                        table[kind, c].append(p)
+                    for workers in worker_counts:
+                        for c, p in (await daemon_points(kind, clients, args.seconds, provider_url,
+                                                         args.event_loop, profile if code is None else None, code,
+                                                         workers)).items():
+                            table[_row(kind, workers), c].append(p)
             print(f"run {run + 1} done (load average {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         provider.terminate()
@@ -345,16 +372,15 @@ async def main() -> None:
         print(f"\n{title}" if title else "")
         print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for kind in kinds:
-            for c in clients:
-                ps = table[kind, c]
-                rate = med([p.rate for p in ps])
-                limit = med([p.rate for p in bare[kind, c]])
-                cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
-                errs = sum(p.errors for p in ps)
-                print(f"| {kind} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
-                      f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
-                      + (f" {errs} errors" if errs else ""))
+        for kind, workers, c in ((k, w, c) for k in kinds for w in worker_counts for c in clients):
+            ps = table[_row(kind, workers), c]
+            rate = med([p.rate for p in ps])
+            limit = med([p.rate for p in bare[kind, c]])
+            cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
+            errs = sum(p.errors for p in ps)
+            print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
+                  f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
+                  + (f" {errs} errors" if errs else ""))
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     if args.profile:
         for raw in sorted(args.profile.glob("*.txt")):
