@@ -297,8 +297,8 @@ class TurnRunner:
             self._metrics.turns_running.dec()
         rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
         self._metrics.turns.labels(status.value).inc()
-        if turn.usage[0]:
-            log.info("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
+        if turn.usage[0] and log.isEnabledFor(logging.DEBUG):  # per tenant in metrics; a line per turn costs
+            log.debug("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
         saved = await self._record(turn, agent, conversation, user, rows, status, detail)
         if status is InboundStatus.DONE:
             await self._show_end(turn, reply, recorder.final_text)
