@@ -34,12 +34,14 @@ log = logging.getLogger(__name__)
 
 AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
 
-# KEYS: lease, fence counter[, listing].  ARGV: token, worker id, ttl ms, name.
+# KEYS: lease, fence counter[, listing].  ARGV: token, worker id, ttl ms, name, lost (1/0).
 # Returns {1, fence, replaced token or '', kept (1/0)} when the lease is ours now (and the name is
 # in the listing set, if one is given), {0, holder's worker id, pttl} when another worker holds
-# it. Still ours (same token): extended, same fence,
-# kept = 1 — nobody held it in between. Held by an earlier incarnation of this worker id (same id,
-# other token): taken over. Otherwise free: a new fence.
+# it. Still ours (same token) and not `lost`: extended, same fence, kept = 1 — nobody held it in
+# between. Still ours but `lost` (we reported it lost: its turns were stopped and left for a new
+# owner): a new fence, as a takeover — the old fence's writes are refused, what was left open is
+# recovered. Held by an earlier incarnation of this worker id (same id, other token): taken over.
+# Otherwise free: a new fence.
 _ACQUIRE = """
 local cur = redis.call('HMGET', KEYS[1], 'token', 'worker', 'fence')
 if cur[1] and cur[1] ~= ARGV[1] and cur[2] ~= ARGV[2] then
@@ -48,7 +50,7 @@ end
 if KEYS[3] then
   redis.call('SADD', KEYS[3], ARGV[4])
 end
-if cur[1] == ARGV[1] then
+if cur[1] == ARGV[1] and ARGV[5] ~= '1' then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {1, tonumber(cur[3]), '', 1}
 end
@@ -64,6 +66,9 @@ end
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'worker', ARGV[2], 'fence', f)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if cur[1] == ARGV[1] then
+  return {1, f, '', 0}
+end
 return {1, f, cur[1] or '', 0}
 """
 
@@ -222,6 +227,10 @@ class LeaseManager:
         # release sent before it can never land after it and delete the lease it just extended.
         self._releasing: dict[str, asyncio.Task[None]] = {}
         self._confirming: dict[str, asyncio.Future[bool]] = {}  # one confirmation per lease at a time
+        # Leases reported lost, with when (our clock): our next acquisition of one is a takeover,
+        # never a continuation, even if Redis still has it under our token. Kept two TTLs: by then
+        # Redis has let it go anyway.
+        self._lost_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._round: asyncio.Future[None] | None = None
         self._cluster = isinstance(redis, RedisCluster)
@@ -305,7 +314,8 @@ class LeaseManager:
         listing_key = [self.listed_in] if self.listed_in is not None and not self._cluster else []
         try:
             results = await self._evalsha_many("_acquire_sha", _ACQUIRE, [
-                ([key, fence_key, *listing_key], [self.token, self.worker_id, self.ttl_ms, name])
+                ([key, fence_key, *listing_key], [self.token, self.worker_id, self.ttl_ms, name,
+                                                  "1" if name in self._lost_at else "0"])
                 for name, key, fence_key, _ in batch])
         except BaseException as exc:
             self.failing = isinstance(exc, (RedisError, OSError)) or self.failing
@@ -336,6 +346,7 @@ class LeaseManager:
                     self._lose(name, expired=False)
                 if name not in self.held:
                     self.acquisitions += 1
+                self._lost_at.pop(name, None)
                 lease = self.held[name] = Lease(key, name, int(result[1]))
                 self.renewed_at[name] = sent
                 if listing is not None:  # ours, but not listed: say so (the caller may retry)
@@ -393,6 +404,9 @@ class LeaseManager:
         await asyncio.shield(self._round)
 
     async def _renew_round(self) -> None:
+        if self._lost_at:
+            cutoff = now() - 2 * self.ttl_s
+            self._lost_at = {name: at for name, at in self._lost_at.items() if at > cutoff}
         count = len(self.held)
         if not count:  # nothing to renew: still find out whether Redis answers (`failing` clears)
             try:
@@ -498,6 +512,7 @@ class LeaseManager:
         if lease is None:
             return
         self.losses += 1
+        self._lost_at[name] = now()
         log.warning("lease lost: %s (%s)", name, "not renewed in time" if expired else "refused at renewal")
         if self.on_lost is not None:
             self.on_lost(name, lease, expired=expired)

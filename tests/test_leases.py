@@ -207,6 +207,25 @@ async def test_a_reacquisition_of_a_lease_still_ours_is_marked_kept(redis: Redis
     assert not taken.kept and taken.replaced == "w1/a"
 
 
+async def test_a_lease_reported_lost_is_taken_again_as_a_takeover_even_if_redis_still_has_it(redis: Redis) -> None:
+    """Our clock gave the lease up (its turns were stopped, their records left for a new owner) but
+    the release never reached Redis: taking it again ourselves must not continue the old fence —
+    the old turns' writes are refused and what they left open is recovered, as by any new owner."""
+    m = LeaseManager(redis, "w1", "a", ttl_s=30)
+    lost: list[int] = []
+    m.on_lost = lambda name, lease, *, expired: lost.append(lease.fence)
+    first = await m.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert first.lease is not None
+    m.renewed_at["s"] -= m.ttl_s  # a pause: our clock can no longer prove it...
+    assert not m.check_lease("s") and lost == [first.lease.fence]  # ...so it is reported lost
+    assert await redis.hget(keys.lease("s"), "token") == m.token  # Redis still has it, under our token
+    again = await m.acquire("s", keys.lease("s"), keys.fence("s"))
+    assert again.lease is not None and again.lease.fence > first.lease.fence
+    assert not again.kept and again.replaced is None  # a takeover (of our own lost lease), not a predecessor's
+    kept = await m.acquire("s", keys.lease("s"), keys.fence("s"))  # held now: asking again continues it
+    assert kept.kept and kept.lease is not None and kept.lease.fence == again.lease.fence
+
+
 async def test_renewals_keep_each_lease_apart_whatever_its_name_holds(redis: Redis) -> None:
     """Renewals pack a slice's keys into one argument; a name with a newline (a client's session
     id may hold one) must neither shift the others' fences nor renew anything it should not."""
