@@ -326,14 +326,13 @@ class TurnRunner:
         (fenced out): the session's new owner records the turn as cut off and answers it again, so
         the chat must not have seen it whole."""
         if turn.fenced_out:
-            await reply.interrupted(LEASE_LOST)  # only where no other worker can speak (an HTTP client)
+            await reply.interrupted(LEASE_LOST)  # the guard keeps chats quiet; an HTTP client hears it here
             return
         await turn.run.may_send_now()  # after a pause the lease store decides, not our own clock
         await reply.finish(text)  # each platform's reply checks the run's guard itself
 
     async def _stream(self, turn: Turn, agent: Agent, history: list[ChatMessage], user: ChatMessage,
-                      reply: SettlingReply,
-                      recorder: TurnRecorder, context: _Context) -> None:
+                      reply: SettlingReply, recorder: TurnRecorder, context: _Context) -> None:
         run = turn.run
         if any(a.refused is None for a in turn.msg.attachments):
             user = await self._with_media(turn, user)
@@ -504,12 +503,9 @@ class SettlingReply(Reply):
         return self._inner
 
     async def delta(self, text: str) -> None:
-        if not text:
-            return
-        held, self._held = self._held, text
-        if held:
-            self._given.append(held)
-            await self.open().delta(held)
+        if text:
+            await self.release()
+            self._held = text
 
     async def release(self) -> None:
         """Show the held delta: the answer goes on (a tool runs), so it is not the answer's end."""
