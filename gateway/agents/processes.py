@@ -496,8 +496,17 @@ class ProcessReaper:
         return len(self._pending)
 
     async def drain(self) -> None:
-        """Wait for every group being started or terminated (shutdown calls this)."""
-        while self._pending or self._spawning:
+        """Wait for every group being started or terminated (shutdown calls this). A task that has
+        ended is dropped here, not only by its done callback: that callback may never run (its
+        event loop closed first), and waiting on it would never end."""
+        while True:
+            for pgid, task in list(self._pending.items()):
+                if task.done():
+                    self._pending.pop(pgid, None)
+                    self._forget(pgid)
+            self._spawning.difference_update([task for task in self._spawning if task.done()])
+            if not self._pending and not self._spawning:
+                return
             await asyncio.gather(*list(self._pending.values()), *list(self._spawning), return_exceptions=True)
 
     def kill_all_now(self) -> None:
