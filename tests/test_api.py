@@ -199,6 +199,21 @@ async def test_model_output_that_is_not_valid_text_is_stored_with_a_replacement_
     assert await daemon.store.unfinished_inbound() == []
 
 
+async def test_a_stream_that_arrives_in_odd_pieces_is_read_whole_and_exact(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Lines cut anywhere (mid-line, mid-character), CRLF endings, no newline after the last event."""
+    text = "déjà vu — 雪 🙂 ok"
+    provider.by_text["odd pieces"] = Script(text=text, fragments=3)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    body = {"messages": [{"role": "user", "content": "odd pieces"}]}
+    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                         headers=_auth(**{"X-Session-Id": "pieces"})) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["message"]["content"] == text + " "
+    _conv, rows = await daemon.store.conversation(_key("pieces"))
+    assert [r.content for r in rows] == ["odd pieces", text + " "]
+
+
 async def test_text_travels_as_text_not_as_escapes(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
     provider.by_text["Привет"] = Script(text="Здравствуйте")
     daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})

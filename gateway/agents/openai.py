@@ -251,29 +251,48 @@ class OpenAIAgent:
                         yield ev
                     return
                 try:
-                    async for raw in resp.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            return
-                        chunk = _json(data.decode("utf-8", "replace"))
-                        if "error" in chunk:
-                            raise AgentError(f"the model provider failed: {_error_text(json.dumps(chunk))}")
-                        if isinstance(usage := chunk.get("usage"), dict):
-                            yield Usage(int(usage.get("prompt_tokens") or 0),
-                                        int(usage.get("completion_tokens") or 0), estimated)
-                        for choice in chunk.get("choices") or []:
-                            delta = choice.get("delta") or {}
-                            for tc in delta.get("tool_calls") or []:
-                                rnd.add_tool_delta(tc)
-                            if content := delta.get("content"):
-                                content = _text(str(content))
-                                rnd.text.append(content)
-                                yield TextDelta(content)
+                    async for events in _sse_batches(resp.content):
+                        words: list[str] = []  # the batch's words: one delta, not one per event
+                        for data in events:
+                            if data == b"[DONE]":
+                                if words:
+                                    yield TextDelta("".join(words))
+                                return
+                            chunk = _json(data.decode("utf-8", "replace"))
+                            if "error" in chunk:
+                                raise AgentError(f"the model provider failed: {_error_text(json.dumps(chunk))}")
+                            if isinstance(usage := chunk.get("usage"), dict):
+                                if words:
+                                    yield TextDelta("".join(words))
+                                    words = []
+                                yield Usage(int(usage.get("prompt_tokens") or 0),
+                                            int(usage.get("completion_tokens") or 0), estimated)
+                            for choice in chunk.get("choices") or []:
+                                delta = choice.get("delta") or {}
+                                for tc in delta.get("tool_calls") or []:
+                                    rnd.add_tool_delta(tc)
+                                if content := delta.get("content"):
+                                    content = _text(str(content))
+                                    rnd.text.append(content)
+                                    words.append(content)
+                        if words:
+                            yield TextDelta("".join(words))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise AgentError(f"the model provider connection broke ({type(exc).__name__})") from exc
+
+
+async def _sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of a server-sent event stream, in batches: every complete line that has
+    arrived when the reader wakes, so a burst of events costs one wake-up, not one per line."""
+    rest = b""
+    while chunk := await content.readany():
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        events = [line[5:].strip() for line in map(bytes.strip, lines) if line.startswith(b"data:")]
+        if events:
+            yield events
+    if (rest := rest.strip()).startswith(b"data:"):  # the stream ended without a final newline
+        yield [rest[5:].strip()]
 
 
 async def _from_message(payload: dict[str, Any], rnd: _Round) -> AsyncIterator[TextDelta]:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 REPLY_WAIT_S = 10.0
 SCAN_BATCH = 200  # lapsed leases looked at per scan
 SLICE = 250  # sessions per Redis call in per-lease sweeps, so none holds the event loop for long
+UNWATCH_AFTER_S = 0.25  # a session's next message within this keeps it listed: no ZREM, no ZADD
 
 
 def new_incarnation() -> str:
@@ -65,6 +66,8 @@ class Cluster:
         self._watched: set[str] = set()  # sessions with work open, listed in keys.leased()
         self._watching: dict[str, asyncio.Future[None]] = {}
         self._unwatching: dict[str, asyncio.Task[None]] = {}
+        self._unwatch_due: set[str] = set()  # work done, still listed: unlisted in the next batch
+        self._unwatch_timer: asyncio.TimerHandle | None = None
         self._inbox = keys.worker_inbox(worker_id)
         self.adoptions = 0
 
@@ -110,12 +113,18 @@ class Cluster:
             task.cancel()
         if self._tasks or self._chores:
             await asyncio.wait([*self._tasks, *self._chores])
-        held, open_work = list(self.leases.held), [s for s in self._watched if s in self.leases.held]
+        if self._unwatch_timer is not None:
+            self._unwatch_timer.cancel()
+        held = list(self.leases.held)
+        open_work = [s for s in self._watched if s in self.leases.held and s not in self._unwatch_due]
+        done = [s for s in self._unwatch_due if s in self._watched and s in self.leases.held]
         await self.leases.stop(release=True)
         with contextlib.suppress(RedisError, OSError):
             async with self.redis.pipeline(transaction=False) as pipe:
                 if open_work:
                     pipe.zadd(keys.leased(), dict.fromkeys(open_work, 0))
+                if done:
+                    pipe.zrem(keys.leased(), *done)
                 if held:
                     pipe.srem(keys.worker_sessions(self.worker_id), *held)
                 # Gone: the others claim our inbox at once.
@@ -195,6 +204,7 @@ class Cluster:
             await asyncio.shield(pending)
             return
         if session in self._watched:
+            self._unwatch_due.discard(session)  # its last turn just ended: it never left the list
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._watching[session] = fut
@@ -213,19 +223,33 @@ class Cluster:
 
     def unwatch(self, session: str) -> None:
         """`session` has no work open any more. Only while it is still provably ours: a session
-        whose lease was lost stays listed, for whoever adopts it."""
+        whose lease was lost stays listed, for whoever adopts it. Unlisted in batches, a moment
+        later: a chat's next message meanwhile costs no Redis call at all (listed for nothing, a
+        session is at worst acquired by an adopter that finds nothing to do)."""
         if session not in self._watched or self.fence_of(session) is None:
             return
-        self._watched.discard(session)
-        task = asyncio.get_running_loop().create_task(self._zrem(session))
-        self._unwatching[session] = task
+        self._unwatch_due.add(session)
+        if self._unwatch_timer is None:
+            self._unwatch_timer = asyncio.get_running_loop().call_later(UNWATCH_AFTER_S, self._unlist_due)
+
+    def _unlist_due(self) -> None:
+        self._unwatch_timer = None
+        due = [s for s in self._unwatch_due if s in self._watched and self.fence_of(s) is not None]
+        self._unwatch_due.clear()
+        if not due:
+            return
+        self._watched.difference_update(due)
+        task = asyncio.get_running_loop().create_task(self._zrem(due))
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
-        task.add_done_callback(lambda t: self._unwatching.pop(session) if self._unwatching.get(session) is t else None)
+        for session in due:
+            self._unwatching[session] = task
+        task.add_done_callback(lambda t: [self._unwatching.pop(s) for s in due if self._unwatching.get(s) is t])
 
-    async def _zrem(self, session: str) -> None:
+    async def _zrem(self, sessions: list[str]) -> None:
         with contextlib.suppress(RedisError, OSError):
-            await self.redis.zrem(keys.leased(), session)
+            for start in range(0, len(sessions), SLICE):
+                await self.redis.zrem(keys.leased(), *sessions[start:start + SLICE])
 
     def _expiry_ms(self) -> int:
         return int((time.time() + self.ttl_s) * 1000)
@@ -235,6 +259,9 @@ class Cluster:
         self.metrics.lease_events.labels("lost").inc()
         if self.ingress.pop(session, None) is not None:  # ingress leases stop nothing
             return
+        # Left listed (if it is) for whoever takes it; if we take it again, `watch` lists it anew.
+        self._watched.discard(session)
+        self._unwatch_due.discard(session)
         if self._events is not None:
             self._events.lease_lost(session)
         if expired:  # we gave it up by our clock: hand it on now rather than when Redis expires it
@@ -244,6 +271,7 @@ class Cluster:
         """A lease we can no longer prove: release it (our fence only) and mark it lapsed, so a live
         worker — maybe this one — adopts the turn it was running right away."""
         self._watched.discard(session)
+        self._unwatch_due.discard(session)
         with contextlib.suppress(RedisError, OSError):
             await self.leases.release_lost(lease)
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -437,6 +465,7 @@ class Cluster:
                         pipe.srem(keys.worker_sessions(self.worker_id), *idle)
                         await pipe.execute()
                     self._watched.difference_update(idle)
+                    self._unwatch_due.difference_update(idle)
             await asyncio.sleep(0)
 
     async def _reclaim_own(self) -> None:

@@ -14,13 +14,14 @@ not retried: the StoreError comes sooner, and the router handles it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -38,6 +39,10 @@ from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionI
 from gateway.core.transcript import ChatMessage
 
 log = logging.getLogger(__name__)
+
+INDEX_EVERY_S = 0.2  # the sessions index is written in batches, at most this late
+INDEX_SLICE = 1000  # members per ZADD
+INDEX_CLOSE_S = 1.0
 
 # Dropped connections only; the cluster client keeps redis-py's own policy, which follows failovers.
 _RETRY = Retry(ExponentialBackoff(cap=0.2, base=0.02), 2, supported_errors=(RedisConnectionError,))
@@ -190,6 +195,11 @@ class RedisStore:
         self._reset = r.register_script(RESET)
         self._pairing_code = r.register_script(PAIRING_CODE)
         self._approve = r.register_script(APPROVE)
+        self._touched: dict[str, float] = {}  # session -> last write, for the next index batch
+        self._index_timer: asyncio.TimerHandle | None = None
+        self._index_lock = asyncio.Lock()  # one batch at a time: a later score never lands first
+        self._index_failing = False
+        self._index_tasks: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return f"RedisStore({self._url!r})"
@@ -202,9 +212,11 @@ class RedisStore:
             await self._r.ping()
 
     async def close(self) -> None:
+        with contextlib.suppress(TimeoutError):  # best effort: Redis being down must not hold up a stop
+            await asyncio.wait_for(self._write_index(), INDEX_CLOSE_S)
         await self._r.aclose()
 
-    @contextmanager
+    @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         """Redis failures become StoreError, without the URL's password and without a cause chain."""
         try:
@@ -289,26 +301,52 @@ class RedisStore:
         with self._errors("append"):
             await self._append(keys=[keys.lease(key), keys.meta(key), keys.messages(key, conversation),
                                      keys.inbound(key)], args=args)
-        await self._touch(key, now)
+        self._touch(key, now)
 
     async def reset(self, fence: Fence) -> int:
         key, now = _fenced(fence), time.time()
         with self._errors("reset"):
             conversation = int(await self._reset(keys=[keys.lease(key), keys.meta(key)],
                                                  args=[fence.number, now, _token()]))
-        await self._touch(key, now)
+        self._touch(key, now)
         return conversation
 
-    async def _touch(self, session_key: str, now: float) -> None:
-        """Best effort: the write itself succeeded, and the index only orders listings."""
-        try:
-            await self._r.zadd(keys.sessions_index(), {session_key: now})
-        except (RedisError, OSError) as exc:
-            log.warning("could not update the sessions index: %s", self._redact(str(exc)),
-                        extra={"session": session_key})
+    def _touch(self, session_key: str, now: float) -> None:
+        """List the session in the index by its last write. Best effort (the write itself has
+        succeeded; the index only orders listings) and batched: one ZADD for every session written
+        in the last INDEX_EVERY_S, instead of a round trip after each write."""
+        self._touched[session_key] = now
+        if self._index_timer is None:
+            self._index_timer = asyncio.get_running_loop().call_later(INDEX_EVERY_S, self._index_due)
+
+    def _index_due(self) -> None:
+        self._index_timer = None
+        task = asyncio.get_running_loop().create_task(self._write_index())
+        self._index_tasks.add(task)
+        task.add_done_callback(self._index_tasks.discard)
+
+    async def _write_index(self) -> None:
+        if self._index_timer is not None:
+            self._index_timer.cancel()
+            self._index_timer = None
+        async with self._index_lock:
+            touched, self._touched = self._touched, {}
+            items = list(touched.items())
+            try:
+                for start in range(0, len(items), INDEX_SLICE):
+                    await self._r.zadd(keys.sessions_index(), dict(items[start:start + INDEX_SLICE]))
+            except (RedisError, OSError) as exc:
+                for key, at in touched.items():  # kept for the next batch (a newer write wins)
+                    self._touched.setdefault(key, at)
+                if not self._index_failing:
+                    log.warning("could not update the sessions index: %s", self._redact(str(exc)))
+                self._index_failing = True
+            else:
+                self._index_failing = False
 
     async def sessions(self, limit: int = 100) -> list[SessionInfo]:
         r = self._r
+        await self._write_index()  # this worker's latest writes are listed
         with self._errors("sessions"):
             index = cast(list[tuple[str, float]],
                          await r.zrevrange(keys.sessions_index(), 0, limit - 1, withscores=True))

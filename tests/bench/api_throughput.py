@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -55,12 +56,28 @@ class Point:
     p99_ms: float
     cpu_ms: float | None  # daemon CPU per message
     errors: int
+    threads_ms: dict[str, float] | None = None  # daemon CPU per message, by thread name
+
+
 
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (and its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """User + system CPU seconds by thread name (the event loop's is the process's own name)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                stat = (task / "stat").read_text()
+                name, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+                fields = rest.split()
+                out["event loop" if task.name == str(pid) else name] += (int(fields[11]) + int(fields[12])) / TICKS
+    return out
 
 
 async def load(urls: list[str], clients: int, seconds: float,
@@ -113,12 +130,14 @@ async def load(urls: list[str], clients: int, seconds: float,
                                     "--duration", str(int(seconds)), "--output", str(profile), "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         cpu0 = sum(cpu_s(pid) for pid in pids)
+        threads0 = thread_cpu_s(pids)
         measuring[0] = True
         t0 = time.perf_counter()
         await asyncio.sleep(seconds)
         measuring[0] = False
         elapsed = time.perf_counter() - t0
         cpu1 = sum(cpu_s(pid) for pid in pids)
+        threads1 = thread_cpu_s(pids)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -128,7 +147,8 @@ async def load(urls: list[str], clients: int, seconds: float,
     lat = sorted(latencies)
     return Point(done / elapsed, 1000 * lat[len(lat) // 2] if lat else 0.0,
                  1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
-                 1000 * (cpu1 - cpu0) / done if pids and done else None, errors[0])
+                 1000 * (cpu1 - cpu0) / done if pids and done else None, errors[0],
+                 {k: 1000 * (threads1[k] - threads0.get(k, 0.0)) / done for k in threads1} if pids and done else None)
 
 
 def bare_body(i: int, n: int) -> dict[str, Any]:
@@ -381,6 +401,12 @@ async def main() -> None:
             print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
                   f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
                   + (f" {errs} errors" if errs else ""))
+        print("\nCPU ms/msg by daemon thread: " + "; ".join(
+            f"{_row(kind, workers)} C={c}: " + ", ".join(
+                f"{name} {med([(p.threads_ms or {}).get(name, 0.0) for p in table[_row(kind, workers), c]]):.2f}"
+                for name in sorted({n for p in table[_row(kind, workers), c] for n in p.threads_ms or {}})
+                if med([(p.threads_ms or {}).get(name, 0.0) for p in table[_row(kind, workers), c]]) >= 0.01)
+            for kind, workers, c in ((k, w, c) for k in kinds for w in worker_counts for c in clients)))
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
     if args.profile:
         for raw in sorted(args.profile.glob("*.txt")):

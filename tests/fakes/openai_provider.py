@@ -30,6 +30,7 @@ class Script:
     json_only: bool = False  # answer with a plain JSON completion despite stream=true
     echo_key: bool = False  # answer 401 quoting the API key it was sent, as some providers do
     think_s: float = 0.0  # silence before the first token (a model thinking)
+    fragments: int = 0  # send the whole stream, CRLF lines, in pieces of this many bytes, one per write
 
 
 @dataclass
@@ -172,6 +173,17 @@ class FakeProvider:
         try:
             if script.think_s > 0:
                 await asyncio.sleep(script.think_s)
+            if script.fragments:
+                text = script.text if script.text is not None else self._default_text(conn.last_user)
+                events = [{"choices": [{"index": 0, "delta": {"content": word + " "}}]} for word in text.split(" ")]
+                raw = b"".join(_sse(e).replace(b"\n", b"\r\n") for e in events) + b"data: [DONE]"  # no last newline
+                for at in range(0, len(raw), script.fragments):
+                    await resp.write(raw[at:at + script.fragments])
+                    await asyncio.sleep(0.002)  # a read of its own
+                conn.completed = True
+                conn.completed_at = time.perf_counter()
+                await resp.write_eof()
+                return resp
             if script.garbage:
                 await resp.write(b"data: {this is not json\n\n")
             elif script.tool_calls:
