@@ -60,7 +60,7 @@ def inbound_ids() -> str:
 
 
 def sessions_index() -> str:
-    """Sorted set: session key -> last update time (for listings)."""
+    """Sorted set: session key -> last update time (for listings; written in batches, ≤ 0.2 s late)."""
     return f"{PREFIX}:sessions"
 
 
@@ -86,7 +86,8 @@ def pairing_platforms() -> str:
 
 def leased() -> str:
     """Sorted set: session with work open (a turn queued or running) -> when its owner's lease runs
-    out (ms, moved on with every renewal round; removed when the work is done). Every live worker
+    out (ms, moved on with every renewal round; removed a moment after the work is done, in
+    batches, unless more work came meanwhile). Every live worker
     scans it for leases that lapsed and adopts the turns behind them."""
     return f"{PREFIX}:leased"
 

@@ -677,3 +677,28 @@ async def test_a_worker_killed_mid_tool_takes_the_tool_with_it(workers: Any, pro
         await until(lambda: not running(tool), 5, "the tool outlived its worker")
         with pytest.raises(aiohttp.ClientError):
             await pending
+
+
+async def test_a_session_is_listed_for_adoption_while_it_has_work_and_unlisted_soon_after(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer) -> None:
+    """Listed (`sb:leased`) while a turn is open, so a live worker adopts it if its owner dies; no
+    longer listed a moment after the work ends, and never marked lapsed by a stop that finds it
+    idle (nobody adopts a session with nothing to do). The sessions index lists it by its last write."""
+    r = redis_server.client()
+    (a,) = await workers(1)
+    async with aiohttp.ClientSession() as http:
+        provider.delay_s, provider.words = 0.05, 40
+        asking = asyncio.create_task(a.ask(http, "busy", "a long one"))
+        await until(lambda: bool(provider.requests_for("a long one")), 10, "never asked")
+        assert r.zscore("sb:leased", "api:dm:busy") is not None  # while it runs
+        assert (await asking)[0] == 200
+        provider.delay_s, provider.words = 0.0, 2
+        for n in range(5):  # back to back: it may stay listed in between, never lapsed
+            assert (await a.ask(http, "busy", f"quick {n}"))[0] == 200
+        await until(lambda: r.zscore("sb:leased", "api:dm:busy") is None, 5, "still listed after its work ended")
+        assert (await a.ask(http, "idle-at-stop", "hi"))[0] == 200
+        written = time.time()
+    assert await a.stop() == 0  # within the unlisting delay or after it: either way not lapsed
+    assert r.zscore("sb:leased", "api:dm:idle-at-stop") is None
+    assert r.zscore("sb:sessions", "api:dm:idle-at-stop") == pytest.approx(written, abs=2.0)
+    assert r.zscore("sb:sessions", "api:dm:busy") is not None

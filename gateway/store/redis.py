@@ -4,7 +4,8 @@ Every key is named in agent_cache.keys. Each Lua script touches the keys of one 
 for pairing, of one platform), which share a hash tag, so the same code runs on Redis Cluster
 (`redis+cluster://host:port` or `?cluster=true`). What spans slots (dedup, inbound ids, the
 sessions index, the pairing code index) is done by separate, non-atomic commands around them; a
-session's own state always changes in one script.
+session's own state always changes in one script. The sessions index, which only orders
+listings, is written in batches (one ZADD for all the sessions written in the last 0.2 s).
 
 A command that meets a dropped connection is retried (after a Redis restart every pooled
 connection is dead). A write whose reply was lost may have happened, so each write carries a
