@@ -53,47 +53,48 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 
 
 class _ApiReply(Reply):
-    """Feeds one HTTP request: a queue of ("delta" | "end" | "settled", payload) items the handler
-    drains; the response is complete at "settled" (the turn is recorded, or could not be)."""
+    """Feeds one HTTP request: the answer's text, how it ended, and — once the turn is recorded (or
+    could not be) — `settled`, when the response is complete. A streaming request also gets each
+    delta as it comes; a whole answer wakes its handler once, at the end."""
 
     def __init__(self, streaming: bool = False) -> None:
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.text = ""
-        self._streaming = streaming  # a whole answer is sent at the end: its deltas wake nobody
+        self._end: dict[str, Any] = {"finish_reason": "error", "error": "the turn ended without an answer"}
+        self._settled: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._deltas: asyncio.Queue[str] | None = asyncio.Queue() if streaming else None
 
     async def delta(self, text: str) -> None:
         self.text += text
-        if self._streaming:
-            self.queue.put_nowait(("delta", text))
+        if self._deltas is not None:
+            self._deltas.put_nowait(text)
 
     async def finish(self, text: str) -> None:
         self.text = text
-        self.queue.put_nowait(("end", {"finish_reason": "stop"}))
+        self._end = {"finish_reason": "stop"}
 
     async def interrupted(self, reason: ToolReason) -> None:
-        self.queue.put_nowait(("end", {"finish_reason": "stop", "interrupted_by": reason.kind,
-                                       "reason": reason.text}))
+        self._end = {"finish_reason": "stop", "interrupted_by": reason.kind, "reason": reason.text}
 
     async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         end = {"finish_reason": "error", "error": text}
-        self.queue.put_nowait(("end", end if retry_after_s is None else {**end, "retry_after_s": retry_after_s}))
+        self._end = end if retry_after_s is None else {**end, "retry_after_s": retry_after_s}
 
     async def settled(self, problem: str | None = None) -> None:
-        self.queue.put_nowait(("settled", problem))
+        if not self._settled.done():  # (cancelled if the client has gone)
+            self._settled.set_result(problem)
+        if self._deltas is not None:
+            self._deltas.put_nowait("")  # wakes the streaming handler: the end is known
 
     async def outcome(self, stream: Callable[[str], Awaitable[None]] | None = None) -> dict[str, Any]:
         """The end payload once the turn has settled, with any problem saving it; deltas go to
         `stream` meanwhile."""
-        end: dict[str, Any] = {"finish_reason": "error", "error": "the turn ended without an answer"}
-        while True:
-            kind, value = await self.queue.get()
-            if kind == "delta":
-                if stream is not None:
-                    await stream(value)
-            elif kind == "end":
-                end = value
-            else:
-                return {**end, "unsaved": value} if value else end
+        if self._deltas is not None:
+            while not self._settled.done() or not self._deltas.empty():
+                text = await self._deltas.get()
+                if text and stream is not None:
+                    await stream(text)
+        problem = await self._settled
+        return {**self._end, "unsaved": problem} if problem else self._end
 
 
 class ApiAdapter(Adapter):

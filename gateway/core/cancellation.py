@@ -144,7 +144,7 @@ class Run:
         self._ended = False
         self._waiters: list[asyncio.Future[None]] = []
         self._thread_event: threading.Event | None = None  # made on first use: most runs never need it
-        self._on_cancelled: asyncio.Future[None] | None = None  # resolved by cancel(), for join()
+        self._on_cancelled: asyncio.Future[None] | None = None  # resolved by cancel() or the end, for join()
         self._redeliver: asyncio.TimerHandle | None = None
         self._abandoned = False  # join() gave up on the task: it outlived the grace after its cancel
         self.redeliveries = 0  # cancels delivered to the task after the first
@@ -264,9 +264,9 @@ class Run:
         if task is None:
             raise RuntimeError("join() before attach()")
         if not task.done() and self._reason is None:
-            waiter = self._on_cancelled = asyncio.get_running_loop().create_future()
+            waiter = self._on_cancelled = asyncio.get_running_loop().create_future()  # cancel() or the end
             try:
-                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+                await waiter
             finally:
                 self._on_cancelled = None
                 waiter.cancel()
@@ -287,6 +287,8 @@ class Run:
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         self.done_at = time.perf_counter()
+        if (waiter := self._on_cancelled) is not None and not waiter.done():
+            waiter.set_result(None)
         self._closers.clear()
         if self._redeliver is not None:
             self._redeliver.cancel()
