@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core import jsonfast
 from gateway.core.attachments import MB, Attachment
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run, ToolReason
 from gateway.core.ids import unique_id
@@ -42,14 +41,16 @@ KEEPALIVE_S = 10.0
 MAX_SESSION_ID = 256
 
 
-# Text as text in every body: no \\uXXXX escapes for the languages people write in.
-_dumps = functools.partial(json.dumps, ensure_ascii=False)
+def _json_response(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    # Text as text in every body: no \\uXXXX escapes for the languages people write in.
+    return web.Response(body=jsonfast.dumps(payload), status=status, headers=headers,
+                        content_type="application/json", charset="utf-8")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
            headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status, headers=headers, dumps=_dumps)
+    return _json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                          status=status, headers=headers)
 
 
 class _ApiReply(Reply):
@@ -188,7 +189,7 @@ class ApiAdapter(Adapter):
             if (retry := end.get("retry_after_s")) is not None:  # our side is down for now: not the provider
                 return _error(503, end["error"], "service_unavailable", headers={"Retry-After": f"{retry:.0f}"})
             return _error(502, end["error"], "provider_error")
-        return web.json_response(self._completion(reply.text, end), dumps=_dumps)
+        return _json_response(self._completion(reply.text, end))
 
     async def _stream(self, request: web.Request, run: Run, reply: _ApiReply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -198,7 +199,7 @@ class ApiAdapter(Adapter):
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             payload = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-            return f"data: {_dumps(payload)}\n\n".encode()
+            return b"data: " + jsonfast.dumps(payload) + b"\n\n"
 
         async def keepalive() -> None:
             while True:
@@ -227,13 +228,13 @@ class ApiAdapter(Adapter):
 
     async def _respond_text(self, request: web.Request, stream: bool, text: str) -> web.StreamResponse:
         if not stream:
-            return web.json_response(self._completion(text, {"finish_reason": "stop"}), dumps=_dumps)
+            return _json_response(self._completion(text, {"finish_reason": "stop"}))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         payload = self._completion(text, {"finish_reason": "stop"})
         payload["object"] = "chat.completion.chunk"
         payload["choices"][0]["delta"] = payload["choices"][0].pop("message")
-        await resp.write(f"data: {_dumps(payload)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write(b"data: " + jsonfast.dumps(payload) + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

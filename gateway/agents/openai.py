@@ -23,6 +23,7 @@ from yarl import URL
 
 from gateway.agents.jobs import call_note
 from gateway.agents.tools import ToolRegistry
+from gateway.core import jsonfast
 from gateway.core.cancellation import get_run
 from gateway.core.context import encode, estimate, fit
 from gateway.core.logs import redactor
@@ -308,16 +309,12 @@ async def _from_message(payload: dict[str, Any], rnd: _Round) -> AsyncIterator[T
         yield TextDelta(content)
 
 
-def _dumps(value: Any) -> bytes:
-    return _ENCODER.encode(value).encode()
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_dumps = jsonfast.dumps
 
 
 def _json(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = jsonfast.loads(text)
     except ValueError as exc:
         raise AgentError("the model provider returned malformed data") from exc
     if not isinstance(value, dict):

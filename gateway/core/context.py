@@ -9,12 +9,12 @@ from what the provider reports it counted.
 
 from __future__ import annotations
 
-import json
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from gateway.core import jsonfast
 from gateway.core.transcript import ChatMessage
 
 IMAGE_TOKENS = 800  # what one image counts for, whatever its size (providers scale large ones down)
@@ -84,11 +84,8 @@ def fit(history: Sequence[ChatMessage], message: ChatMessage, *, budget_tokens: 
 
 
 def encode(m: ChatMessage) -> bytes:
-    """One message as the provider's JSON (compact; ASCII, so lone surrogates cannot break it)."""
-    return _ENCODER.encode(m.to_openai()).encode()
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+    """One message as the provider's JSON (compact UTF-8; a lone surrogate comes as an escape)."""
+    return jsonfast.dumps(m.to_openai())
 
 
 class HistoryMemo:

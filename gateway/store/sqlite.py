@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway.core import jsonfast
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.ports import OPEN_STATUSES, InboundRecord, InboundStatus, SessionInfo, StoreError
@@ -159,7 +160,7 @@ class SqliteStore:
             return False
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        session_key, payload = fence.session_key, json.dumps(msg.to_dict(), ensure_ascii=False)
+        session_key, payload = fence.session_key, jsonfast.dumps_text(msg.to_dict())
 
         def op(c: sqlite3.Connection) -> int | None:
             cur = c.execute(
