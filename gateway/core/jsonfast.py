@@ -1,6 +1,8 @@
 """JSON on the hot path: orjson where it can, the standard library where orjson refuses what the
-standard library takes (lone surrogates, NaN, integers past 64 bits, non-string keys, nesting past
-orjson's limit). Results are the standard library's; only the speed differs.
+standard library takes (lone surrogates, NaN, integers past 64 bits when encoding, non-string
+keys). Results are the standard library's, with one exception: orjson reads an integer past 64
+bits as a float. Not for untrusted request bodies: orjson reads any depth of nesting, which the
+standard library refuses.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ _ASCII = json.JSONEncoder(separators=(",", ":"))
 
 
 def loads(text: str | bytes) -> Any:
-    """As `json.loads` (same values, same errors)."""
+    """As `json.loads` (same values but for integers past 64 bits, same errors)."""
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
