@@ -214,6 +214,18 @@ async def test_a_stream_that_arrives_in_odd_pieces_is_read_whole_and_exact(
     assert [r.content for r in rows] == ["odd pieces", text + " "]
 
 
+async def test_one_event_bigger_than_any_read_is_put_together_whole(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    word = "0123456789" * 150_000  # one SSE line of 1.5 MB, in 64 KB writes
+    provider.by_text["big"] = Script(text=word, fragments=1 << 16)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    body = {"messages": [{"role": "user", "content": "big"}]}
+    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                         headers=_auth(**{"X-Session-Id": "big"})) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["message"]["content"] == word + " "
+
+
 async def test_text_travels_as_text_not_as_escapes(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
     provider.by_text["Привет"] = Script(text="Здравствуйте")
     daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})

@@ -285,14 +285,17 @@ class OpenAIAgent:
 async def _sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
     """The `data:` payloads of a server-sent event stream, in batches: every complete line that has
     arrived when the reader wakes, so a burst of events costs one wake-up, not one per line."""
-    rest = b""
+    partial: list[bytes] = []  # a line not yet ended, in pieces (joined once, however long it grows)
     while chunk := await content.readany():
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
+        if b"\n" not in chunk:
+            partial.append(chunk)
+            continue
+        lines = b"".join([*partial, chunk]).split(b"\n") if partial else chunk.split(b"\n")
+        partial = [lines.pop()]
         events = [line[5:].strip() for line in map(bytes.strip, lines) if line.startswith(b"data:")]
         if events:
             yield events
-    if (rest := rest.strip()).startswith(b"data:"):  # the stream ended without a final newline
+    if (rest := b"".join(partial).strip()).startswith(b"data:"):  # the stream ended without a final newline
         yield [rest[5:].strip()]
 
 

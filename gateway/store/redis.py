@@ -215,6 +215,8 @@ class RedisStore:
     async def close(self) -> None:
         with contextlib.suppress(TimeoutError):  # best effort: Redis being down must not hold up a stop
             await asyncio.wait_for(self._write_index(), INDEX_CLOSE_S)
+        for task in self._index_tasks:  # a batch still queued behind the lock: written above, or given up
+            task.cancel()
         await self._r.aclose()
 
     @contextlib.contextmanager
