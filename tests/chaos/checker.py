@@ -565,7 +565,9 @@ class _Checker:
                 calls = [c for c in self.calls_by_chat.get(m.chat_id, []) if self._concerns(c, m)]
                 if any(back < c.at <= limit for c in calls):
                     continue
-                if not calls and m.next_sent_at is not None and m.next_sent_at <= limit:
+                # (a refusal of an earlier attempt, "can't take messages right now", is not its turn's output)
+                shown = [c for c in calls if m.accepted_at is None or c.at >= m.accepted_at]
+                if not shown and m.next_sent_at is not None and m.next_sent_at <= limit:
                     continue  # superseded: the user's next message replaced it before it showed anything
                 before = [c.at for c in calls if c.at <= back]
                 after = [c.at for c in calls if c.at > limit]

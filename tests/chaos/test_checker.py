@@ -184,6 +184,25 @@ def test_a_message_the_user_replaced_before_anything_showed_needs_no_notice() ->
     assert kinds(check(rec)) == {"transcript-unanswered": 1}
 
 
+def test_a_refusal_before_the_message_was_taken_is_not_output_of_its_turn() -> None:
+    """Told "can't take messages" during an outage, taken at the retry, still thinking when a fault
+    hits, then replaced by the user's next message before it showed anything: superseded, no stall."""
+    rec = records()
+    first = message(rec, "g01", 1, 1.0)
+    first.accepted_at = 1.7
+    first.attempts.insert(0, Attempt(1.0, "w2.1", 503, 1.0))
+    rec.calls.append(TgCall(1.01, "w2.1", "sendMessage", first.chat_id, 900, "I can't take messages right now",
+                            first.message_id))
+    rec.transcripts["g01"].append(Row("assistant", "", "user", "user sent a new message"))
+    rec.streams.append(Stream(1, "w1.1", 1.8, 3.3, False, first.tag, resume=False, after_tool=False))
+    rec.faults.append(FaultRecord("pg_restart", "postgres", 2.5, ended_at=3.0))
+    first.next_sent_at = 3.2
+    second = message(rec, "g01", 2, 3.2)
+    stream(rec, second, 2, "w1.1", 3.4, 7.0)
+    report = check(rec)
+    assert report.ok and report.counts["superseded"] == 1, report.text()
+
+
 def test_tool_rows_belong_to_their_turn() -> None:
     rec = records()
     msg = message(rec, "g01", 1, 1.0)
