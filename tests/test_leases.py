@@ -270,3 +270,49 @@ async def test_a_turn_loses_its_lease_by_our_clock_before_redis_can_give_it_to_a
         assert cluster.ttl_s - cluster.leases.margin_s <= given_up_after < cluster.ttl_s  # Redis still had it
     finally:
         await cluster.stop()
+
+
+class SlowRecovery(Working):
+    """A takeover's recovery that waits until told to finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recovering = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.recovered: list[str] = []
+
+    async def adopted(self, session: str) -> None:
+        self.recovering.set()
+        await self.finish.wait()
+        self.recovered.append(session)
+
+
+async def test_a_message_for_a_session_being_taken_over_waits_for_the_takeovers_recovery(
+        redis_server: RedisServer) -> None:
+    """The lease is ours as soon as it is acquired, but what the previous owner left open is closed
+    (and resumed) by the recovery the acquisition runs: a message routed meanwhile must not start
+    its turn first, or its rows land between the cut-off turn's and its closing row."""
+    redis = Redis.from_url(redis_server.url, decode_responses=True)
+    old = Cluster(redis, "w1", ttl_s=6, metrics=Metrics())
+    await old.start(Working())
+    assert (await old.route("s")).fence is not None
+    await old.leases.stop(release=False)  # dies holding the lease: the restart takes it over
+    for task in old._tasks:
+        task.cancel()
+    await asyncio.gather(*old._tasks, return_exceptions=True)
+    await redis.aclose()
+    events = SlowRecovery()
+    new = Cluster(Redis.from_url(redis_server.url, decode_responses=True), "w1", ttl_s=6, metrics=Metrics())
+    await new.start(events)
+    try:
+        takeover = asyncio.create_task(new.route("s"))
+        await asyncio.wait_for(events.recovering.wait(), 5)
+        message = asyncio.create_task(new.route("s"))  # a message for the session, mid-recovery
+        await asyncio.sleep(0.2)
+        assert not message.done(), "a message was routed into the session before its takeover's recovery ended"
+        events.finish.set()
+        assert (await takeover).fence is not None and (await message).fence is not None
+        assert events.recovered == ["s"]
+    finally:
+        events.finish.set()
+        await new.stop()

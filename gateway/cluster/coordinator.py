@@ -142,14 +142,16 @@ class Cluster:
 
     async def route(self, session: str) -> Route:
         """Ours (with the fence) or someone else's. Concurrent callers for one session share one
-        acquisition, so messages and commands keep their order."""
+        acquisition, so messages and commands keep their order. The lease is held before the
+        acquisition's recovery has closed what a previous owner left open: until it has, callers
+        wait for it (a turn started meanwhile would land between the cut-off turn and its close)."""
+        pending = self._acquiring.get(session)
+        if pending is not None:
+            return await asyncio.shield(pending)
         if (fence := self.fence_of(session)) is not None:
             return Route(fence=fence)
         if self.leases.failing:  # Redis answered nothing lately: say so now, not after a timeout
             raise ClusterUnavailable("Redis is unreachable; ownership cannot be proven")
-        pending = self._acquiring.get(session)
-        if pending is not None:
-            return await asyncio.shield(pending)
         fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._acquiring[session] = fut
         try:
