@@ -199,31 +199,22 @@ async def test_model_output_that_is_not_valid_text_is_stored_with_a_replacement_
     assert await daemon.store.unfinished_inbound() == []
 
 
-async def test_a_stream_that_arrives_in_odd_pieces_is_read_whole_and_exact(
-        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
-    """Lines cut anywhere (mid-line, mid-character), CRLF endings, no newline after the last event."""
-    text = "déjà vu — 雪 🙂 ok"
-    provider.by_text["odd pieces"] = Script(text=text, fragments=3)
+@pytest.mark.parametrize(("text", "piece"), [
+    ("déjà vu — 雪 🙂 ok", 3),  # lines cut anywhere: mid-line, mid-character
+    ("0123456789" * 150_000, 1 << 16),  # one event of 1.5 MB, longer than any read
+], ids=["odd-pieces", "one-big-event"])
+async def test_a_stream_that_arrives_in_pieces_is_read_whole_and_exact(
+        make_daemon: DaemonFactory, provider: FakeProvider, text: str, piece: int) -> None:
+    """The provider's stream in writes of `piece` bytes, CRLF endings, no newline after the last event."""
+    provider.by_text["pieces"] = Script(text=text, fragments=piece)
     daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
-    body = {"messages": [{"role": "user", "content": "odd pieces"}]}
+    body = {"messages": [{"role": "user", "content": "pieces"}]}
     async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
                          headers=_auth(**{"X-Session-Id": "pieces"})) as resp:
         assert resp.status == 200
         assert (await resp.json())["choices"][0]["message"]["content"] == text + " "
     _conv, rows = await daemon.store.conversation(_key("pieces"))
-    assert [r.content for r in rows] == ["odd pieces", text + " "]
-
-
-async def test_one_event_bigger_than_any_read_is_put_together_whole(
-        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
-    word = "0123456789" * 150_000  # one SSE line of 1.5 MB, in 64 KB writes
-    provider.by_text["big"] = Script(text=word, fragments=1 << 16)
-    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
-    body = {"messages": [{"role": "user", "content": "big"}]}
-    async with aiohttp.ClientSession() as http, http.post(_url(daemon, "/v1/chat/completions"), json=body,
-                         headers=_auth(**{"X-Session-Id": "big"})) as resp:
-        assert resp.status == 200
-        assert (await resp.json())["choices"][0]["message"]["content"] == word + " "
+    assert [r.content for r in rows] == ["pieces", text + " "]
 
 
 async def test_text_travels_as_text_not_as_escapes(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
