@@ -25,6 +25,7 @@ from platforms.errors import OutboundError, RateLimited
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_EVICTION_LOOKS = 32  # chats a new one looks at to make room (busy ones are skipped over)
 
 
 class Priority(IntEnum):
@@ -221,15 +222,25 @@ class Outbox:
     def _chat(self, key: str) -> _Chat:
         state = self._chats.get(key)
         if state is None:
+            if len(self._chats) >= self.max_chats:
+                self._make_room()
             state = self._chats[key] = _Chat()
-            if len(self._chats) > self.max_chats:
-                now = time.monotonic()
-                idle = [k for k, s in self._chats.items()
-                        if not s.busy() and all(t <= now for t in s.not_before.values())]
-                for old in idle[: len(self._chats) - self.max_chats]:
-                    del self._chats[old]
-        self._chats.move_to_end(key)
+        else:
+            self._chats.move_to_end(key)
         return state
+
+    def _make_room(self) -> None:
+        """Forget the least recently used idle chats to make room for one more, looking at a few at
+        most: one that is busy or under a 429 goes to the back instead (a new chat never scans them all)."""
+        now = time.monotonic()
+        for _ in range(min(len(self._chats), _EVICTION_LOOKS)):
+            if len(self._chats) < self.max_chats:
+                return
+            key, state = next(iter(self._chats.items()))
+            if state.busy() or any(t > now for t in state.not_before.values()):
+                self._chats.move_to_end(key)
+            else:
+                del self._chats[key]
 
     def _next(self, state: _Chat) -> Job[Any] | float | None:
         """The most urgent job whose kind is not held back by a 429; else seconds until one is."""

@@ -117,3 +117,21 @@ async def test_close_delivers_what_is_queued_then_refuses_more() -> None:
     late = box.put("a", wire.call("a", "late"))
     with pytest.raises(OutboundError):
         await late.wait()
+
+
+async def test_past_max_chats_idle_chats_are_forgotten_and_busy_or_limited_ones_kept() -> None:
+    box, wire = Outbox("t", max_chats=4), Wire()
+    held = box.put("held", wire.call("held", "first", hold=True))
+    wire.limited["limited"] = [60.0]
+    with pytest.raises(RateLimited):
+        await box.put("limited", wire.call("limited", "limited")).wait()
+    for i in range(40):
+        await box.put(f"idle{i}", wire.call(f"idle{i}", f"i{i}")).wait()
+        assert len(box._chats) <= box.max_chats  # idle chats do not pile up
+    assert box.busy("limited")  # its 429 is still remembered: the chat was kept
+    second = box.put("held", wire.call("held", "second"))
+    await asyncio.sleep(0.01)
+    assert not second.done  # still one call at a time in that chat: its queue was kept
+    wire.gates["first"].set()
+    await asyncio.gather(held.wait(), second.wait())
+    assert wire.labels("held") == ["first", "second"]
