@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from enum import IntEnum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from platforms.errors import OutboundError, RateLimited
 
@@ -75,14 +75,15 @@ class Job(Generic[T]):
         if self.started or self.done:
             return False
         self.withdrawn = True
-        self._error = Withdrawn()
-        self._done.set()
+        self._finish(None, None)
         return True
 
     async def wait(self) -> T:
         """Its result, once it has run: raises what the call raised (`Withdrawn` if withdrawn).
         Being cancelled while waiting leaves the job queued."""
         await self._done.wait()
+        if self.withdrawn:
+            raise Withdrawn()  # a new one each time: one kept here would hold its raiser's frames
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -93,7 +94,14 @@ class Job(Generic[T]):
 
     def _finish(self, value: T | None, error: BaseException | None) -> None:
         self._value, self._error = value, error
+        # The call (often a closure) and the owner usually hold whoever holds this job: let go of
+        # them, so that no reference cycle outlives the job and every reply is freed without the GC.
+        self.call, self.owner = _spent, None
         self._done.set()
+
+
+async def _spent() -> NoReturn:
+    raise RuntimeError("this job has already run")
 
 
 class _Chat:

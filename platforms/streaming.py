@@ -162,6 +162,9 @@ class EditStreamReply(Reply):
             # asyncio.wait, not `await task` under suppress(CancelledError): that would also
             # swallow a cancel aimed at *this* task (a /stop landing right now).
             await asyncio.wait(tasks)
+        # A cancelled task keeps its CancelledError, whose traceback holds the task's frame and so
+        # this reply: let go of the tasks, or every reply ends as a reference cycle for the GC.
+        self._pump = self._typing = None
         self._outbox.withdraw(self._key, self)  # queued edits and typing: never sent now
         for job in self._jobs:
             if job.running:

@@ -124,7 +124,7 @@ class Run:
     """
 
     __slots__ = ("__weakref__", "_abandoned", "_closers", "_ended", "_on_cancelled", "_reason", "_redeliver",
-                 "_task", "_thread_event", "_token", "_waiters", "cancelled_at", "done_at", "guard",
+                 "_task", "_task_ended", "_thread_event", "_token", "_waiters", "cancelled_at", "done_at", "guard",
                  "redeliveries", "run_id", "session_key", "started_at", "tenant")
 
     def __init__(self, session_key: str) -> None:
@@ -139,7 +139,8 @@ class Run:
         self.cancelled_at: float | None = None  # perf_counter() at cancel
         self.done_at: float | None = None  # perf_counter() when the run's task ended
         self._reason: ToolReason | None = None
-        self._task: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[Any] | None = None  # until it ends: its context holds this run (a cycle)
+        self._task_ended = False
         self._closers: dict[int, Callable[[], object]] = {}
         self._ended = False
         self._waiters: list[asyncio.Future[None]] = []
@@ -262,6 +263,8 @@ class Run:
         """
         task = self._task
         if task is None:
+            if self._task_ended:
+                return True
             raise RuntimeError("join() before attach()")
         if not task.done() and self._reason is None:
             waiter = self._on_cancelled = asyncio.get_running_loop().create_future()  # cancel() or the end
@@ -283,10 +286,11 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return self._ended or (self._task is not None and self._task.done())
+        return self._ended or self._task_ended or (self._task is not None and self._task.done())
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         self.done_at = time.perf_counter()
+        self._task, self._task_ended = None, True
         if (waiter := self._on_cancelled) is not None and not waiter.done():
             waiter.set_result(None)
         self._closers.clear()
