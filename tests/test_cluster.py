@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent_cache import keys
 from gateway.store.redis import RedisStore
 from platforms.telegram_draft import STATUS_TEXT
 from tests.fakes.openai_provider import FakeProvider, Script
@@ -316,6 +317,8 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
                             len([t for t in sent[chat] if t != "/stop"]))})
                 await asyncio.sleep(0.25)
             await store.close()
+            with redis_server.client() as r:  # a handled forward leaves nothing behind in Redis
+                assert [r.xlen(keys.worker_inbox(w.worker_id)) for w in trio] == [0, 0, 0]
             forwarded = 0.0
             async with aiohttp.ClientSession() as http:
                 for w in trio:
@@ -396,6 +399,8 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
                 assert time.monotonic() - died < 2 * TTL + TTL / 3 + 2, fake.messages(42)
                 await asyncio.sleep(0.1)
             await asyncio.sleep(1.0)  # a negative check: room for a (wrong) second answer to show up
+            with redis_server.client() as r:  # the dead worker's inbox does not keep the entry
+                assert r.xlen(keys.worker_inbox("a")) == 0
         finally:
             a.kill()
             b.kill()

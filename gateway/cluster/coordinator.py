@@ -396,7 +396,11 @@ class Cluster:
                 log.warning("handling a forwarded message failed (%s); it stays pending", type(exc).__name__)
                 return
         with contextlib.suppress(RedisError, OSError):
-            await self.redis.xack(stream, keys.GROUP, entry_id)
+            # Deleted too: a stream keeps acknowledged entries, and the inbox would grow forever.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, keys.GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+                await pipe.execute()
 
     async def _reply(self, request: str, result: Submitted) -> None:
         key = keys.forward_reply(request)
