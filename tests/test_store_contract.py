@@ -507,3 +507,42 @@ async def test_sqlite_a_failing_write_in_a_commit_group_fails_alone(tmp_path: Pa
     finally:
         lock.close()
         await store.close()
+
+
+async def test_sqlite_prunes_finished_inbound_records_past_the_window_while_it_runs(tmp_path: Path) -> None:
+    """Not only at start: a daemon that runs for months keeps a window of inbound records, not all
+    of them. Open records are kept whatever their age (they are still to be answered)."""
+    store = SqliteStore(tmp_path / "prune.db", dedup_ttl_s=0.2, prune_every_s=0.05)
+    await store.open()
+    F1 = Fence.local(S1)
+    try:
+        done = await store.accept_inbound(F1, msg("m1"))
+        assert done is not None and await store.accept_inbound(F1, msg("open")) is not None
+        await store.finish_inbound(F1, done, InboundStatus.DONE)
+        assert await store.accept_inbound(F1, msg("m1")) is None  # a duplicate within the window
+        deadline = time.monotonic() + 10
+        while await store.accept_inbound(F1, msg("m1")) is None:  # each write lets a due prune run
+            assert time.monotonic() < deadline, "the finished record was never pruned"
+            await asyncio.sleep(0.05)
+        assert [r.message.message_id for r in await store.unfinished_inbound(S1)] == ["open", "m1"]
+    finally:
+        await store.close()
+
+
+async def test_sqlite_lists_sessions_by_an_index_not_by_reading_them_all(tmp_path: Path) -> None:
+    """The console asks for the session list every second: its query walks `sessions_by_update`
+    and counts messages only for the sessions it returns."""
+    store = SqliteStore(tmp_path / "list.db")
+    await store.open()
+    statements: list[str] = []
+    try:
+        await store.append(Fence.local(S1), 1, ROWS)
+        await store._call(lambda c: c.set_trace_callback(statements.append))
+        assert [s.key for s in await store.sessions(limit=5)] == [S1]
+        await store._call(lambda c: c.set_trace_callback(None))
+    finally:
+        await store.close()
+    listing = next(s for s in statements if s.startswith("SELECT") and "FROM sessions" in s)
+    with sqlite3.connect(store.path) as db:
+        plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + listing)]
+    assert "SCAN s USING INDEX sessions_by_update" in plan, plan

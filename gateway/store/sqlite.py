@@ -76,7 +76,12 @@ CREATE TABLE IF NOT EXISTS paired_users (
     PRIMARY KEY (platform, user_id)
 );
 CREATE INDEX IF NOT EXISTS inbound_open ON inbound (status) WHERE status IN ('accepted', 'running', 'restart');
+CREATE INDEX IF NOT EXISTS inbound_finished ON inbound (received_at)
+    WHERE status NOT IN ('accepted', 'running', 'restart');
+CREATE INDEX IF NOT EXISTS sessions_by_update ON sessions (updated_at);
 """
+PRUNE_EVERY_S = 3600.0  # finished inbound rows past the dedup window are deleted this often
+PRUNE_SLICE = 5000  # rows per transaction: writes queued meanwhile wait for one slice at most
 
 Op = Callable[[sqlite3.Connection], Any]
 _Item = tuple[Op, "asyncio.Future[Any]"] | None  # None asks the writer to stop
@@ -84,9 +89,10 @@ _Result = tuple["asyncio.Future[Any]", Any, BaseException | None]
 
 
 class SqliteStore:
-    def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400) -> None:
+    def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400, prune_every_s: float = PRUNE_EVERY_S) -> None:
         self.path = path
         self.dedup_ttl_s = dedup_ttl_s
+        self.prune_every_s = prune_every_s
         self._ops: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -101,7 +107,7 @@ class SqliteStore:
                                         daemon=True)
         self._thread.start()
         await ready
-        await self._call(self._prune)
+        await self._call(self._prune_all)
 
     async def close(self) -> None:
         if self._thread is None:
@@ -133,7 +139,10 @@ class SqliteStore:
         opened: list[_Result] = [(ready, None, None)]
         loop.call_soon_threadsafe(_settle, opened)
         stopping = False
+        next_prune = time.monotonic() + self.prune_every_s
         while not stopping:
+            if time.monotonic() >= next_prune and not self._prune_slice(conn):  # between groups, a slice at a time
+                next_prune = time.monotonic() + self.prune_every_s
             batch: list[_Item] = [self._ops.get()]
             while len(batch) < 1024:
                 try:
@@ -289,10 +298,28 @@ class SqliteStore:
 
         return await self._call(op)
 
-    def _prune(self, c: sqlite3.Connection) -> None:
-        """Forget finished inbound rows past the dedup window (transcripts are kept)."""
-        c.execute(f"DELETE FROM inbound WHERE status NOT IN {OPEN_STATUSES!r} AND received_at < ?",
-                  (time.time() - self.dedup_ttl_s,))
+    def _prune(self, c: sqlite3.Connection) -> int:
+        """Forget finished inbound rows past the dedup window (transcripts are kept), `PRUNE_SLICE`
+        at most; how many went. The condition matches the partial index `inbound_finished`."""
+        return c.execute(f"DELETE FROM inbound WHERE id IN (SELECT id FROM inbound WHERE status NOT IN"
+                         f" {OPEN_STATUSES!r} AND received_at < ? LIMIT {PRUNE_SLICE})",
+                         (time.time() - self.dedup_ttl_s,)).rowcount
+
+    def _prune_all(self, c: sqlite3.Connection) -> None:
+        while self._prune(c) >= PRUNE_SLICE:
+            pass
+
+    def _prune_slice(self, conn: sqlite3.Connection) -> bool:
+        """One slice of the periodic prune, in a transaction of its own; True if more is due."""
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            deleted = self._prune(conn)
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            _rollback(conn)
+            log.warning("pruning old inbound records failed: %s", exc)
+            return False
+        return deleted >= PRUNE_SLICE
 
 
 def _run_group(conn: sqlite3.Connection, ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[_Result]:
