@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+import tracemalloc
 
 import pytest
 
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
+from gateway.core import access
+from gateway.core.access import AccessControl, AccessPolicy
+from gateway.core.attachments import Attachment
 from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.messages import ChatType
 from gateway.core.ports import Outcome
@@ -208,3 +213,44 @@ async def test_a_flooding_user_gets_one_notice_then_silence_but_commands_still_w
     assert (await router.submit(chat.message("c1", "/status", user="flood"), chat)).outcome is Outcome.COMMAND
     other = await router.submit(chat.message("c2", "hello", user="calm"), chat)
     assert other.outcome is Outcome.ACCEPTED
+
+
+async def test_refused_strangers_are_remembered_only_as_long_as_their_notice_is_throttled(
+        store: SqliteStore, chat: MemoryChat, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One notice per stranger per interval; past it they are forgotten, so a stream of new
+    strangers costs memory for the last interval's only."""
+    monkeypatch.setattr(access, "NOTICE_EVERY_S", 0.2)
+    control = AccessControl(store, {"memory": AccessPolicy("allowlist", frozenset({"friend"}))})
+    for i in range(100):
+        assert (await control.check(chat.message("c", "hi", user=f"stranger{i}")))[1] is not None
+    assert await control.check(chat.message("c", "again", user="stranger0")) == (False, None)  # throttled
+    assert await control.check(chat.message("c", "hi", user="friend")) == (True, None)
+    await asyncio.sleep(0.25)
+    assert (await control.check(chat.message("c", "hi", user="late")))[1] is not None
+    assert list(control._last_notice) == [("memory", "late")]
+    assert (await control.check(chat.message("c", "again", user="stranger0")))[1] is not None  # told again
+
+
+async def test_what_a_session_last_heard_keeps_no_attachment_bytes(make_router: RouterFactory,
+                                                                    chat: MemoryChat) -> None:
+    """The router remembers each session's last chat (where a background job's end is told), not
+    the message itself: 20 sessions that sent 200 KB inline files leave none of those bytes behind."""
+    router = await make_router(agent="echo")
+
+    async def send(i: int) -> None:
+        upload = Attachment("file", "notes.txt", "text/plain", 200_000, f"sha256:{i}", data=bytes(200_000))
+        msg = dataclasses.replace(chat.message(f"f{i}", "read this"), attachments=(upload,))
+        sub = await router.submit(msg, chat)
+        assert sub.run is not None
+        await asyncio.wait_for(sub.run.wait(), 10)
+
+    await send(-1)  # warm up: first-use allocations are not what is measured
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            await send(i)
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1_000_000, kept  # 4 MB were sent

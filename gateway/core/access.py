@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,7 +42,7 @@ class AccessControl:
         self.store = store
         self.policies = policies
         self._paired: set[tuple[str, str]] = set()
-        self._last_notice: dict[tuple[str, str], float] = {}
+        self._last_notice: OrderedDict[tuple[str, str], float] = OrderedDict()  # oldest first
 
     def set_policies(self, policies: dict[str, AccessPolicy]) -> None:
         """A reload: new lists apply to the next message."""
@@ -76,4 +77,7 @@ class AccessControl:
         if now - self._last_notice.get(who, -NOTICE_EVERY_S) < NOTICE_EVERY_S:
             return None
         self._last_notice[who] = now
+        self._last_notice.move_to_end(who)
+        while now - next(iter(self._last_notice.values())) >= NOTICE_EVERY_S:  # strangers told long ago
+            self._last_notice.popitem(last=False)
         return text

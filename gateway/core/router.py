@@ -620,6 +620,8 @@ class Router:
         return self.jobs.kill_job(key, job_id, KILLED_BY_USER) if self.jobs is not None else None
 
     def _remember_origin(self, key: str, msg: InboundMessage) -> None:
+        if msg.attachments or msg.extra or len(msg.text) > 200:  # only where to answer is needed: not MBs of it
+            msg = dataclasses.replace(msg, text="", attachments=(), reply_to=None, extra={})
         self._origins[key] = msg
         self._origins.move_to_end(key)
         if len(self._origins) > 50_000:
