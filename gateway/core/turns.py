@@ -394,6 +394,8 @@ class TurnRunner:
         # Cancelled — or stopped so late that the task still returned: its output was held back
         # from the chat by then (Run.may_send), so the record says interrupted either way.
         if task.cancelled() or run.reason is not None:
+            if task.done() and not task.cancelled():
+                task.exception()  # what the stop made of its I/O (a closed provider socket): not an error
             if run.reason is None:  # only Run.cancel holds the task, so this is a bug: say so
                 log.error("turn task cancelled without a tool_reason")
                 return recorder.failed("cancelled without a reason"), InboundStatus.FAILED, "no reason"
