@@ -117,6 +117,10 @@ class _Chat:
     def busy(self) -> bool:
         return self.worker is not None or self.inline is not None or bool(self.jobs)
 
+    def held(self, now: float) -> bool:
+        """Busy, or a 429 of any kind still in force: what forgetting the chat would lose."""
+        return self.busy() or any(t > now for t in self.not_before.values())
+
 
 class Outbox:
     """The per-chat queues of one adapter. Chats are keyed by whatever the platform rate-limits on."""
@@ -188,10 +192,7 @@ class Outbox:
     def busy(self, chat: str) -> bool:
         """Is anything queued or running for `chat`, or a 429 of any kind still in force?"""
         state = self._chats.get(chat)
-        if state is None:
-            return False
-        now = time.monotonic()
-        return state.busy() or any(t > now for t in state.not_before.values())
+        return state is not None and state.held(time.monotonic())
 
     def adopt(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run `coro` as a task that `flush` and `close` wait for (a reply's final delivery)."""
@@ -245,7 +246,7 @@ class Outbox:
             if len(self._chats) < self.max_chats:
                 return
             key, state = next(iter(self._chats.items()))
-            if state.busy() or any(t > now for t in state.not_before.values()):
+            if state.held(now):
                 self._chats.move_to_end(key)
             else:
                 del self._chats[key]
