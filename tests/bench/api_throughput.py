@@ -263,6 +263,33 @@ data_dir = "{tmp / 'data'}"
             await asyncio.to_thread(self.proc.wait, 30)
 
 
+async def relay_points(clients: list[int], seconds: float, provider_url: str) -> dict[int, Point]:
+    """The same load on `tests.bench.relay`: aiohttp in, one provider call, aiohttp out, nothing else."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.bench.relay", "--port", str(port),
+                             "--provider", provider_url], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the relay did not start") from None
+                    await asyncio.sleep(0.1)
+        return {c: await load([f"http://127.0.0.1:{port}/v1/chat/completions"], c, seconds,
+                              lambda i, n: {"model": "switchboard", "messages": [
+                                  {"role": "user", "content": f"hello number {n}"}]},
+                              lambda i, n: {"Authorization": f"Bearer {KEY}"}, [proc.pid])
+                for c in clients}
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+
+
 async def daemon_points(kind: str, clients: list[int], seconds: float, provider_url: str, event_loop: str | None,
                         profile: Path | None, code: Path | None = None, workers: int = 0) -> dict[int, Point]:
     """One daemon (SQLite), or with `workers` that many in cluster mode on a private redis-server."""
@@ -348,6 +375,8 @@ async def main() -> None:
     parser.add_argument("--profile", type=Path, help="run py-spy on the daemon, raw stacks into this directory")
     parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a `git worktree` of main): its daemon "
                         "is measured in the same runs, alternating with this one's")
+    parser.add_argument("--relay", action="store_true", help="also measure tests.bench.relay (aiohttp in, one "
+                        "provider call, aiohttp out): the floor under any gateway built on aiohttp")
     parser.add_argument("--workers", default="", help="cluster mode with these numbers of workers, e.g. 1,2,3 "
                         "(default: one daemon without Redis)")
     args = parser.parse_args()
@@ -366,6 +395,7 @@ async def main() -> None:
     bare: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
     ours: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
     base: dict[tuple[str, int], list[Point]] = collections.defaultdict(list)
+    relay: dict[int, list[Point]] = collections.defaultdict(list)
     try:
         await asyncio.sleep(1.0)
         for run in range(args.runs):
@@ -374,6 +404,9 @@ async def main() -> None:
                     bare[kind, c].append(await load([provider_url + "/chat/completions"], c, args.seconds,
                                                     bare_body_long if kind == "long" else bare_body,
                                                     lambda i, n: {}, []))
+            if args.relay and "fresh" in kinds:
+                for c, p in (await relay_points(clients, args.seconds, provider_url)).items():
+                    relay[c].append(p)
             for kind in kinds:
                 profile = args.profile if args.profile and run == 0 else None
                 sides = [(ours, None), (base, args.baseline)] if args.baseline else [(ours, None)]
@@ -401,6 +434,12 @@ async def main() -> None:
             print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
                   f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
                   + (f" {errs} errors" if errs else ""))
+        for c in clients if relay else ():
+            ps, limit = relay[c], med([p.rate for p in bare["fresh", c]])
+            rate = med([p.rate for p in ps])
+            print(f"| relay only (floor) | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
+                  f"{med([p.p99_ms for p in ps]):.1f} | {med([p.cpu_ms or 0.0 for p in ps]):.2f} | {limit:,.0f} | "
+                  f"{rate / limit:.2f} |")
         print("\nCPU ms/msg by daemon thread: " + "; ".join(
             f"{_row(kind, workers)} C={c}: " + ", ".join(
                 f"{name} {med([(p.threads_ms or {}).get(name, 0.0) for p in table[_row(kind, workers), c]]):.2f}"

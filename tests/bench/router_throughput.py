@@ -3,7 +3,9 @@
 Every message goes the whole way: durable inbound record in SQLite, lane, turn task, transcript
 rows, reply through an in-memory adapter.
 
-    python -m tests.bench.router_throughput
+    python -m tests.bench.router_throughput [--event-loop auto|uvloop|asyncio]
+
+It runs on the event loop the daemon would (`daemon.event_loop`, "auto": uvloop where installed).
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.fencing import Fence
+from gateway.core.ports import InboundStatus
+from gateway.core.transcript import ChatMessage
 from gateway.core.turns import LiveConversation
 from gateway.ops.daemon import tune_gc
+from gateway.ops.loop import loop_factory, loop_name
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.routers import start_router
@@ -74,6 +80,32 @@ async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, 
         await store.close()
 
 
+async def store_floor(sessions: int, per_session: int, data: Path) -> float:
+    """Messages per second through the store's writes alone, as many and as concurrent as the
+    router's: the durable inbound record, the user's row, the outcome — one task per message, no
+    routing, no agent, no reply. No router can be faster than this."""
+    store = SqliteStore(data / "floor.db")
+    await store.open()
+    chat = MemoryChat()
+
+    async def turn(round_: int, i: int) -> None:
+        msg = chat.message(f"s{i}", f"hello number {round_}")
+        fence = Fence.local(f"memory:dm:s{i}")
+        inbound = await store.accept_inbound(fence, msg)
+        assert inbound is not None
+        await store.append(fence, 1, [ChatMessage("user", msg.text)], inbound=(inbound, InboundStatus.RUNNING, None))
+        await store.append(fence, 1, [ChatMessage("assistant", msg.text)], inbound=(inbound, InboundStatus.DONE, None))
+
+    try:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        for round_ in range(per_session):
+            await asyncio.gather(*(loop.create_task(turn(round_, i)) for i in range(sessions)))
+        return sessions * per_session / (time.perf_counter() - started)
+    finally:
+        await store.close()
+
+
 def memory_per_idle_agent(count: int) -> float:
     """Bytes per idle cached agent: cache entry + per-session agent, history list empty."""
     cache: AgentCache[LiveConversation] = AgentCache(max_agents=count)
@@ -91,13 +123,16 @@ def memory_per_idle_agent(count: int) -> float:
 
 
 async def main(sessions: int, per_session: int) -> None:
+    print(f"event loop: {loop_name(asyncio.get_running_loop())}")
     with tempfile.TemporaryDirectory() as tmp:
         answered, elapsed, cpu, gc_clock = await throughput(sessions, per_session, Path(tmp))
+        floor = await store_floor(sessions, per_session, Path(tmp))
     per_agent = memory_per_idle_agent(sessions)
     print("| measure                               | result            | target        |")
     print("|---------------------------------------|-------------------|---------------|")
     print(f"| router throughput ({sessions:,} sessions, echo) | {answered / elapsed:>8,.0f} msg/s    "
           f"| ≥ 10,000 msg/s |")
+    print(f"| the store's writes alone (floor)      | {floor:>8,.0f} msg/s    |               |")
     print(f"| messages answered                     | {answered:>8,} in {elapsed:.2f} s | all           |")
     print(f"| CPU per message (process)             | {1000 * cpu / answered:>8.3f} ms       |               |")
     young, middle, full = gc_clock.collections
@@ -110,5 +145,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--per-session", type=int, default=3)
+    parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default="auto")
     args = parser.parse_args()
-    asyncio.run(main(args.sessions, args.per_session))
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        runner.run(main(args.sessions, args.per_session))
