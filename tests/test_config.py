@@ -61,6 +61,8 @@ def test_credentials_directory_supplies_unset_secrets(tmp_path: Path) -> None:
     ('[api]\ntenants = { a = "k1", b = "k1" }\n', {}, "api.tenants: the same key is configured twice"),
     ('[api]\nkeys = ["k1"]\ntenants = { a = "k1" }\n', {}, "api.tenants: the same key is configured twice"),
     ('[api]\ntenants = ["k1"]\n', {}, "api.tenants: must be a table of names"),
+    ('[api]\nkeys = ["k1 "]\n', {}, "api: a key starts or ends with whitespace"),
+    ('[api]\ntenants = { a = " k1" }\n', {}, "api: a key starts or ends with whitespace"),
     ('[api]\ntenants = { key-1a2b = "k1" }\n', {}, "names starting with 'key-' are kept for the keys of api.keys"),
     ("", {"SWITCHBOARD_API__TENANTS": '{"a": 5}'}, "api.tenants.a: must be a non-empty string"),
     ('[telegram]\nstreaming = "live"\n', {}, "telegram.streaming: must be one of 'draft', 'edit', 'off'"),

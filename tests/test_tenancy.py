@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from platforms.tenants import key_id
+from platforms.tenants import ApiKeys, key_id
 from platforms.webchat_sessions import SECRET_FILE
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider
@@ -121,6 +121,18 @@ async def test_keys_and_tenants_are_checked_and_no_key_means_one_shared_namespac
     async with aiohttp.ClientSession() as http:
         assert (await _ask(http, open_api, "anything", "hello"))[0] == 200
     assert (await open_api.store.conversation("api:dm:alice"))[1][0].content == "hello"
+
+
+def test_each_of_ten_thousand_keys_names_its_own_tenant_and_near_misses_name_none() -> None:
+    keys = [f"sk-plain-{i:05d}-0123456789abcdef" for i in range(10_000)]
+    table = ApiKeys(keys, {"team-a": K1})
+    for key in (keys[0], keys[4_321], keys[-1]):
+        assert table.tenant(f"Bearer {key}") == key_id(key)
+    assert table.tenant(f"bearer {K1}") == "team-a"
+    for guess in (K1[:-1], K1 + "x", K1.upper(), keys[7][:-1] + "g", "", "\udcff", f" {keys[7]}"):
+        assert table.tenant(f"Bearer {guess}") is None, guess
+    assert table.tenant(f"Basic {keys[7]}") is None and table.tenant("") is None
+    assert ApiKeys().tenant("") == "" and not ApiKeys().required  # no keys: the one anonymous tenant
 
 
 # --- the web chat cookie is a credential, not an identifier ---------------------------------------
