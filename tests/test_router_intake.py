@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import time
 import tracemalloc
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -229,6 +231,30 @@ async def test_refused_strangers_are_remembered_only_as_long_as_their_notice_is_
     assert (await control.check(chat.message("c", "hi", user="late")))[1] is not None
     assert list(control._last_notice) == [("memory", "late")]
     assert (await control.check(chat.message("c", "again", user="stranger0")))[1] is not None  # told again
+
+
+async def test_a_strangers_flood_costs_one_pairing_write_per_notice_and_approval_still_acts_at_once(
+        tmp_path: Path, chat: MemoryChat) -> None:
+    class CountingStore(SqliteStore):  # the real store; only its pairing writes are counted
+        codes = 0
+
+        async def pairing_code(self, *args: Any, **kwargs: Any) -> str | None:
+            self.codes += 1
+            return await super().pairing_code(*args, **kwargs)
+
+    store = CountingStore(tmp_path / "count.db")
+    await store.open()
+    try:
+        control = AccessControl(store, {"memory": AccessPolicy("pairing")})
+        allowed, notice = await control.check(chat.message("c", "hi", user="zoe"))
+        assert not allowed and notice is not None and "pairing code" in notice
+        for i in range(50):
+            assert await control.check(chat.message("c", f"flood {i}", user="zoe")) == (False, None)
+        assert store.codes == 1
+        assert await store.approve_pairing(notice.rsplit(" ", 1)[1], ttl_s=access.CODE_TTL_S) is not None
+        assert await control.check(chat.message("c", "hello again", user="zoe")) == (True, None)
+    finally:
+        await store.close()
 
 
 async def test_what_a_session_last_heard_keeps_no_attachment_bytes(make_router: RouterFactory,

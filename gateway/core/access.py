@@ -59,9 +59,11 @@ class AccessControl:
         who = (msg.platform, msg.user_id)
         if policy.mode == "allowlist":
             return False, self._throttled(who, "Sorry, this bot only talks to people on its allowlist.")
-        if who in self._paired or await self.store.is_paired(*who):
+        if who in self._paired or await self.store.is_paired(*who):  # asked every time: approval acts at once
             self._paired.add(who)
             return True, None
+        if self._told_recently(who):  # a flood from a stranger costs a read, not a pairing write each
+            return False, None
         code = await self.store.pairing_code(msg.platform, msg.user_id, msg.user_name, code=new_code(),
                                              ttl_s=CODE_TTL_S, max_pending=MAX_PENDING)
         if code is None:
@@ -72,10 +74,13 @@ class AccessControl:
         return False, self._throttled(who, f"Hi! To use this bot, ask its operator to approve your pairing code: "
                                            f"{code}")
 
+    def _told_recently(self, who: tuple[str, str]) -> bool:
+        return time.monotonic() - self._last_notice.get(who, -NOTICE_EVERY_S) < NOTICE_EVERY_S
+
     def _throttled(self, who: tuple[str, str], text: str) -> str | None:
-        now = time.monotonic()
-        if now - self._last_notice.get(who, -NOTICE_EVERY_S) < NOTICE_EVERY_S:
+        if self._told_recently(who):
             return None
+        now = time.monotonic()
         self._last_notice[who] = now
         self._last_notice.move_to_end(who)
         while now - next(iter(self._last_notice.values())) >= NOTICE_EVERY_S:  # strangers told long ago
