@@ -39,6 +39,7 @@ class GcClock:
 
     def __init__(self) -> None:
         self.seconds, self.collections, self._started = 0.0, [0, 0, 0], 0.0
+        self.longest = [0.0, 0.0, 0.0]  # the longest pause, by generation
 
     def __enter__(self) -> GcClock:
         gc.callbacks.append(self._tick)
@@ -51,8 +52,10 @@ class GcClock:
         if phase == "start":
             self._started = time.thread_time()
         else:
-            self.seconds += time.thread_time() - self._started
-            self.collections[info["generation"]] += 1
+            pause, generation = time.thread_time() - self._started, info["generation"]
+            self.seconds += pause
+            self.collections[generation] += 1
+            self.longest[generation] = max(self.longest[generation], pause)
 
 
 async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, float, float, GcClock]:
@@ -63,14 +66,13 @@ async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, 
     router = await start_router(store, agent, chat, max_agents=sessions)
     tune_gc()  # as the daemon does after start-up
     try:
-        runs = []
         started, cpu = time.perf_counter(), time.process_time()
         with GcClock() as gc_clock:
             for round_ in range(per_session):
                 batch = await asyncio.gather(*(router.submit(chat.message(f"s{i}", f"hello number {round_}"), chat)
                                                for i in range(sessions)))
-                runs += [b.run for b in batch if b.run is not None]
-                await asyncio.gather(*(r.wait() for r in runs[-sessions:]))
+                await asyncio.gather(*(b.run.wait() for b in batch if b.run is not None))
+                del batch
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         answered = sum(1 for b in chat.bubbles if b.text.startswith("hello number"))
         assert answered == sessions * per_session, answered
@@ -138,6 +140,8 @@ async def main(sessions: int, per_session: int) -> None:
     young, middle, full = gc_clock.collections
     print(f"| of it in garbage collection           | {1000 * gc_clock.seconds / answered:>8.3f} ms "
           f"({young} young, {middle} middle, {full} full collections) |               |")
+    print(f"| longest pause (young/middle/full)     | {' / '.join(f'{1000 * s:.0f}' for s in gc_clock.longest)} ms"
+          f" |               |")
     print(f"| memory per idle cached agent          | {per_agent:>8,.0f} bytes    | ≤ 20 KB       |")
 
 
