@@ -4,6 +4,8 @@ messages, tool calls side by side, the context budget on a long conversation, to
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,48 @@ async def test_tool_calls_of_one_round_run_side_by_side_and_a_stop_reaches_each(
     assert len(tools) == 3 and all(t.content == "[interrupted by user: stopped by user (/stop)]" for t in tools)
     calls = [c.id for r in rows for c in r.tool_calls]
     assert [t.tool_call_id for t in tools] == calls  # in the order the model asked
+
+
+async def test_every_stream_a_turn_opens_is_closed_by_the_turn_not_left_to_the_garbage_collector(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """An async generator dropped before its end is closed later, in a task of the event loop's,
+    by its finalizer hook: the provider stream, the tool tasks, on no run's clock. Answered turns,
+    a tool round and a stopped round of tools leave none of ours to it."""
+    finalized: list[str] = []
+    hooks = sys.get_asyncgen_hooks()
+
+    def finalizer(agen: Any) -> None:
+        if "/gateway/" in agen.ag_code.co_filename or "/platforms/" in agen.ag_code.co_filename:
+            finalized.append(agen.ag_code.co_qualname)
+        if hooks.finalizer is not None:
+            hooks.finalizer(agen)
+
+    sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
+    try:
+        provider.words = 3
+        daemon = await make_daemon(api={"enabled": True})
+        url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            async def ask(text: str, session: str = "gen") -> dict[str, Any]:
+                body = {"messages": [{"role": "user", "content": text}]}
+                async with http.post(url, json=body, headers={"X-Session-Id": session}) as resp:
+                    assert resp.status == 200
+                    return dict(await resp.json())
+
+            for i in range(3):
+                await ask(f"hello {i}")
+            provider.then(Script(tool_calls=[("sleep", {"seconds": 0.01})]))
+            await ask("a short nap")
+            provider.then(Script(tool_calls=[("sleep", {"seconds": 30}), ("sleep", {"seconds": 30})]))
+            pending = asyncio.create_task(ask("two long naps", "stopped"))
+            await until(lambda: sum(map(group_alive, daemon.reaper.live_groups)) >= 2)
+            await ask("/stop", "stopped")
+            assert (await asyncio.wait_for(pending, 5))["switchboard"]["interrupted_by"] == "user"
+        gc.collect()
+        assert len(provider.connections) == 6
+        assert finalized == []
+    finally:
+        sys.set_asyncgen_hooks(*hooks)
 
 
 async def test_a_long_conversation_is_sent_within_the_budget(make_daemon: DaemonFactory,

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,8 +142,10 @@ class OpenAIAgent:
                 rows = fitted.encoded if fitted.encoded is not None else b",".join(map(encode, fitted.messages))
                 messages = b"[" + b",".join([*system, *([rows] if rows else []), *map(_dumps, turn)]) + b"]"
                 try:
-                    async for event in self._complete(messages, rnd, fitted.estimated_tokens + extra):
-                        yield event
+                    async with contextlib.aclosing(self._complete(messages, rnd,
+                                                                  fitted.estimated_tokens + extra)) as events:
+                        async for event in events:
+                            yield event
                     break
                 except ContextTooLong as exc:
                     if attempt or rnd.text:
@@ -163,9 +165,10 @@ class OpenAIAgent:
             turn.append(ChatMessage("assistant", text, tool_calls=calls).to_openai())
             steered = [joined] if joined is not None else []  # arrived before the calls: none of them runs
             results: dict[str, str] = {}
-            async for call, result in self._run_calls(calls, context, steered):
-                results[call.id] = result
-                yield ToolResult(call.id, result)
+            async with contextlib.aclosing(self._run_calls(calls, context, steered)) as outcomes:
+                async for call, result in outcomes:
+                    results[call.id] = result
+                    yield ToolResult(call.id, result)
             turn += [{"role": "tool", "tool_call_id": call.id, "content": results[call.id]} for call in calls]
             if context is not None and (late := context.take_interjection()) is not None:
                 steered.append(late)
@@ -176,7 +179,7 @@ class OpenAIAgent:
         yield TextDelta(f"\n[stopped after {s.max_tool_rounds} tool rounds]")
 
     async def _run_calls(self, calls: tuple[ToolCall, ...], context: TurnContext | None,
-                         steered: list[str]) -> AsyncIterator[tuple[ToolCall, str]]:
+                         steered: list[str]) -> AsyncGenerator[tuple[ToolCall, str], None]:
         """Run a round's calls, side by side up to the cap, yielding each result as it comes. Once
         the user has added a message (collected into `steered`), calls not started yet are skipped:
         the model sees why and answers what the user said instead."""
@@ -215,7 +218,8 @@ class OpenAIAgent:
             self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
         return self._head[1]
 
-    async def _complete(self, messages: bytes, rnd: _Round, estimated: int) -> AsyncIterator[TextDelta | Usage]:
+    async def _complete(self, messages: bytes, rnd: _Round,
+                        estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
         """One streamed completion; `messages` is the JSON array to send."""
         s = self.settings
         body = self._body_head() + messages + b"}"
@@ -251,8 +255,9 @@ class OpenAIAgent:
                     async for ev in _from_message(payload, rnd):
                         yield ev
                     return
+                batches = _sse_batches(resp.content)
                 try:
-                    async for events in _sse_batches(resp.content):
+                    async for events in batches:
                         words: list[str] = []  # the batch's words: one delta, not one per event
                         for data in events:
                             if data == b"[DONE]":
@@ -280,9 +285,11 @@ class OpenAIAgent:
                             yield TextDelta("".join(words))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise AgentError(f"the model provider connection broke ({type(exc).__name__})") from exc
+                finally:
+                    await batches.aclose()  # left at [DONE], before its end: closed here, not by the GC
 
 
-async def _sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[bytes]]:
+async def _sse_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
     """The `data:` payloads of a server-sent event stream, in batches: every complete line that has
     arrived when the reader wakes, so a burst of events costs one wake-up, not one per line."""
     partial: list[bytes] = []  # a line not yet ended, in pieces (joined once, however long it grows)

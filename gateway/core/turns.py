@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 from agent_cache import AgentCache, CacheFull
 from gateway.core.attachments import note, refusal_sentence, with_placeholders
@@ -336,25 +336,32 @@ class TurnRunner:
         run = turn.run
         if any(a.refused is None for a in turn.msg.attachments):
             user = await self._with_media(turn, user)
-        async for event in agent.run_turn(history, user, context):
-            if isinstance(event, Usage):
-                self._usage(turn, context, event)
-                continue
-            if not isinstance(event, TextDelta) and not await run.may_send_now():
-                # A boundary (tool calls asked for, a tool's result, a steered message): a run that
-                # was stopped, or whose lease is gone (it was paused), takes no further step — not
-                # one more tool, not one more provider request. The cancel lands at the sleep.
-                self._may_send(run)  # a lease our clock cannot prove is dropped: cancelled LEASE_LOST
-                await asyncio.sleep(0)
-            separate = isinstance(event, Interjection) and recorder.has_text
-            recorder.feed(event)
-            if isinstance(event, TextDelta):
-                if self._may_send(run):
-                    await reply.delta(event.text)
-            elif self._may_send(run):
-                await reply.release()  # a boundary: the text so far is not the answer's end
-                if separate:  # the continuation starts below the answer so far
-                    await reply.delta(ROUND_SEPARATOR)
+        events = agent.run_turn(history, user, context)
+        try:
+            async for event in events:
+                if isinstance(event, Usage):
+                    self._usage(turn, context, event)
+                    continue
+                if not isinstance(event, TextDelta) and not await run.may_send_now():
+                    # A boundary (tool calls asked for, a tool's result, a steered message): a run that
+                    # was stopped, or whose lease is gone (it was paused), takes no further step — not
+                    # one more tool, not one more provider request. The cancel lands at the sleep.
+                    self._may_send(run)  # a lease our clock cannot prove is dropped: cancelled LEASE_LOST
+                    await asyncio.sleep(0)
+                separate = isinstance(event, Interjection) and recorder.has_text
+                recorder.feed(event)
+                if isinstance(event, TextDelta):
+                    if self._may_send(run):
+                        await reply.delta(event.text)
+                elif self._may_send(run):
+                    await reply.release()  # a boundary: the text so far is not the answer's end
+                    if separate:  # the continuation starts below the answer so far
+                        await reply.delta(ROUND_SEPARATOR)
+        finally:
+            # A stop that lands out here (not inside the agent) leaves it at a yield: it is closed now,
+            # in this task, so its provider response and tool tasks end with the run, not with the GC.
+            if isinstance(events, AsyncGenerator):
+                await events.aclose()
         # The answer's end is shown by the lane worker once the turn is recorded (SettlingReply).
 
     async def _with_media(self, turn: Turn, user: ChatMessage) -> ChatMessage:
