@@ -130,14 +130,12 @@ def http_hosts(config: Config) -> HostPolicy:
 def tune_gc() -> None:
     """Fewer, cheaper garbage collections: a busy gateway allocates many short-lived objects per
     message, and the default gen-0 threshold (700) made collections a third of the router's time.
-    A turn's objects live as long as the turn (seconds, thousands in flight) and then die by
-    refcount (no cycles): collecting the middle generation every 50 young collections instead of
-    10 lets most of them die before it walks them, and makes full collections (the longest
-    pauses: every live object) about five times rarer. Objects alive after startup are frozen out
-    of collection altogether."""
+    Objects alive after startup are frozen out of collection altogether. (A middle generation
+    collected every 50 young collections instead of 10 halves the collector's CPU with 10,000
+    turns in flight, but its longer pauses put /stop's p99 at 1,000 streams from ~27 to ~41 ms.)"""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(10_000, 50, 10)
+    gc.set_threshold(10_000, 10, 10)
 
 
 # What SIGHUP can change in place; everything else is reported as needing a restart.
