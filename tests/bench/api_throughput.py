@@ -11,6 +11,7 @@ turns, seeded through the SQLite store before the daemon starts. The daemon's CP
 
     python -m tests.bench.api_throughput [--clients 10,50,200] [--seconds 5] [--runs 3]
     python -m tests.bench.api_throughput --profile /tmp/prof   # py-spy on the daemon, raw stacks
+    python -m tests.bench.api_throughput --kinds fresh --relay   # and tests.bench.relay: aiohttp alone
     python -m tests.bench.api_throughput --workers 1,2,3 --kinds fresh   # cluster mode, one Redis
 
 With `--workers`, N daemons in cluster mode share a private redis-server (history in Redis);
