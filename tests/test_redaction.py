@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -88,3 +89,20 @@ def test_an_unreachable_redis_is_one_line_without_its_password(tmp_path: Path) -
     assert result.returncode == 1 and time.monotonic() - started < 30
     assert "cannot start" in result.stderr and "Traceback" not in result.stderr
     _clean(result.stdout + result.stderr)
+
+
+def test_the_database_pool_retrying_through_an_outage_logs_one_line_per_retry(tmp_path: Path) -> None:
+    """asyncpg logs every reconnect attempt of its pool with a traceback (about one a second while
+    PostgreSQL is down); the daemon's log keeps the line and the error, not 40 lines of stack."""
+    emit = ("import logging\nfrom gateway.core.logs import setup_logging\nsetup_logging('info', 'json')\n"
+            "try:\n    raise ConnectionRefusedError(111, 'Connection refused')\nexcept OSError:\n"
+            "    logging.getLogger('asyncpg.pool').warning('Failed to restore the pool connection floor; retrying',"
+            " exc_info=True)\n"
+            "logging.getLogger('gateway.store').error('ours keep theirs', exc_info=ValueError('boom'))\n")
+    result = subprocess.run([sys.executable, "-c", emit], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert result.returncode == 0, result.stderr
+    pool, ours = [json.loads(line) for line in result.stderr.splitlines()]
+    assert pool["msg"] == ("Failed to restore the pool connection floor; retrying: "
+                           "ConnectionRefusedError: [Errno 111] Connection refused") and "exc" not in pool
+    assert "ValueError: boom" in ours["exc"]  # only the library's expected retries lose their stack

@@ -74,6 +74,18 @@ class TextFormatter(logging.Formatter):
         return line + ("\n" + exc if exc else "")
 
 
+class _OneLine(logging.Filter):
+    """A library's expected, repeated failure as one line: the exception's summary, not its
+    traceback (asyncpg retries its pool about once a second while the database is down; the
+    store says what that outage means for messages itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and (exc := record.exc_info[1]) is not None:
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def setup_logging(level: str = "info", fmt: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -84,3 +96,6 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     # unless debugging; the redactor guards it anyway.
     for noisy in ("httpx", "httpcore", "discord", "telegram", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    pool = logging.getLogger("asyncpg.pool")
+    if not any(isinstance(f, _OneLine) for f in pool.filters):
+        pool.addFilter(_OneLine())
