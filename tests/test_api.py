@@ -162,7 +162,7 @@ async def test_stop_through_the_api_stops_the_sessions_run(
 
         pending = asyncio.create_task(ask())
         await until(lambda: bool(provider.requests_for("go on")), 10, "the turn never reached the provider")
-        await asyncio.sleep(0.3)  # a few words stream meanwhile
+        await until(lambda: provider.requests_for("go on")[0].words >= 6, 10, "the answer never streamed")
         async with http.post(url, json={"messages": [{"role": "user", "content": "/stop"}], "user": "dave"},
                              headers=_auth()) as resp:
             assert (await resp.json())["choices"][0]["message"]["content"] == "Stopped."

@@ -67,7 +67,7 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
             body = {"messages": [{"role": "user", "content": "a long one"}], "user": "zed"}
             request = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body))
             await until(lambda: bool(provider.requests_for("a long one")), 10, "the turn never started")
-            await asyncio.sleep(0.3)  # a few words stream meanwhile
+            await until(lambda: provider.requests_for("a long one")[0].words >= 3, 10, "the answer never streamed")
             started = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 20) == 0

@@ -40,6 +40,7 @@ class Connection:
     closed_at: float | None = None
     completed: bool = False  # the provider sent the whole answer
     completed_at: float | None = None
+    words: int = 0  # words of a text answer written so far
     via: str | None = None  # the path prefix the client used (`/<via>/v1/...`): which client it was
 
     @property
@@ -199,6 +200,7 @@ class FakeProvider:
                 for word in text.split(" "):
                     await asyncio.sleep(delay)
                     await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": word + " "}}]}))
+                    conn.words += 1
                 await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
             if (body.get("stream_options") or {}).get("include_usage"):
                 completion = len(script.tool_calls) * 10 if script.tool_calls else self.words + 3
