@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.core.cancellation import Run, ToolReason, stop_notice
+from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef
 from gateway.core.ports import NoticeKind, Reply
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
@@ -119,8 +119,7 @@ class EditStreamReply(Reply):
             return
         self._notice_shown = True
         await self._end()  # what the chat shows is settled from here on
-        guard = self._run.guard
-        if guard is not None and not (guard() or await guard.confirm()):
+        if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
         target = self._last_message()
@@ -139,8 +138,7 @@ class EditStreamReply(Reply):
         await self._settle(self._deliver_final())
 
     async def settled(self, problem: str | None = None) -> None:
-        guard = self._run.guard
-        if problem and (guard is None or guard() or await guard.confirm()):  # still ours to speak for
+        if problem and await still_ours(self._run.guard):
             await self._adapter.notify(self._chat, f"⚠️ {problem}", reply_to=self._reply_to, kind=NoticeKind.ERROR)
 
     def shown_text(self) -> str | None:

@@ -24,7 +24,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from gateway.core.cancellation import Run, ToolReason, stop_notice
+from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited
@@ -83,8 +83,7 @@ class DraftStreamReply(EditStreamReply):
             return
         self._notice_shown = True
         await self._end()
-        guard = self._run.guard
-        if guard is not None and not (guard() or await guard.confirm()):
+        if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
         shown = self._text[:self._drafted]
         self._stopped_shown = shown

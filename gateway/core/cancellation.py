@@ -91,6 +91,13 @@ class Guard(Protocol):
         """Ask the lease store once (renewing the lease if it is still ours); False: it is not ours."""
 
 
+async def still_ours(guard: Guard | None) -> bool:
+    """The one "is this session still ours?" check before output that matters: our own clock
+    first (no I/O), the lease store only when the clock can no longer tell. No guard: one process,
+    always ours."""
+    return guard is None or guard() or await guard.confirm()
+
+
 class RunCancelled(Exception):
     """Raised inside thread-based tools by `Run.raise_if_cancelled`."""
 
@@ -186,7 +193,7 @@ class Run:
         stop mark) is then neither dropped while the session is still ours nor sent once it is not."""
         if self._reason is not None:
             return False
-        return self.guard is None or self.guard() or await self.guard.confirm()
+        return await still_ours(self.guard)
 
     def raise_if_cancelled(self) -> None:
         if self._reason is not None:

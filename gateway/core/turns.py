@@ -26,6 +26,7 @@ from gateway.core.cancellation import (
     Run,
     ToolReason,
     current_run,
+    still_ours,
     timed_out,
 )
 from gateway.core.context import HistoryMemo
@@ -110,7 +111,7 @@ class Speaker:
 
     async def may_speak_now(self) -> bool:
         """`may_speak`, asking the lease store when our own clock can no longer tell."""
-        return self.guard is None or self.guard() or await self.guard.confirm()
+        return await still_ours(self.guard)
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
