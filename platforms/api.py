@@ -157,7 +157,8 @@ class ApiAdapter(Adapter):
         reply = self._replies[mid] = _ApiReply(stream)
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
-        submit = asyncio.ensure_future(self.gateway.submit(msg, self, ephemeral=None if session else history))
+        submit = asyncio.ensure_future(self.gateway.submit(msg, self) if session else
+                                        self.gateway.submit_stateless(msg, self, history))
         try:
             try:
                 submitted = await asyncio.shield(submit)

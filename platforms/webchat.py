@@ -54,7 +54,6 @@ from gateway.core.cancellation import (
 )
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, NoticeKind, Outcome, Reply
-from gateway.core.recovery import is_resume_prompt
 from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
@@ -82,10 +81,8 @@ class WebchatAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=64_000, can_edit=True, can_stream=True, edit_interval_s=0.05)
 
-    def __init__(self, *, max_message_chars: int | None = None,
-                 secret: Callable[[], Awaitable[bytes]] | None = None, max_attachment_bytes: int = 10 * MB,
+    def __init__(self, *, secret: Callable[[], Awaitable[bytes]] | None = None, max_attachment_bytes: int = 10 * MB,
                  max_frame_bytes: int = 4 * MB) -> None:
-        self.max_message_chars = max_message_chars
         self._load_secret = secret
         self._secret: bytes | None = None
         self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
@@ -222,7 +219,7 @@ class WebchatAdapter(Adapter):
         status = self.gateway.status(key)
         await ws.send_json({"type": "hello", "history": _rows(history),
                             "running": status.running or status.queued > 0, "queued": status.queued,
-                            "agent": status.agent, "max_chars": self.max_message_chars}, dumps=_dumps)
+                            "agent": status.agent, "max_chars": self.gateway.max_message_chars()}, dumps=_dumps)
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
@@ -336,8 +333,8 @@ def _row(m: ChatMessage) -> dict[str, Any]:
     row = {"role": m.role, "text": m.content, "interrupted_by": m.interrupted_by, "reason": m.reason,
            "interruption": interruption(m.interrupted_by, m.reason or "") if m.interrupted_by else None,
            "tools": [c.name for c in m.tool_calls], "at": m.created_at}
-    if m.role == "user" and is_resume_prompt(m.content):
+    if m.kind == "resume":
         row["resume"] = True  # the gateway's own "continue" after a restart, not something the user said
-    elif m.role == "user" and m.content.startswith("[background job "):
+    elif m.kind == "job":
         row["job"] = m.content.split("\n", 1)[0]  # the gateway's own word that a background job ended
     return row

@@ -23,12 +23,13 @@ from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.agents.tools import ProcessToolSettings, ToolRegistry, builtin_registry
 from gateway.core.background import KILLED_BY_USER
 from gateway.core.cancellation import GATEWAY_RESTART, LEASE_LOST, NEW_MESSAGE, SESSION_RESET, Run, current_run
-from gateway.core.router import Router, RouterSettings
+from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import DaemonFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.procs import Proc, pids_from, running, stat, until
+from tests.routers import build_router
 from tests.test_daemon_process import Daemon, _shell_agent
 
 KEY = "memory:dm:c1"
@@ -55,8 +56,7 @@ async def make(store: SqliteStore, provider: FakeProvider, chat: MemoryChat) -> 
         tools = builtin_registry(ProcessToolSettings(reaper=reaper), shell=True, jobs=jobs)
         agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=1, backoff_s=0.01),
                             tools)
-        router = Router(RouterSettings(busy=busy, messages_per_minute=0),  # type: ignore[arg-type]
-                        store=store, agent=agent, outlets={chat.name: chat}, jobs=jobs)
+        router = build_router(store, agent, chat, busy=busy, jobs=jobs)
         delivered: list[tuple[str, str]] = []
 
         async def deliver(key: str, message_id: str, text: str) -> bool:

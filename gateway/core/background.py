@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from gateway.core.cancellation import ToolReason
+from gateway.core.transcript import JOB_PREFIX as JOB_PREFIX  # message ids of the messages reporting a job's end
 
-JOB_PREFIX = "job:"  # message ids of the automatic messages that report a job's end
 KILLED_BY_USER = ToolReason.user("killed by user (/kill)")
 
 

@@ -134,14 +134,14 @@ class Run:
                  "_task", "_task_ended", "_thread_event", "_token", "_waiters", "cancelled_at", "done_at", "guard",
                  "redeliveries", "run_id", "session_key", "started_at", "tenant")
 
-    def __init__(self, session_key: str) -> None:
+    def __init__(self, session_key: str, *, guard: Guard | None = None, tenant: str | None = None) -> None:
         self.run_id = f"r{next(_run_ids)}"
         self._token: str | None = None
         self.session_key = session_key
-        self.tenant: str | None = None  # whose turn this is, where the platform knows (tools may be limited by it)
+        self.tenant = tenant  # whose turn this is, where the platform knows (tools may be limited by it)
         # In cluster mode: "do we still provably own the session?" — a pure check made before
         # anything is sent.
-        self.guard: Guard | None = None
+        self.guard = guard
         self.started_at: float | None = None
         self.cancelled_at: float | None = None  # perf_counter() at cancel
         self.done_at: float | None = None  # perf_counter() when the run's task ended

@@ -275,10 +275,16 @@ class SessionStatus:
 class Gateway(Protocol):
     """What the core offers platforms: the only way in."""
 
-    async def submit(self, msg: InboundMessage, outlet: Outlet, *,
-                     ephemeral: Sequence[ChatMessage] | None = None, key: str | None = None) -> Submitted:
-        """Route one inbound message (commands included). Never raises for bad input: the user
-        gets a reason. `ephemeral` history makes a stateless turn (the HTTP API without a session)."""
+    async def submit(self, msg: InboundMessage, outlet: Outlet, *, key: str | None = None) -> Submitted:
+        """Route one inbound message (commands included) to its session (`key`, or the one its
+        chat maps to). Never raises for bad input: the user gets a reason."""
+
+    async def submit_stateless(self, msg: InboundMessage, outlet: Outlet, history: Sequence[ChatMessage]) -> Submitted:
+        """A turn over the history the client sent (the HTTP API without a session): nothing is
+        loaded or stored."""
+
+    def max_message_chars(self) -> int:
+        """The longest message intake takes now (a reload may change it)."""
 
     def status(self, key: str) -> SessionStatus: ...
 

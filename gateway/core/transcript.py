@@ -8,9 +8,29 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.core.attachments import MediaPart
-from gateway.core.cancellation import ReasonKind, ToolReason
+from gateway.core.cancellation import GATEWAY_RESTART, ReasonKind, ToolReason
 
 Role = Literal["system", "user", "assistant", "tool"]
+RowKind = Literal["message", "resume", "job"]  # what a user row is: the user's words, or the gateway's own
+
+# Message ids of the messages the gateway writes itself, and how their rows read.
+RESUME_PREFIX = "resume:"  # a turn cut off by a restart or a takeover, asked to continue
+JOB_PREFIX = "job:"  # a background job ended
+_RESUME_ASK = "Continue from where you stopped, without repeating what you already said."
+_JOB_MARK = "[background job "
+RESUME_PROMPT = f"{GATEWAY_RESTART.marker} The gateway restarted while you were answering. {_RESUME_ASK}"
+
+
+def resume_prompt(reason: ToolReason) -> str:
+    """The automatic message that asks the model to continue, naming what cut it off."""
+    if reason == GATEWAY_RESTART:
+        return RESUME_PROMPT
+    return f"{reason.marker} Your answer was cut off. {_RESUME_ASK}"
+
+
+def is_automatic(message_id: str) -> bool:
+    """Is this the id of a message the gateway wrote itself (a resume), not one a user sent?"""
+    return message_id.startswith(RESUME_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +57,18 @@ class ChatMessage:
     created_at: float = field(default_factory=time.time)
     # This turn's images and files as the model gets them; never stored (the content keeps placeholders).
     media: tuple[MediaPart, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def kind(self) -> RowKind:
+        """What this row is. A user row may be the gateway's own words (a resume prompt, a job's
+        end): the model reads them like any message, a person is never shown them as theirs."""
+        if self.role != "user" or not self.content.startswith("["):
+            return "message"
+        if self.content.startswith("[interrupted by system: ") and _RESUME_ASK in self.content:
+            return "resume"
+        if self.content.startswith(_JOB_MARK):
+            return "job"
+        return "message"
 
     def model_content(self) -> str:
         """The content as the model should see it: interrupted assistant text carries its marker."""

@@ -31,6 +31,7 @@ from gateway.core.cancellation import (
 )
 from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
+from gateway.core.live import Reads
 from gateway.core.logs import log_context
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.metrics import Metrics
@@ -47,6 +48,7 @@ from gateway.core.ports import (
     Store,
     StoreError,
 )
+from gateway.core.settings import CoreSettings
 from gateway.core.transcript import ROUND_SEPARATOR, ChatMessage, Interjection, TextDelta, TurnRecorder, Usage
 
 log = logging.getLogger(__name__)
@@ -126,19 +128,20 @@ class Speaker:
 
 
 class Turn:
-    __slots__ = ("absorbed", "accepted", "ephemeral", "fence", "fenced_out", "inbound_id", "key", "msg", "notes",
-                 "run", "speaker", "steered", "usage")
+    """One message's turn in its session: its run (the cancellation scope), who speaks for it, and
+    what became of its record. A turn of a session reads and writes the session's stored history;
+    a stateless turn (`Turn.stateless`) answers with the history its client sent and stores nothing."""
 
-    def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence,
-                 ephemeral: Sequence[ChatMessage] | None = None) -> None:
+    __slots__ = ("absorbed", "accepted", "client_history", "fence", "fenced_out", "inbound_id", "key", "msg",
+                 "notes", "run", "speaker", "steered", "usage")
+
+    def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence) -> None:
         self.msg = msg
         self.key = key
         self.speaker = speaker
         self.fence = fence
-        self.run = Run(key)
-        self.run.guard = speaker.guard
-        self.run.tenant = msg.tenant
-        self.ephemeral = ephemeral
+        self.run = Run(key, guard=speaker.guard, tenant=msg.tenant)
+        self.client_history: tuple[ChatMessage, ...] | None = None  # set only by `stateless`
         self.inbound_id: int | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
         self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -147,6 +150,14 @@ class Turn:
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
         self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
         self.fenced_out = False  # the store refused a write of its record: another worker owns the session
+
+    @classmethod
+    def stateless(cls, msg: InboundMessage, key: str, speaker: Speaker, history: Sequence[ChatMessage]) -> Turn:
+        """A turn over `history` as the client sent it: nothing is loaded, nothing is stored."""
+        turn = cls(msg, key, speaker, Fence.local(key))
+        turn.client_history = tuple(history)
+        turn.accepted.set_result(True)  # nothing to store: it is accepted as it arrives
+        return turn
 
 
 class _Context:
@@ -174,7 +185,7 @@ class _Context:
     @property
     def history_memo(self) -> HistoryMemo | None:
         conversation = self._conversation
-        if conversation is None or self._turn.ephemeral is not None:
+        if conversation is None:  # a stateless turn: its history is new each time
             return None
         if conversation.memo is None:
             conversation.memo = HistoryMemo()
@@ -185,25 +196,25 @@ class _Context:
 
 
 class TurnRunner:
+    """Runs turns to their recorded end. Reads the agent, the turn timeout and the cancel grace from
+    the live settings each time (a reload applies to the next turn; a turn keeps its agent)."""
+
     def __init__(self, *, store: Store, metrics: Metrics, cache: AgentCache[LiveConversation],
-                 interruptions: Interruptions, agent: Callable[[], Agent], timeout_s: Callable[[], float],
-                 check_lease: Callable[[str], None] | None = None,
-                 cancel_grace_s: Callable[[], float] = lambda: 2.0, media: MediaLoader | None = None) -> None:
+                 interruptions: Interruptions, settings: Reads[CoreSettings],
+                 check_lease: Callable[[str], None], media: MediaLoader | None = None) -> None:
         self._store = store
         self._media = media
         self._metrics = metrics
         self._cache = cache
         self._interruptions = interruptions
-        self._agent = agent
-        self._timeout_s = timeout_s
+        self._settings = settings
         self._check_lease = check_lease
-        self._cancel_grace_s = cancel_grace_s
         self.running: dict[Run, float] = {}  # run -> monotonic start
 
     async def watch_timeouts(self) -> None:
         """Stop turns that outlive `turn_timeout_s` (one sweep for all, instead of a timer each)."""
         while True:
-            timeout = self._timeout_s()
+            timeout = self._settings.value.router.turn_timeout_s
             await asyncio.sleep(min(1.0, timeout / 5))
             cutoff = time.monotonic() - timeout
             for run, started in list(self.running.items()):
@@ -245,7 +256,7 @@ class TurnRunner:
         """The turn's life; returns what the user must be told if its outcome could not be saved."""
         run, msg = turn.run, turn.msg
         try:
-            agent = await self._session_agent(turn.key) if turn.ephemeral is None else None
+            agent = await self._session_agent(turn.key) if turn.client_history is None else None
         except (CacheFull, StoreError) as exc:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, InboundStatus.REJECTED, str(exc))
@@ -268,7 +279,7 @@ class TurnRunner:
             else:
                 saved = await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
             return None if saved else UNSAVED
-        history = list(turn.ephemeral if turn.ephemeral is not None else agent.history if agent else [])
+        history = list(agent.history) if agent is not None else list(turn.client_history or ())
         conversation = agent.conversation if agent else 0
         if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
                                                          status=(InboundStatus.RUNNING, None)):
@@ -281,7 +292,8 @@ class TurnRunner:
         ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
         loop = asyncio.get_running_loop()
         context = _Context(turn, agent)
-        task = loop.create_task(self._stream(turn, self._agent(), history, user, reply, recorder, context),
+        settings = self._settings.value
+        task = loop.create_task(self._stream(turn, settings.agent, history, user, reply, recorder, context),
                                 context=ctx)
         run.attach(task)  # a cancel that landed during the awaits above cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
@@ -291,7 +303,7 @@ class TurnRunner:
             # Until the task ends, or `cancel_grace_s` after a cancel it swallows (it is then left
             # behind, still being cancelled, its output held back). A cancel of this lane worker
             # itself (forced shutdown) propagates.
-            await run.join(self._cancel_grace_s())
+            await run.join(settings.cancel_grace_s)
         finally:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)
@@ -393,7 +405,7 @@ class TurnRunner:
     def _may_send(self, run: Run) -> bool:
         if run.may_send():
             return True
-        if not run.is_cancelled() and self._check_lease is not None:
+        if not run.is_cancelled():
             self._check_lease(run.session_key)  # the lease lapsed unnoticed (a pause): drop it now
         return False
 

@@ -31,10 +31,12 @@ from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
 from gateway.core.access import AccessControl
 from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
+from gateway.core.live import Live
 from gateway.core.logs import redactor
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Agent, Health, Store
-from gateway.core.router import Router
+from gateway.core.router import Router, RouterParts
+from gateway.core.settings import CoreSettings
 from gateway.ops.admin import build_admin_app
 from gateway.ops.client_faults import install_parser_filter
 from gateway.ops.config import Config, ConfigError, load_config
@@ -74,6 +76,13 @@ def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None
             read_timeout_s=a.read_timeout_s, context_tokens=a.context_tokens, reply_tokens=a.reply_tokens,
             include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel), tools)
     return EchoAgent(tools, delay_s=a.echo_delay_s)
+
+
+def core_settings(config: Config, agent: Agent) -> CoreSettings:
+    """What the core reads live: replaced whole on a reload."""
+    return CoreSettings(agent=agent, router=config.router, media=config.media, vision=config.agent.vision,
+                        cancel_grace_s=config.tools.tool_kill_grace_s,
+                        resume_max_age_s=config.daemon.resume_max_age_s)
 
 
 def build_store(config: Config, *, retention: bool = False) -> Store:
@@ -169,15 +178,14 @@ class Daemon:
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         # Attachments are fetched in their turn, and a copy kept for replays, under the data dir.
         self.media = MediaStore(config.media, Path(config.store.data_dir) / "media", self.adapters)
-        self.router = Router(config.router, store=self.store, agent=self.agent, outlets=self.adapters,
-                             cache=config.agent_cache, metrics=self.metrics, access=self.access,
-                             cluster=self.cluster, resume_max_age_s=config.daemon.resume_max_age_s,
-                             cancel_grace_s=config.tools.tool_kill_grace_s, media=config.media,
-                             vision=config.agent.vision, media_loader=self.media,
-                             jobs=self.jobs)
+        # What a reload may change, in one holder the core reads (never assigned onto a part).
+        self.live = Live(core_settings(config, self.agent))
+        self.router = Router(self.live, RouterParts(
+            store=self.store, outlets=self.adapters, cache=config.agent_cache, metrics=self.metrics,
+            access=self.access, cluster=self.cluster, media=self.media, jobs=self.jobs,
+            status_lines=(self.mcp.status_line,) if self.mcp.servers else ()))
         self.jobs.deliver = self.router.deliver_automatic
         if self.mcp.servers:
-            self.router.status_extras.append(self.mcp.status_line)
             self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None
         self._stop_reason: ToolReason = GATEWAY_RESTART
@@ -349,28 +357,23 @@ class Daemon:
         needs_restart = [name for name in changed if name not in RELOADABLE]
         for secret in new.secrets():
             redactor.add(secret)
-        if "agent" in changed:
-            self.router.vision = new.agent.vision
-        if "agent" in changed or "tools" in changed:
-            # running turns finish on the agent they started with
-            self.agent = build_agent(new, self.reaper, self.mcp, self.jobs)
-            self.jobs.settings = job_settings(new)
-            self._agents.append(self.agent)
-            self.router.use_agent(self.agent)
-            self.router.cancel_grace_s = self.reaper.grace_s = new.tools.tool_kill_grace_s
-        if "router" in changed:
-            self.router.apply_settings(new.router)
-            from platforms.webchat import WebchatAdapter
-
-            webchat = self.adapters.get("webchat")
-            if isinstance(webchat, WebchatAdapter):  # the page learns the limit from its next hello
-                webchat.max_message_chars = new.router.max_message_chars
-        if "log" in changed:
-            logging.getLogger().setLevel(new.log.level.upper())
-        self.access.set_policies(access_policies(new))  # access lists apply in place, always
+        self._apply(new, changed)
         applied = [n for n in changed if n in RELOADABLE]
         self.config = dataclasses.replace(self.config, **{n: getattr(new, n) for n in applied})
         log.info("config reloaded: applied %s; needs a restart: %s", ", ".join(applied) or "nothing",
                  ", ".join(needs_restart) or "nothing")
         self.notifier.ready("ready (reloaded" + (f"; restart needed for {', '.join(needs_restart)})"
                                                 if needs_restart else ")"))
+
+    def _apply(self, new: Config, changed: list[str]) -> None:
+        """Put a reloaded config in place: the core reads it from the live holder."""
+        if "agent" in changed or "tools" in changed:
+            # running turns finish on the agent they started with
+            self.agent = build_agent(new, self.reaper, self.mcp, self.jobs)
+            self._agents.append(self.agent)
+            self.jobs.settings = job_settings(new)
+            self.reaper.grace_s = new.tools.tool_kill_grace_s
+        self.live.replace(core_settings(new, self.agent))
+        if "log" in changed:
+            logging.getLogger().setLevel(new.log.level.upper())
+        self.access.set_policies(access_policies(new))  # access lists apply in place, always

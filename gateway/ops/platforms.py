@@ -57,8 +57,7 @@ def _webchat(config: Config, cluster: Cluster | None) -> Adapter:
     from platforms.webchat import WebchatAdapter
 
     m = config.media
-    return WebchatAdapter(max_message_chars=config.router.max_message_chars,
-                          secret=functools.partial(webchat_secret, config, cluster),
+    return WebchatAdapter(secret=functools.partial(webchat_secret, config, cluster),
                           max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes),
                           max_frame_bytes=max(4 * 1024 * 1024, m.max_message_bytes * 4 // 3 + 1024 * 1024))
 

@@ -17,10 +17,10 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART
-from gateway.core.router import Router, RouterSettings
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.routers import build_router
 
 
 async def measure(busy: str, trials: int, data: Path) -> list[str]:
@@ -32,8 +32,7 @@ async def measure(busy: str, trials: int, data: Path) -> list[str]:
         agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=0),
                             builtin_registry(ProcessToolSettings(reaper=reaper), shell=True, jobs=jobs))
         chat = MemoryChat()
-        router = Router(RouterSettings(busy=busy, messages_per_minute=0),  # type: ignore[arg-type]
-                        store=store, agent=agent, outlets={chat.name: chat}, jobs=jobs)
+        router = build_router(store, agent, chat, busy=busy, jobs=jobs)
         jobs.deliver = router.deliver_automatic
         await chat.start(router)
         await router.start()

@@ -1,0 +1,1 @@
+"""The way in: gates in a declared order, de-duplication, ownership, then admission."""

@@ -1,0 +1,41 @@
+"""How intake answers a message it does not take: a reason to the user, a line in the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from gateway.core.bounded import BoundedMap
+from gateway.core.messages import ChatRef, InboundMessage
+from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outcome, Outlet, Submitted
+
+log = logging.getLogger(__name__)
+
+UNAVAILABLE_NOTICE_EVERY_S = 60.0
+
+
+class Answers:
+    """Said by whichever worker received the message: it answers the message, not the session
+    (so it goes straight to the outlet, not through a session's speaker)."""
+
+    def __init__(self) -> None:
+        self._unavailable_told: BoundedMap[ChatRef, float] = BoundedMap(10_000)
+
+    async def reject(self, outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
+                     kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
+        """Tell the user why (unless `text` is None: already told recently) and say so in the log."""
+        log.info("rejected a message: %s", text or detail, extra={"session": key})
+        if text:
+            await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
+        return Submitted(Outcome.REJECTED, text or detail)
+
+    async def unavailable(self, outlet: Outlet, msg: InboundMessage, key: str, text: str) -> Submitted:
+        """Not taken because storage or Redis is down. The platform may deliver it again (a webhook
+        answered non-2xx, a client told to retry); the chat is told once a minute at most."""
+        log.warning("could not take a message now: %s", text, extra={"session": key})
+        now = time.monotonic()
+        told = self._unavailable_told.get(msg.chat)
+        if told is None or now - told >= UNAVAILABLE_NOTICE_EVERY_S:
+            self._unavailable_told[msg.chat] = now
+            await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=NoticeKind.ERROR)
+        return Submitted(Outcome.UNAVAILABLE, text, retry_after_s=UNAVAILABLE_RETRY_S)

@@ -1,0 +1,157 @@
+"""The gates every message passes before anything is acknowledged, declared as data.
+
+The order is the policy: a message that cannot even be stored is refused before anyone is asked
+whether its sender may write; a stranger is refused before their attachments are looked at; the
+rate limit counts only messages that would otherwise be taken. Commands pass the `open` and
+`rate limit` gates, so `/stop` works while the gateway drains and for a user who is throttled.
+De-duplication and ownership come after the gates (`Intake`): they need a message worth keeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gateway.core.access import AccessControl
+from gateway.core.attachments import refusal_sentence, screen
+from gateway.core.commands import Command, parse_command
+from gateway.core.live import Reads
+from gateway.core.messages import InboundMessage
+from gateway.core.ports import NoticeKind, Outlet
+from gateway.core.ratelimit import UserRateLimit
+from gateway.core.settings import CoreSettings
+
+MEDIA_ONLY = "I can only read text, images and text files; that kind of message is not supported."
+RESTARTING = "The gateway is restarting; please send that again in a moment."
+NOT_TEXT = "That message contains characters that are not valid text; please send it again."
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # binary, not text
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One inbound message on its way in, with what the gates learned of it."""
+
+    msg: InboundMessage  # its attachments screened: each carries its verdict
+    key: str
+    outlet: Outlet
+    cmd: Command | None
+    hops: int = 0  # forwards between cluster workers so far (a forwarded message arrives with 1)
+
+    @property
+    def readable(self) -> bool:
+        """Does it carry an attachment the model will read?"""
+        return any(a.refused is None for a in self.msg.attachments)
+
+    @property
+    def media_only(self) -> bool:
+        """Nothing in it can be read: no text, and every attachment refused (or none understood)."""
+        msg = self.msg
+        return (msg.media or bool(msg.attachments)) and not msg.text.strip() and not self.readable
+
+    @property
+    def refused(self) -> str | None:
+        """Why some of its attachments are not read, if any are not."""
+        return refusal_sentence(self.msg.attachments)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    text: str | None  # what the user is told (None: they were told recently)
+    kind: NoticeKind = NoticeKind.ERROR
+    detail: str = ""  # for the log when nothing is said
+
+
+Gate = Callable[[Arrival], Awaitable[Refusal | None]]
+
+
+class Gates:
+    """The checks, in order. `stateless` requests (the HTTP API without a session) skip the rate
+    limit: each carries its own history and waits for its own answer."""
+
+    def __init__(self, settings: Reads[CoreSettings], access: AccessControl | None, rate_limit: UserRateLimit,
+                 closing: asyncio.Event) -> None:
+        self._settings = settings
+        self._access = access
+        self._rate_limit = rate_limit
+        self._closing = closing
+        self.order: tuple[tuple[str, Gate], ...] = (
+            ("encodable", self._encodable),
+            ("valid", self._valid),
+            ("open", self._open),
+            ("access", self._allowed),
+            ("media", self._media),
+            ("rate limit", self._within_rate),
+        )
+        self.stateless_order = tuple((name, gate) for name, gate in self.order if name != "rate limit")
+
+    def arrive(self, msg: InboundMessage, key: str, outlet: Outlet, hops: int = 0) -> Arrival:
+        """The message as the gates see it: attachments screened (each gets its verdict now,
+        before the message is stored) and its command parsed."""
+        if msg.attachments:
+            s = self._settings.value
+            msg = dataclasses.replace(msg, attachments=screen(msg.attachments, s.media, vision=s.vision))
+        return Arrival(msg, key, outlet, parse_command(msg.text, outlet.bot_username), hops)
+
+    async def screen(self, arrival: Arrival, *, stateless: bool = False) -> Refusal | None:
+        """The first gate that refuses the message, or None if all let it through."""
+        for _name, gate in self.stateless_order if stateless else self.order:
+            refusal = await gate(arrival)
+            if refusal is not None:
+                return refusal
+        return None
+
+    async def _encodable(self, a: Arrival) -> Refusal | None:
+        # Lone surrogates (e.g. "\ud800" in JSON) cannot be stored or sent on: refused now, before
+        # anything is acknowledged, rather than poison the store.
+        m = a.msg
+        texts = (a.key, m.text, m.chat_id, m.user_id, m.user_name, m.message_id, m.thread_id, m.user_handle,
+                 m.reply_to, *(x.name for x in m.attachments), *(x.mime for x in m.attachments))
+        return None if all(_encodable(t) for t in texts) else Refusal(NOT_TEXT)
+
+    async def _valid(self, a: Arrival) -> Refusal | None:
+        text = a.msg.text
+        if a.media_only or (a.readable and not text.strip()):  # the attachments speak for it
+            return None
+        limit = self._settings.value.router.max_message_chars
+        if not text.strip():
+            return Refusal("That message was empty — send some text.")
+        if len(text) > limit:
+            return Refusal(f"That message is too long ({len(text)} characters; the limit is {limit}). "
+                           "Please shorten it.")
+        if _CONTROL_CHARS.search(text):
+            return Refusal("That message contains binary data; I can only read text.")
+        return None
+
+    async def _open(self, a: Arrival) -> Refusal | None:
+        if self._closing.is_set() and a.cmd is None:  # commands still work while turns drain: /stop must stop
+            return Refusal(RESTARTING, NoticeKind.RESTART)
+        return None
+
+    async def _allowed(self, a: Arrival) -> Refusal | None:
+        if self._access is None:
+            return None
+        allowed, notice = await self._access.check(a.msg)
+        return None if allowed else Refusal(notice, NoticeKind.INFO, "not allowed (notice throttled)")
+
+    async def _media(self, a: Arrival) -> Refusal | None:
+        return Refusal(a.refused or MEDIA_ONLY) if a.media_only else None
+
+    async def _within_rate(self, a: Arrival) -> Refusal | None:
+        if a.cmd is not None:  # commands always get through: /stop must work
+            return None
+        allowed, notice = self._rate_limit.check(a.msg.platform, a.msg.user_id)
+        return None if allowed else Refusal(notice, detail="rate limited (notice already sent)")
+
+
+def _encodable(text: str | None) -> bool:
+    """Can `text` be written as UTF-8 (no lone surrogates)?"""
+    if not text or text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1,0 +1,141 @@
+"""Who speaks for a session: this process alone (one node), or the worker holding its lease
+(cluster mode). Two classes with one interface, so intake and turns never ask which mode they
+are in."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from gateway.core.cluster import ClusterUnavailable, FenceGuard, Ownership
+from gateway.core.commands import STOPPED
+from gateway.core.fencing import Fence
+from gateway.core.intake.answers import Answers
+from gateway.core.intake.dedupe import RecentMessages
+from gateway.core.intake.gates import Arrival
+from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outcome, Outlet, Submitted
+from gateway.core.turns import Speaker
+
+log = logging.getLogger(__name__)
+
+MAX_HOPS = 3  # forwards between cluster workers before a message is refused
+UNAVAILABLE = "I can't take messages right now (shared storage is unavailable). Please try again shortly."
+NOT_PASSED_ON = "I could not pass that on (shared storage is unavailable). Please try again shortly."
+BUSY_ELSEWHERE = "This conversation is busy on another worker right now; please try again in a moment."
+NO_ANSWER = "The worker running this conversation did not answer in time; please try again."
+
+
+class Owners(Protocol):
+    @property
+    def worker_id(self) -> str | None: ...
+
+    def fence(self, key: str) -> Fence | None:
+        """This worker's proof of ownership of `key` now; None: not ours (any more)."""
+
+    def speaker(self, outlet: Outlet, fence: Fence) -> Speaker:
+        """The outlet, guarded by `fence`: nothing is said once the session is not ours."""
+
+    async def place(self, arrival: Arrival) -> Fence | Submitted:
+        """Ours (the fence to write with), or what became of the message (forwarded, refused)."""
+
+    async def watch(self, key: str) -> None:
+        """`key` has work open (raises ClusterUnavailable)."""
+
+    def unwatch(self, key: str) -> None: ...
+
+    def check_lease(self, key: str) -> None:
+        """Drop the lease of `key` if it can no longer be proven."""
+
+
+class SingleNode:
+    """One process: it owns every session."""
+
+    worker_id = None
+
+    def fence(self, key: str) -> Fence:
+        return Fence.local(key)
+
+    def speaker(self, outlet: Outlet, fence: Fence) -> Speaker:
+        return Speaker(outlet)
+
+    async def place(self, arrival: Arrival) -> Fence:
+        return Fence.local(arrival.key)
+
+    async def watch(self, key: str) -> None:
+        pass
+
+    def unwatch(self, key: str) -> None:
+        pass
+
+    def check_lease(self, key: str) -> None:
+        pass
+
+
+class ClusterNode:
+    """Cluster mode: a session is ours while we hold its lease; anyone else's is forwarded to its owner."""
+
+    def __init__(self, ownership: Ownership, answers: Answers, recent: RecentMessages) -> None:
+        self._ownership = ownership
+        self._answers = answers
+        self._recent = recent
+
+    @property
+    def worker_id(self) -> str:
+        return self._ownership.worker_id
+
+    def fence(self, key: str) -> Fence | None:
+        return self._ownership.fence_of(key)
+
+    def speaker(self, outlet: Outlet, fence: Fence) -> Speaker:
+        return Speaker(outlet) if fence.is_local else Speaker(outlet, FenceGuard(self._ownership, fence))
+
+    async def watch(self, key: str) -> None:
+        await self._ownership.watch(key)
+
+    def unwatch(self, key: str) -> None:
+        self._ownership.unwatch(key)
+
+    def check_lease(self, key: str) -> None:
+        self._ownership.check_lease(key)
+
+    async def place(self, arrival: Arrival) -> Fence | Submitted:
+        a = arrival
+        try:
+            route = await self._ownership.route(a.key)
+        except ClusterUnavailable as exc:
+            log.warning("cannot route %s: %s", a.key, exc)
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, UNAVAILABLE)
+        if route.fence is not None:
+            return route.fence
+        if self._recent.seen(a.msg, a.hops):
+            return Submitted(Outcome.DUPLICATE)
+        assert route.owner is not None
+        return await self._forward(route.owner, a)
+
+    async def _forward(self, owner: str, a: Arrival) -> Submitted:
+        if a.hops >= MAX_HOPS and a.cmd is None and a.outlet.pushes_anywhere:
+            # Ownership is moving (a takeover under way): the platform was already answered, so
+            # the message stays in this worker's inbox and is handled again once idle for a TTL.
+            log.info("ownership moving; the message waits in the inbox", extra={"session": a.key})
+            return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
+        if a.hops >= MAX_HOPS or (a.cmd is None and not a.outlet.pushes_anywhere):
+            # A web chat or API client waits on this worker's connection, and only the owner may
+            # answer: say so rather than answer twice or not at all.
+            return await self._answers.reject(a.outlet, a.msg, a.key, BUSY_ELSEWHERE)
+        log.debug("forwarding to %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
+        # The owner answers push platforms itself; only a client connected here needs the result.
+        want_reply = a.cmd is not None and not a.outlet.pushes_anywhere
+        try:
+            result = await self._ownership.forward(owner, a.msg, a.key, hops=a.hops, want_reply=want_reply)
+        except ClusterUnavailable as exc:
+            self._recent.forget(a.msg)
+            log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": a.key})
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
+        if not want_reply:
+            return Submitted(Outcome.FORWARDED, owner)
+        if result is None:
+            return await self._answers.reject(a.outlet, a.msg, a.key, NO_ANSWER)
+        kind = (NoticeKind.STOPPED if result.detail == STOPPED else
+                NoticeKind.ERROR if result.outcome is Outcome.REJECTED else NoticeKind.INFO)
+        await a.outlet.notify(a.msg.chat, result.detail, reply_to=a.msg.message_id, kind=kind)  # the owner can't
+        return result

@@ -1,0 +1,1 @@
+"""Per-session runtime: lanes (one turn at a time), the admission decision, commands, automatic messages."""

@@ -1,0 +1,128 @@
+"""Turning an accepted message into a turn in its session's lane: the admission decision applied,
+the message stored, the user told what became of it. Also the way back in for messages the
+gateway itself queues (replays after a restart, resumes, a background job's end)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from gateway.core.background import BackgroundJobs
+from gateway.core.cancellation import NEW_MESSAGE, Run
+from gateway.core.cluster import ClusterUnavailable
+from gateway.core.fencing import Fence
+from gateway.core.intake.answers import Answers
+from gateway.core.intake.dedupe import RecentMessages
+from gateway.core.intake.gates import Arrival
+from gateway.core.intake.ownership import Owners
+from gateway.core.messages import InboundMessage
+from gateway.core.ports import NoticeKind, Outcome, Outlet, Store, StoreError, Submitted
+from gateway.core.sessions.admission import Admission, LaneState, admit
+from gateway.core.sessions.control import BusyPolicies
+from gateway.core.sessions.lanes import Lanes, Scope
+from gateway.core.sessions.origins import Origins
+from gateway.core.transcript import ChatMessage
+from gateway.core.turns import Speaker, Turn
+
+log = logging.getLogger(__name__)
+
+STEERED = "↪ added to the current answer"
+NOT_SAVED = "Sorry, I could not save your message (storage error). Please send it again."
+
+
+class TurnQueue:
+    def __init__(self, *, lanes: Lanes, owners: Owners, store: Store, busy: BusyPolicies, origins: Origins,
+                 recent: RecentMessages, answers: Answers, jobs: BackgroundJobs | None = None) -> None:
+        self._lanes = lanes
+        self._owners = owners
+        self._store = store
+        self._busy = busy
+        self._origins = origins
+        self._recent = recent
+        self._answers = answers
+        self._jobs = jobs
+
+    async def admit(self, a: Arrival, fence: Fence) -> Submitted:
+        """A user's message for a session this worker owns (`fence`)."""
+        msg, key = a.msg, a.key
+        speaker = self._owners.speaker(a.outlet, fence)
+        if a.refused:  # the rest of the message is answered; the user learns why this part is not read
+            await speaker.notify(msg.chat, a.refused, reply_to=msg.message_id, kind=NoticeKind.INFO)
+        turn = Turn(msg, key, speaker, fence)
+        self._origins.remember(key, msg)
+        decision = admit(self._busy.get(key), LaneState.of(self._lanes.get(key), msg),
+                         can_steer=a.outlet.can_steer and not a.readable)
+        decision, ahead = self._apply(decision, turn)  # before any await: a /stop from now on finds the turn
+        stored = await self._store_inbound(turn, a)
+        if stored is not None:
+            return stored
+        return await self._acknowledge(decision, turn, speaker, ahead)
+
+    async def admit_stateless(self, a: Arrival, history: Sequence[ChatMessage]) -> Submitted:
+        """A request that carries its own history: a session of its own, nothing stored."""
+        speaker = Speaker(a.outlet)
+        if a.refused:
+            await speaker.notify(a.msg.chat, a.refused, reply_to=a.msg.message_id, kind=NoticeKind.INFO)
+        turn = Turn.stateless(a.msg, a.key, speaker, history)
+        self._lanes.enqueue(turn)
+        return Submitted(Outcome.ACCEPTED, run=turn.run)
+
+    async def resume(self, msg: InboundMessage, outlet: Outlet, key: str, *,
+                     inbound_id: int | None = None) -> Run | None:
+        """Queue a turn without the intake checks a user message gets: a message already stored
+        (`inbound_id`), or an automatic one whose message id makes it happen once."""
+        fence = self._owners.fence(key)
+        if fence is None:  # the session is not ours (any more): its owner recovers it
+            return None
+        turn = Turn(msg, key, self._owners.speaker(outlet, fence), fence)
+        self._origins.remember(key, msg)  # a job started by a replayed turn reports to its chat too
+        self._lanes.enqueue(turn)
+        try:
+            await self._owners.watch(key)
+            turn.inbound_id = inbound_id or await self._store.accept_inbound(fence, msg)
+        except (StoreError, ClusterUnavailable):  # it stays open in the store: recovered with the session later
+            turn.inbound_id = None
+        turn.accepted.set_result(turn.inbound_id is not None)
+        return turn.run if turn.inbound_id is not None else None
+
+    def _apply(self, decision: Admission, turn: Turn) -> tuple[Admission, int]:
+        """Carry the decision out; returns it (a steer with nothing left to steer into queues) and
+        how many turns are ahead of this one."""
+        if decision is Admission.INTERRUPT:
+            if self._jobs is not None:  # long commands move to the background before the cancel reaches them
+                self._jobs.yield_foreground(turn.key, now=True)
+            self._lanes.cancel(turn.key, NEW_MESSAGE, Scope.SESSION)
+        if decision is Admission.STEER:
+            if self._lanes.steer(turn):  # handed to the running turn at its next boundary
+                return decision, 0
+            decision = Admission.QUEUE
+        return decision, self._lanes.enqueue(turn)
+
+    async def _store_inbound(self, turn: Turn, a: Arrival) -> Submitted | None:
+        """Store the message (acknowledged means stored); what to answer if it was not stored."""
+        try:
+            await self._owners.watch(turn.key)  # before the message is stored: then someone always finishes it
+            turn.inbound_id = await self._store.accept_inbound(turn.fence, turn.msg)
+        except (StoreError, ClusterUnavailable) as exc:
+            turn.accepted.set_result(False)
+            self._recent.forget(turn.msg)
+            log.error("could not store an inbound message: %s", exc, extra={"session": turn.key})
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_SAVED)
+        if turn.inbound_id is None:
+            turn.accepted.set_result(False)
+            return Submitted(Outcome.DUPLICATE)
+        turn.accepted.set_result(True)
+        return None
+
+    async def _acknowledge(self, decision: Admission, turn: Turn, speaker: Speaker, ahead: int) -> Submitted:
+        msg = turn.msg
+        if decision is Admission.STEER:
+            if self._jobs is not None:  # the turn's long commands move to the background: it can take this now
+                self._jobs.yield_foreground(turn.key, now=False)
+            await speaker.notify(msg.chat, STEERED, reply_to=msg.message_id, kind=NoticeKind.INFO)
+            return Submitted(Outcome.STEERED, STEERED, turn.run)
+        if decision is Admission.QUEUE and ahead and not turn.run.is_cancelled():  # (stopped: its reply says so)
+            await speaker.notify(msg.chat, f"Queued — {ahead} ahead of this message. /stop clears the queue.",
+                                 reply_to=msg.message_id, kind=NoticeKind.QUEUED)
+            return Submitted(Outcome.QUEUED, f"{ahead} ahead", turn.run)
+        return Submitted(Outcome.ACCEPTED, run=turn.run)
