@@ -45,7 +45,7 @@ from gateway.core.settings import BusyPolicy as BusyPolicy
 from gateway.core.settings import CoreSettings
 from gateway.core.settings import RouterSettings as RouterSettings
 from gateway.core.transcript import ChatMessage
-from gateway.core.turns import Interruptions, LiveConversation, Turn, TurnRunner
+from gateway.core.turns import Interruptions, LiveConversation, TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -193,28 +193,12 @@ class Router:
         if self._parts.jobs is not None:  # no job outlives the daemon; each is told at the next start
             for key, message_id, text in self._parts.jobs.kill_all(reason):
                 await self._automatic.leave(key, message_id, text)
-        storing = [f for turn in self._lanes.close(reason) if (f := await self._end_waiting(turn, reason))]
+        storing = [f for turn in self._lanes.close(reason) if (f := await self._turns.leave_queued(turn, reason))]
         workers: list[asyncio.Future[None]] = [*self._lanes.workers(), *storing]
         if workers:
             _done, late = await asyncio.wait(workers, timeout=grace_s)
             for late_one in late:
                 late_one.cancel()
-
-    async def _end_waiting(self, turn: Turn, reason: ToolReason) -> asyncio.Future[None] | None:
-        """A queued turn at shutdown: it stays accepted in the store; its reply ends now (once its
-        intake has stored it: a task to wait for, returned)."""
-        turn.run.cancel(reason)
-        storing = None
-        if not turn.accepted.done():
-            storing = asyncio.ensure_future(self._settle_once_stored(turn))
-        elif turn.accepted.result():
-            await self._turns.settle(turn)
-        turn.run.end()
-        return storing
-
-    async def _settle_once_stored(self, turn: Turn) -> None:
-        if await turn.accepted:
-            await self._turns.settle(turn)
 
     async def _sweep(self) -> None:
         every = max(1.0, min(30.0, self.cache.idle_ttl_s / 2))

@@ -252,9 +252,56 @@ class TurnRunner:
         except Exception:
             log.exception("the platform failed after a turn ended", extra={"session": turn.key})
 
+    async def leave_queued(self, turn: Turn, reason: ToolReason) -> asyncio.Future[None] | None:
+        """A turn still queued when the gateway stops: it stays accepted in the store (the next
+        start replays it) and its reply ends now — once its intake has stored it, so a task to
+        wait for is returned while that is under way."""
+        turn.run.cancel(reason)
+        storing = None
+        if not turn.accepted.done():
+            storing = asyncio.ensure_future(self._settle_once_stored(turn))
+        elif turn.accepted.result():
+            await self.settle(turn)
+        turn.run.end()
+        return storing
+
+    async def _settle_once_stored(self, turn: Turn) -> None:
+        if await turn.accepted:
+            await self.settle(turn)
+
     async def _execute(self, turn: Turn, reply: SettlingReply) -> str | None:
         """The turn's life; returns what the user must be told if its outcome could not be saved."""
-        run, msg = turn.run, turn.msg
+        opened = await self._open(turn, reply)
+        if opened is None:
+            return None  # it could not start: the user was told why
+        agent, user = opened
+        run = turn.run
+        if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
+            return None
+        if run.is_cancelled():  # stopped while queued or starting: it never runs
+            return await self._never_ran(turn, agent, user)
+        conversation = agent.conversation if agent else 0
+        if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
+                                                         status=(InboundStatus.RUNNING, None)):
+            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.",
+                               retry_after_s=UNAVAILABLE_RETRY_S)
+            return None
+        recorder = TurnRecorder()
+        task = await self._run_agent(turn, agent, user, reply, recorder)
+        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
+        self._metrics.turns.labels(status.value).inc()
+        if turn.usage[0] and log.isEnabledFor(logging.DEBUG):  # per tenant in metrics; a line per turn costs
+            log.debug("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
+        saved = await self._record(turn, agent, conversation, user, rows, status, detail)
+        if status is InboundStatus.DONE:
+            await self._show_end(turn, reply, recorder.final_text)
+        for joined in turn.absorbed:  # messages handed to this turn are answered by it
+            saved = await self._finish(joined, status, f"answered with message {turn.msg.message_id}") and saved
+        return None if saved else UNSAVED
+
+    async def _open(self, turn: Turn, reply: SettlingReply) -> tuple[LiveConversation | None, ChatMessage] | None:
+        """The session's live conversation (None for a stateless turn) and the user's row; None if
+        the turn cannot start (no agent slot, the store down), after telling the user."""
         try:
             agent = await self._session_agent(turn.key) if turn.client_history is None else None
         except (CacheFull, StoreError) as exc:
@@ -266,36 +313,36 @@ class TurnRunner:
                                "Sorry, I could not load this conversation (storage error). Please try again "
                                "shortly.", retry_after_s=UNAVAILABLE_RETRY_S)
             return None
-        user = ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
-        recorder = TurnRecorder()
-        if run.reason == LEASE_LOST:  # the new owner replays it: leave the store alone
-            return None
-        if run.is_cancelled():  # stopped while queued or starting: it never runs
-            assert run.reason is not None
-            self._count_cancel(turn.key, run)
-            if agent is not None and run.reason != SESSION_RESET:
-                saved = await self._persist(turn, agent, agent.conversation, [user, *recorder.interrupted(run.reason)],
-                                            status=(InboundStatus.CANCELLED, run.reason.marker))
-            else:
-                saved = await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
-            return None if saved else UNSAVED
+        msg = turn.msg
+        return agent, ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
+
+    async def _never_ran(self, turn: Turn, agent: LiveConversation | None, user: ChatMessage) -> str | None:
+        """Record a turn stopped before it started: the user's row and the interruption."""
+        run = turn.run
+        assert run.reason is not None
+        self._count_cancel(turn.key, run)
+        if agent is not None and run.reason != SESSION_RESET:
+            saved = await self._persist(turn, agent, agent.conversation,
+                                        [user, *TurnRecorder().interrupted(run.reason)],
+                                        status=(InboundStatus.CANCELLED, run.reason.marker))
+        else:
+            saved = await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
+        return None if saved else UNSAVED
+
+    async def _run_agent(self, turn: Turn, agent: LiveConversation | None, user: ChatMessage,
+                         reply: SettlingReply, recorder: TurnRecorder) -> asyncio.Task[None]:
+        """Stream the agent in the run's own task (its context names the run, copied into threads)
+        and wait for that task to end; returns it, ended or abandoned."""
+        run = turn.run
         history = list(agent.history) if agent is not None else list(turn.client_history or ())
-        conversation = agent.conversation if agent else 0
-        if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
-                                                         status=(InboundStatus.RUNNING, None)):
-            await reply.failed("Sorry, I could not save your message (storage error). Please send it again.",
-                               retry_after_s=UNAVAILABLE_RETRY_S)
-            return None
         reply.open()
         ctx = contextvars.copy_context()
         ctx.run(current_run.set, run)
-        ctx.run(log_context.set, {"session": turn.key, "platform": msg.platform, "run": run.run_id})
-        loop = asyncio.get_running_loop()
-        context = _Context(turn, agent)
+        ctx.run(log_context.set, {"session": turn.key, "platform": turn.msg.platform, "run": run.run_id})
         settings = self._settings.value
-        task = loop.create_task(self._stream(turn, settings.agent, history, user, reply, recorder, context),
-                                context=ctx)
-        run.attach(task)  # a cancel that landed during the awaits above cancels it right here
+        stream = self._stream(turn, settings.agent, history, user, reply, recorder, _Context(turn, agent))
+        task = asyncio.get_running_loop().create_task(stream, context=ctx)
+        run.attach(task)  # a cancel that landed during the awaits before cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
         self._cache.mark_running(turn.key, True)
         self._metrics.turns_running.inc()
@@ -308,16 +355,7 @@ class TurnRunner:
             self.running.pop(run, None)
             self._cache.mark_running(turn.key, False)
             self._metrics.turns_running.dec()
-        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
-        self._metrics.turns.labels(status.value).inc()
-        if turn.usage[0] and log.isEnabledFor(logging.DEBUG):  # per tenant in metrics; a line per turn costs
-            log.debug("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
-        saved = await self._record(turn, agent, conversation, user, rows, status, detail)
-        if status is InboundStatus.DONE:
-            await self._show_end(turn, reply, recorder.final_text)
-        for joined in turn.absorbed:  # messages handed to this turn are answered by it
-            saved = await self._finish(joined, status, f"answered with message {msg.message_id}") and saved
-        return None if saved else UNSAVED
+        return task
 
     async def _record(self, turn: Turn, agent: LiveConversation | None, conversation: int, user: ChatMessage,
                       rows: list[ChatMessage], status: InboundStatus, detail: str | None) -> bool:
