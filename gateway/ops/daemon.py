@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -188,6 +188,7 @@ class Daemon:
         if self.mcp.servers:
             self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None
+        self._listeners: list[web.AppRunner] = []
         self._stop_reason: ToolReason = GATEWAY_RESTART
         self.stop_errors: list[str] = []
 
@@ -212,25 +213,109 @@ class Daemon:
                  ", ".join(self.adapters) or "none", loop_name(asyncio.get_running_loop()))
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
-        # Registered in the reverse of the order they must stop in: intake first, the store last.
+        """Each part of the daemon is one async generator: its start before the `yield`, its stop
+        after (aiohttp's `cleanup_ctx`). They start in this order and stop in the reverse: intake
+        first, the store last. A part whose start fails stops nothing of its own; the parts
+        started before it stop."""
+        parts: tuple[Callable[[], AsyncIterator[None]], ...] = (
+            self._store_part, self._tools_part, self._mcp_part, self._cluster_part, self._clients_part,
+            self._listeners_part, self._router_part, self._intake_part, self._sites_part)
+        for part in parts:
+            await self._enter(stack, part)
+
+    async def _enter(self, stack: contextlib.AsyncExitStack, part: Callable[[], AsyncIterator[None]]) -> None:
+        steps = part()
+        await anext(steps)
+
+        async def stop() -> None:
+            with contextlib.suppress(StopAsyncIteration):
+                await anext(steps)
+
+        stack.push_async_callback(stop)
+
+    async def _stopping(self, what: str, step: Callable[[], Awaitable[object]]) -> None:
+        """One stop step: a failure is logged and remembered, and the rest still run."""
+        try:
+            await step()
+        except Exception:
+            self.stop_errors.append(what)
+            log.exception("stopping %s failed; carrying on with the rest", what)
+
+    async def _store_part(self) -> AsyncIterator[None]:
         self.ledger.sweep_stale()  # before any tool runs: what a daemon that died left behind
         self.notifier.status("opening the store")
         await self.store.open()
-        self._on_stop(stack, "the store", self.store.close)
-        self._on_stop(stack, "the tool sentinel", self.ledger.close)  # after the tools are drained
-        self._on_stop(stack, "the agents", self._close_agents)
-        self._on_stop(stack, "attachment downloads", self.media.close)
-        self._on_stop(stack, "tool processes", self._drain_tools)
+        yield
+        await self._stopping("the store", self.store.close)
+
+    async def _tools_part(self) -> AsyncIterator[None]:
+        yield
+        await self._stopping("tool processes", self._drain_tools)
+        await self._stopping("attachment downloads", self.media.close)
+        await self._stopping("the agents", self._close_agents)
+        await self._stopping("the tool sentinel", self.ledger.close)  # after the tools are drained
+
+    async def _mcp_part(self) -> AsyncIterator[None]:
         self.mcp.start()  # in the background: a server that is slow or fails never holds the start up
-        self._on_stop(stack, "MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
-        if self.cluster is not None:
-            await self.cluster.start(self.router.cluster_events())
-            self._on_stop(stack, "cluster membership", self.cluster.stop)  # releases leases
-        for name, adapter in self.adapters.items():
-            self.notifier.status(f"starting {name}")
-            await adapter.start(self.router)
-            self._on_stop(stack, f"the {name} client", adapter.close)
+        yield
+        await self._stopping("MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
+
+    async def _cluster_part(self) -> AsyncIterator[None]:
+        if self.cluster is None:
+            yield
+            return
+        await self.cluster.start(self.router.cluster_events())
+        yield
+        await self._stopping("cluster membership", self.cluster.stop)  # releases leases
+
+    async def _clients_part(self) -> AsyncIterator[None]:
+        started = []
+        try:
+            for name, adapter in self.adapters.items():
+                self.notifier.status(f"starting {name}")
+                await adapter.start(self.router)
+                started.append((name, adapter))
+        except BaseException:
+            for name, adapter in reversed(started):
+                await self._stopping(f"the {name} client", adapter.close)
+            raise
+        yield
+        for name, adapter in reversed(started):
+            await self._stopping(f"the {name} client", adapter.close)
+
+    async def _listeners_part(self) -> AsyncIterator[None]:
         install_parser_filter()  # requests aiohttp cannot parse: a warning line, not an error traceback
+        runners = self._runners()
+        for runner in runners:
+            await runner.setup()
+        self._listeners = runners
+        yield
+        for runner in reversed(runners):  # after the turns they serve ended
+            await self._stopping("an HTTP listener", runner.cleanup)
+
+    async def _router_part(self) -> AsyncIterator[None]:
+        await self.router.start()
+        if self.cluster is not None:
+            await self.cluster.adopt()  # the previous incarnation's sessions, then lapsed leases anywhere
+        yield
+        await self._stopping("the router", lambda: self.router.shutdown(
+            self._stop_reason, drain_s=self.config.daemon.drain_timeout_s,
+            grace_s=self.config.daemon.shutdown_grace_s))
+
+    async def _intake_part(self) -> AsyncIterator[None]:
+        yield
+        for name, adapter in reversed(self.adapters.items()):
+            await self._stopping(f"{name} intake", adapter.stop)
+
+    async def _sites_part(self) -> AsyncIterator[None]:
+        http, admin = self._listeners[0], self._listeners[1:]
+        await start_sites(http, self.config.http.host, self.config.http.port)
+        for runner in admin:
+            await start_sites(runner, self.config.admin.host, self.config.admin.port)
+        yield  # the listeners' runners stop them
+
+    def _runners(self) -> list[web.AppRunner]:
+        """The HTTP listener, and the admin one if it is on."""
         # Room for an API request carrying images as base64 (a third larger than the bytes).
         max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
         app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
@@ -246,30 +331,7 @@ class Daemon:
                                 extra_stats=self._cluster_stats,
                                 hosts=HostPolicy(admin.host, admin.allowed_hosts)),
                 access_log=None, shutdown_timeout=2.0))
-        for runner in runners:
-            await runner.setup()
-            self._on_stop(stack, "an HTTP listener", runner.cleanup)  # after the turns it serves ended
-        await self.router.start()
-        if self.cluster is not None:
-            await self.cluster.adopt()  # the previous incarnation's sessions, then lapsed leases anywhere
-        self._on_stop(stack, "the router", lambda: self.router.shutdown(
-            self._stop_reason, drain_s=self.config.daemon.drain_timeout_s,
-            grace_s=self.config.daemon.shutdown_grace_s))
-        for name, adapter in self.adapters.items():
-            self._on_stop(stack, f"{name} intake", adapter.stop)
-        await start_sites(runners[0], self.config.http.host, self.config.http.port)
-        if admin.enabled:
-            await start_sites(runners[1], admin.host, admin.port)
-
-    def _on_stop(self, stack: contextlib.AsyncExitStack, what: str, step: Callable[[], Awaitable[object]]) -> None:
-        async def run() -> None:
-            try:
-                await step()
-            except Exception:
-                self.stop_errors.append(what)
-                log.exception("stopping %s failed; carrying on with the rest", what)
-
-        stack.push_async_callback(run)
+        return runners
 
     async def _drain_tools(self) -> None:
         self.jobs.kill_all(self._stop_reason)  # the router did, unless it never started
