@@ -68,6 +68,7 @@ STOPPED_BY_OPERATOR = ToolReason.system("stopped by operator")
 LEASE_LOST = ToolReason.system("session lease lost")
 PROCESS_DIED = ToolReason.system("gateway stopped before the turn finished")
 TAKEN_OVER = ToolReason.system("worker stopped responding; session taken over")
+NOT_RECORDED = ToolReason.system("the answer could not be stored")  # shown whole means recorded
 
 
 def timed_out(seconds: float) -> ToolReason:

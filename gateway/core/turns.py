@@ -21,6 +21,7 @@ from gateway.core.attachments import note, refusal_sentence, with_placeholders
 from gateway.core.cancellation import (
     GATEWAY_RESTART,
     LEASE_LOST,
+    NOT_RECORDED,
     SESSION_RESET,
     Guard,
     Run,
@@ -292,12 +293,16 @@ class TurnRunner:
         self._metrics.turns.labels(status.value).inc()
         if turn.usage[0] and log.isEnabledFor(logging.DEBUG):  # per tenant in metrics; a line per turn costs
             log.debug("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})
-        saved = await self._record(turn, agent, conversation, user, rows, status, detail)
+        recorded = await self._record(turn, agent, conversation, user, rows, status, detail)
         if status is InboundStatus.DONE:
-            await self._show_end(turn, reply, recorder.final_text)
-        for joined in turn.absorbed:  # messages handed to this turn are answered by it
-            saved = await self._finish(joined, status, f"answered with message {turn.msg.message_id}") and saved
-        return None if saved else UNSAVED
+            # Shown whole means recorded: an answer whose record never landed is cut, with the
+            # reason, so no client takes it for a complete (and remembered) one.
+            await (self._show_end(turn, reply, recorder.final_text) if recorded else reply.interrupted(NOT_RECORDED))
+        joined = True
+        for absorbed in turn.absorbed:  # messages handed to this turn are answered by it
+            joined = await self._finish(absorbed, status, f"answered with message {turn.msg.message_id}") and joined
+        told = not recorded and status is InboundStatus.DONE  # the interruption says it already
+        return None if (recorded or told) and joined else UNSAVED
 
     async def _open(self, turn: Turn, reply: SettlingReply) -> tuple[LiveConversation | None, ChatMessage] | None:
         """The session's live conversation (None for a stateless turn) and the user's row; None if
