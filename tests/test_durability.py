@@ -10,16 +10,22 @@ import asyncio
 import sqlite3
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from gateway.agents.echo import EchoAgent
+from gateway.agents.tools import ToolRegistry
 from gateway.core import turns
-from gateway.core.cancellation import NOT_RECORDED
-from gateway.core.ports import InboundStatus
+from gateway.core.cancellation import GATEWAY_RESTART, NOT_RECORDED
+from gateway.core.fencing import Fence
+from gateway.core.messages import session_key
+from gateway.core.ports import FencedOut, InboundStatus
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.routers import build_router
 
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -63,3 +69,35 @@ async def test_an_answer_whose_record_never_lands_is_cut_with_the_reason_not_sho
     assert [r.status for r in records] == [InboundStatus.RUNNING]  # open: a restart closes and resumes it
     assert router.status(submitted.run.session_key).running is False
     assert NOT_RECORDED.text in shown
+
+
+class _RefusingStore(SqliteStore):
+    """The store as another worker's newer fence makes it: every write for the session refused."""
+
+    async def finish_inbound(self, *args: object, **kwargs: object) -> None:
+        raise FencedOut("a newer fence holds this session")
+
+    async def append(self, *args: object, **kwargs: object) -> None:
+        raise FencedOut("a newer fence holds this session")
+
+
+async def test_a_write_refused_during_adoption_never_escapes_to_whoever_routed_the_message(
+        tmp_path: Path, chat: MemoryChat) -> None:
+    seed = SqliteStore(tmp_path / "s.db")
+    await seed.open()
+    msg = chat.message("c1", "left open by a dead worker")
+    key = session_key(msg)
+    inbound_id = await seed.accept_inbound(Fence.local(key), msg)
+    assert inbound_id is not None
+    await seed.finish_inbound(Fence.local(key), inbound_id, InboundStatus.RUNNING, None)
+    await seed.close()
+    store = _RefusingStore(tmp_path / "s.db")
+    await store.open()
+    router = build_router(store, EchoAgent(ToolRegistry()), chat)
+    await chat.start(router)
+    try:
+        await router.cluster_events().adopted(key)  # raised FencedOut before
+        assert [r.status for r in await store.unfinished_inbound(key)] == [InboundStatus.RUNNING]
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await store.close()

@@ -45,9 +45,16 @@ class Recovery:
         except StoreError as exc:
             log.warning("could not read what %s left open: %s", session, exc, extra={"session": session})
             return
-        if records:
-            log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
+        if not records:
+            return
+        log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
+        try:
             await self.recover(records, cut_off=TAKEN_OVER)
+        except StoreError as exc:
+            # Adoption runs inside whatever routed a message here (an HTTP request, a forward):
+            # its failure is this worker's to log, never that client's 5xx. What stays open in
+            # the store is recovered by the session's owner, this worker or the next.
+            log.warning("could not finish what %s left open: %s", session, exc, extra={"session": session})
 
     async def recover(self, records: list[InboundRecord], *, cut_off: ToolReason) -> None:
         """`cut_off` names what stopped turns that were still running (a crash, a dead worker)."""
