@@ -15,6 +15,7 @@ from gateway.core.cancellation import (
     Run,
     RunCancelled,
     ToolReason,
+    checkpoint,
     current_run,
     get_run,
     is_cancelled,
@@ -190,3 +191,14 @@ async def test_a_run_that_was_never_cancelled_is_joined_when_its_task_ends() -> 
     run.attach(task)
     assert await asyncio.wait_for(run.join(grace_s=0), 10)
     assert task.result() == "done" and run.redeliveries == 0
+
+
+async def test_a_cancelled_run_takes_no_new_step_even_if_its_cancel_was_swallowed() -> None:
+    checkpoint()  # outside any run: nothing to stop
+    run = Run("s")
+    ctx = contextvars.copy_context()
+    ctx.run(current_run.set, run)
+    ctx.run(checkpoint)  # a live run goes on
+    run.cancel(STOPPED_BY_USER)
+    with pytest.raises(asyncio.CancelledError):
+        ctx.run(checkpoint)  # before a provider request or a tool start: refused, whatever was swallowed

@@ -345,6 +345,18 @@ def is_cancelled() -> bool:
     return run is not None and run.is_cancelled()
 
 
+def checkpoint() -> None:
+    """Before a new step of a run — a provider request, a tool start: a cancelled run takes none.
+
+    A cancel reaches the run's task as `CancelledError` at its next await, and is re-delivered
+    until the task ends; but a step that begins between a swallowed delivery and the next one
+    would still open new I/O. This closes that gap where it matters: raised here, synchronously,
+    whenever the current run has been cancelled."""
+    run = current_run.get()
+    if run is not None and run.is_cancelled():
+        raise asyncio.CancelledError(run.reason.marker if run.reason else "cancelled")
+
+
 async def run_in_executor(
     executor: Executor | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
 ) -> T:
