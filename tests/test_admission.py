@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.core.sessions.admission import Admission, LaneState, admit
+from gateway.core.settings import BUSY_POLICIES
 
 IDLE = LaneState()
 RUNNING = LaneState(busy=True, steerable=True)  # one turn, running, nothing queued
@@ -35,6 +36,6 @@ def test_admission_table(policy: str, lane: LaneState, can_steer: bool, expected
 
 
 def test_an_idle_lane_is_never_steered_queued_or_interrupted_whatever_else_is_true() -> None:
-    for policy in ("interrupt", "queue", "steer"):
+    for policy in BUSY_POLICIES:
         for can_steer in (True, False):
-            assert admit(policy, IDLE, can_steer=can_steer) is Admission.RUN  # type: ignore[arg-type]
+            assert admit(policy, IDLE, can_steer=can_steer) is Admission.RUN
