@@ -220,13 +220,13 @@ async def _status(config: Config, limit: int = 50) -> int:
 
 
 async def _migrate(config: Config) -> int:
-    from gateway.store.postgres import SCHEMA_VERSION, PostgresStore
+    from gateway.store.postgres import SCHEMA_VERSION, PostgresSettings, PostgresStore
 
     if config.store.url is None:
         print("switchboard: store migrate: [store] url is not set (only the PostgreSQL store has a schema "
               "to migrate)", file=sys.stderr)
         return 2
-    store = PostgresStore(config.store.url.reveal(), require_fence=False, pool_size=1)
+    store = PostgresStore(config.store.url.reveal(), require_fence=False, settings=PostgresSettings(pool_size=1))
     try:
         await store.open()
     except StoreError as exc:
