@@ -88,19 +88,21 @@ class OutputBuffer:
 
 
 class Job:
+    """A foreground command adopted by the registry: the same group, process, output and reader."""
+
     __slots__ = ("command", "ended", "ended_at", "id", "out", "proc", "pump", "read_pos", "reason", "returncode",
                  "seen_end", "session", "spawn", "started", "state", "waiters")
 
-    def __init__(self, job_id: str, session: str, command: str, spawn: Spawn, proc: asyncio.subprocess.Process,
-                 out: OutputBuffer, pump: asyncio.Task[None], started: float) -> None:
+    def __init__(self, job_id: str, fg: Foreground) -> None:
+        assert fg.proc is not None and fg.out is not None and fg.pump is not None, "only a started command moves"
         self.id = job_id
-        self.session = session
-        self.command = command
-        self.spawn = spawn
-        self.proc = proc
-        self.out = out
-        self.pump = pump
-        self.started = started  # monotonic, when the command started (in the foreground)
+        self.session = fg.session
+        self.command = fg.command
+        self.spawn = fg.spawn
+        self.proc = fg.proc
+        self.out = fg.out
+        self.pump = fg.pump
+        self.started = fg.started  # monotonic, when the command started (in the foreground)
         self.ended_at: float | None = None
         self.state: JobState = "running"
         self.returncode: int | None = None
@@ -415,7 +417,7 @@ class JobRegistry:
         if (full := self.room(fg.session)) is not None:
             log.info("a command stays in the foreground: %s", full, extra={"session": fg.session})
             return None
-        job = Job(f"j{next(self._ids)}", fg.session, fg.command, fg.spawn, fg.proc, fg.out, fg.pump, fg.started)
+        job = Job(f"j{next(self._ids)}", fg)
         fg.job = job
         jobs = self._jobs.setdefault(fg.session, {})
         jobs[job.id] = job
