@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
@@ -196,10 +196,93 @@ class Acquired:
     kept: bool = False  # it was ours all along (only our view of it had lapsed): nothing to recover
 
 
+Queued = tuple[str, str, str, asyncio.Future[Acquired]]  # name, lease key, fence key, the caller's answer
+
+
 class OnLost(Protocol):
     def __call__(self, name: str, lease: Lease, *, expired: bool) -> None:
         """`name` is no longer ours: `expired` by our own clock (so maybe still ours in Redis), or
         refused at renewal (someone else's now, or gone)."""
+
+
+Call = tuple[list[str], list[Any]]  # the KEYS and ARGV of one EVALSHA
+Send = Callable[[Any, str, list[Call]], Awaitable[list[Any]]]  # (client, sha, calls) -> a result per call
+
+
+async def _send_pipelined(redis: Any, sha: str, calls: list[Call]) -> list[Any]:
+    """One Redis: one call as it is (an error raised), several as one pipeline (errors in place)."""
+    if len(calls) == 1:  # no pipeline to build
+        keys, args = calls[0]
+        return [await redis.evalsha(sha, len(keys), *keys, *args)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+async def _send_concurrently(redis: Any, sha: str, calls: list[Call]) -> list[Any]:
+    """Redis Cluster: redis-py's cluster pipeline refuses scripts, so the calls go side by side
+    (errors in place; if one was cancelled, the first failure is raised)."""
+    results = list(await asyncio.gather(*(redis.evalsha(sha, len(keys), *keys, *args) for keys, args in calls),
+                                        return_exceptions=True))
+    if any(isinstance(r, BaseException) and not isinstance(r, Exception) for r in results):
+        raise next(r for r in results if isinstance(r, BaseException))
+    return results
+
+
+class _Script:
+    """A Lua script run by EVALSHA on one client: loaded at its first use, and loaded again once if
+    Redis no longer knows it (restarted, or failed over to a replica that never saw it)."""
+
+    def __init__(self, redis: AnyRedis, source: str, send: Send) -> None:
+        self.redis = redis
+        self.source = source
+        self.send = send
+        self.sha: str | None = None
+
+    async def run(self, calls: list[Call]) -> list[Any]:
+        """A result per call, in order (a failed call's exception in its place, for several calls)."""
+        for attempt in range(2):
+            if self.sha is None or attempt:
+                self.sha = str(await self.redis.script_load(self.source))
+            try:
+                results = await self.send(self.redis, self.sha, calls)
+            except NoScriptError:
+                continue
+            if not any(isinstance(r, NoScriptError) for r in results):
+                return results
+        raise RedisError("the Lua script could not be loaded")
+
+
+def _renewed(results: list[Any]) -> list[int]:
+    """The renew script's answers — a string of '1' (renewed) and '0' (lost) per call — as one flag
+    per lease, in order. A failed call fails the whole slice."""
+    flags: list[int] = []
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+        flags += [int(x) for x in (r.decode() if isinstance(r, bytes) else r)]
+    return flags
+
+
+def _won(result: Any) -> bool:
+    """Did the acquire script make the lease ours? ({1, fence, replaced, kept} — else {0, holder, pttl})"""
+    return not isinstance(result, Exception) and int(result[0]) == 1
+
+
+def _ours(lease: Lease, result: Any) -> Acquired:
+    return Acquired(lease, replaced=str(result[2]) or None, kept=int(result[3]) == 1)
+
+
+def _theirs(result: Any) -> Acquired:
+    return Acquired(None, str(result[1]), int(result[2]))
+
+
+def _fail_all(batch: list[Queued], exc: BaseException) -> None:
+    """Every acquisition of a batch that could not be sent fails with its error (a cancel: as a RedisError)."""
+    for *_, fut in batch:
+        if not fut.done():
+            fut.set_exception(exc if isinstance(exc, Exception) else RedisError("cancelled"))
 
 
 class LeaseManager:
@@ -219,10 +302,15 @@ class LeaseManager:
         self.listed_in = listed_in  # a set every acquired name is added to (by the acquisition itself)
         self.held = Held()
         self.renewed_at: dict[str, float] = {}  # name -> `now()` when its last renewal (or acquisition) was sent
-        self._acquire_sha: str | None = None
-        self._renew_sha: str | None = None
-        self._release_sha: str | None = None
-        self._queued: list[tuple[str, str, str, asyncio.Future[Acquired]]] = []
+        self._cluster = isinstance(redis, RedisCluster)
+        send = _send_concurrently if self._cluster else _send_pipelined
+        self._acquire_script = _Script(redis, _ACQUIRE, send)
+        self._renew_script = _Script(redis, _RENEW, send)
+        self._release_script = _Script(redis, _RELEASE, send)
+        # One Redis: the acquire script lists what it acquires (one round trip). Redis Cluster: the
+        # listing lives in another slot, so it follows, for the acquired names (`_list_acquired`).
+        self._listing_keys = [listed_in] if listed_in is not None and not self._cluster else []
+        self._queued: list[Queued] = []
         # Releases on the wire, per name: an acquisition of the same name waits for them, so a
         # release sent before it can never land after it and delete the lease it just extended.
         self._releasing: dict[str, asyncio.Task[None]] = {}
@@ -233,7 +321,6 @@ class LeaseManager:
         self._lost_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._round: asyncio.Future[None] | None = None
-        self._cluster = isinstance(redis, RedisCluster)
         self.last_ok: float = now()  # when Redis last answered a call of ours
         self.failing = False  # the last call of ours failed (Redis unreachable): fail fast until one succeeds
         self.acquisitions = self.losses = 0
@@ -307,54 +394,65 @@ class LeaseManager:
             task = loop.create_task(self._acquire_batch(batch[start:start + RENEW_SLICE]))
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    async def _acquire_batch(self, batch: list[tuple[str, str, str, asyncio.Future[Acquired]]]) -> None:
+    async def _acquire_batch(self, batch: list[Queued]) -> None:
         sent = now()
-        # One Redis: the script lists what it acquires (one round trip). Redis Cluster: the listing
-        # lives in another slot, so it follows, for the acquired names.
-        listing_key = [self.listed_in] if self.listed_in is not None and not self._cluster else []
         try:
-            results = await self._evalsha_many("_acquire_sha", _ACQUIRE, [
-                ([key, fence_key, *listing_key], [self.token, self.worker_id, self.ttl_ms, name,
-                                                  "1" if name in self._lost_at else "0"])
+            results = await self._acquire_script.run([
+                ([key, fence_key, *self._listing_keys], [self.token, self.worker_id, self.ttl_ms, name,
+                                                         "1" if name in self._lost_at else "0"])
                 for name, key, fence_key, _ in batch])
         except BaseException as exc:
             self.failing = isinstance(exc, (RedisError, OSError)) or self.failing
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else RedisError("cancelled"))
+            _fail_all(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
         self.last_ok, self.failing = now(), False
-        acquired = [name for (name, *_), result in zip(batch, results, strict=True)
-                    if not isinstance(result, Exception) and int(result[0]) == 1]
-        listing: Exception | None = None
-        if acquired and self.listed_in is not None and not listing_key:
-            try:
-                await self.redis.sadd(self.listed_in, *acquired)
-            except (RedisError, OSError) as exc:
-                listing = exc
+        listing = await self._list_acquired(batch, results)
         for (name, key, _, fut), result in zip(batch, results, strict=True):
-            if fut.done():
-                continue
-            if isinstance(result, Exception):
-                fut.set_exception(result)
-            elif int(result[0]) == 1:
-                if (old := self.held.get(name)) is not None and old.fence != int(result[1]):
-                    # It lapsed in Redis while we still held it here (a slow renewal): the turns
-                    # acting on the old fence are zombies now; report it lost before it is reused.
-                    self._lose(name, expired=False)
-                if name not in self.held:
-                    self.acquisitions += 1
-                self._lost_at.pop(name, None)
-                lease = self.held[name] = Lease(key, name, int(result[1]))
-                self.renewed_at[name] = sent
-                if listing is not None:  # ours, but not listed: say so (the caller may retry)
-                    fut.set_exception(listing)
-                else:
-                    fut.set_result(Acquired(lease, replaced=str(result[2]) or None, kept=int(result[3]) == 1))
+            if not fut.done():
+                self._settle(fut, name, key, result, sent, listing)
+
+    async def _list_acquired(self, batch: list[Queued], results: list[Any]) -> Exception | None:
+        """Redis Cluster: add the names just acquired to the listing set (one Redis: the script did).
+        The error if that failed."""
+        if self.listed_in is None or self._listing_keys:
+            return None
+        acquired = [name for (name, *_), result in zip(batch, results, strict=True) if _won(result)]
+        if not acquired:
+            return None
+        try:
+            await self.redis.sadd(self.listed_in, *acquired)
+        except (RedisError, OSError) as exc:
+            return exc
+        return None
+
+    def _settle(self, fut: asyncio.Future[Acquired], name: str, key: str, result: Any, sent: float,
+                listing: Exception | None) -> None:
+        """Answer one acquisition from the script's result: failed, someone else's, or ours — held
+        from now on, even when its listing failed (then the caller is told, and may retry)."""
+        if isinstance(result, Exception):
+            fut.set_exception(result)
+        elif not _won(result):
+            fut.set_result(_theirs(result))
+        else:
+            lease = self._hold(name, key, int(result[1]), sent)
+            if listing is not None:
+                fut.set_exception(listing)
             else:
-                fut.set_result(Acquired(None, str(result[1]), int(result[2])))
+                fut.set_result(_ours(lease, result))
+
+    def _hold(self, name: str, key: str, fence: int, sent: float) -> Lease:
+        if (old := self.held.get(name)) is not None and old.fence != fence:
+            # It lapsed in Redis while we still held it here (a slow renewal): the turns acting on
+            # the old fence are zombies now; report it lost before it is reused.
+            self._lose(name, expired=False)
+        if name not in self.held:
+            self.acquisitions += 1
+        self._lost_at.pop(name, None)
+        lease = self.held[name] = Lease(key, name, fence)
+        self.renewed_at[name] = sent
+        return lease
 
     # --- release --------------------------------------------------------------------------
 
@@ -377,8 +475,7 @@ class LeaseManager:
     async def _releasing_now(self, leases: list[Lease]) -> None:
         async def release() -> None:
             with contextlib.suppress(RedisError, OSError):
-                await self._evalsha_many("_release_sha", _RELEASE,
-                                         [([lease.key], [self.token, lease.fence]) for lease in leases])
+                await self._release_script.run([([lease.key], [self.token, lease.fence]) for lease in leases])
 
         task = asyncio.get_running_loop().create_task(release())
         for lease in leases:
@@ -460,51 +557,14 @@ class LeaseManager:
         if batch:
             yield batch
 
-    def _renew_slice(self, part: list[Lease]) -> Any:
-        if self._cluster:  # every key may live on another node: one call each, pipelined per node
-            return self._evalsha_many("_renew_sha", _RENEW,
-                                      [([lease.key], [self.token, self.ttl_ms, lease.fence]) for lease in part],
-                                      flatten=True)
+    async def _renew_slice(self, part: list[Lease]) -> list[int]:
+        """Renew a slice: a flag per lease, 1 renewed, 0 lost."""
+        if self._cluster:  # every key may live on another node: one call each
+            return _renewed(await self._renew_script.run(
+                [([lease.key], [self.token, self.ttl_ms, lease.fence]) for lease in part]))
         keys = [lease.key for lease in part]
         fences = ",".join([str(lease.fence) for lease in part])
-        return self._evalsha_many("_renew_sha", _RENEW, [(keys, [self.token, self.ttl_ms, fences])], flatten=True)
-
-    async def _evalsha_many(self, attr: str, script: str, calls: list[tuple[list[str], list[Any]]], *,
-                            flatten: bool = False) -> list[Any]:
-        """One pipeline of EVALSHAs; loads the script first (and again after a Redis restart)."""
-        for attempt in range(2):
-            sha = getattr(self, attr)
-            if sha is None or attempt:
-                sha = str(await self.redis.script_load(script))
-                setattr(self, attr, sha)
-            try:
-                if len(calls) == 1 and not self._cluster:  # one call: no pipeline to build
-                    keys, args = calls[0]
-                    results = [await self.redis.evalsha(sha, len(keys), *keys, *args)]
-                elif self._cluster:  # redis-py's cluster pipeline refuses scripts: concurrent calls instead
-                    results = list(await asyncio.gather(
-                        *(self.redis.evalsha(sha, len(keys), *keys, *args) for keys, args in calls),
-                        return_exceptions=True))
-                    if any(isinstance(r, BaseException) and not isinstance(r, Exception) for r in results):
-                        raise next(r for r in results if isinstance(r, BaseException))
-                else:
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for keys, args in calls:
-                            pipe.evalsha(sha, len(keys), *keys, *args)
-                        results = list(await pipe.execute(raise_on_error=False))
-            except NoScriptError:
-                continue
-            if any(isinstance(r, NoScriptError) for r in results):
-                continue
-            if flatten:
-                out: list[Any] = []
-                for r in results:
-                    if isinstance(r, BaseException):
-                        raise r
-                    out += [int(x) for x in (r.decode() if isinstance(r, bytes) else r)]
-                return out
-            return results
-        raise RedisError("the Lua script could not be loaded")
+        return _renewed(await self._renew_script.run([(keys, [self.token, self.ttl_ms, fences])]))
 
     def _lose(self, name: str, *, expired: bool) -> None:
         lease = self.held.pop(name, None)

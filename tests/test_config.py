@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 
+from gateway.agents.mcp_config import McpServerConfig
 from gateway.core.secrets import Secret
-from gateway.ops.config import ConfigError, load_config
+from gateway.ops.coercion import coerce
+from gateway.ops.config import RULES, Config, ConfigError, load_config
 
 
 def _check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -115,3 +118,95 @@ def test_check_prints_the_effective_config_with_secrets_redacted(tmp_path: Path)
     assert 'model = "qwen"' in result.stdout
     missing = _check("--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# --- coercion: one coercer per kind of field type ------------------------------------------------
+
+@pytest.mark.parametrize(("hint", "value", "from_env", "expected"), [
+    (str, "x", False, "x"),
+    (int, 3, False, 3),
+    (int, "3", True, 3),
+    (float, 3, False, 3.0),
+    (float, "0.5", True, 0.5),
+    (bool, True, False, True),
+    (bool, "Yes", True, True),
+    (bool, "off", True, False),
+    (Secret, "s", False, Secret("s")),
+    (str | None, "", True, None),  # an empty environment value unsets an optional key
+    (str | None, "", False, ""),  # ... but an empty TOML string is a string
+    (int | None, "7", True, 7),
+    (Literal["a", "b"], "b", False, "b"),
+    (list[str], ["a", "b"], False, ["a", "b"]),
+    (list[str], "a, b,,", True, ["a", "b"]),
+    (list[int], "[1, 2]", True, [1, 2]),
+    (dict[str, Secret], "x=1, y = 2", True, {"x": Secret("1"), "y": Secret("2")}),
+    (dict[str, int], '{"x": 1}', True, {"x": 1}),
+    (McpServerConfig, {"name": "n", "args": ["a"]}, False, McpServerConfig(name="n", args=["a"])),
+])
+def test_a_value_is_coerced_by_its_fields_type(hint: Any, value: Any, from_env: bool, expected: Any) -> None:
+    got = coerce("s.k", value, hint, from_env=from_env)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize(("hint", "value", "from_env", "message"), [
+    (str, 5, False, "s.k: must be a string (got 5)"),
+    (int, True, False, "s.k: must be an integer (got True)"),  # TOML's true is not 1
+    (int, 1.5, False, "s.k: must be an integer (got 1.5)"),
+    (int, "1.5", True, "s.k: must be a number (got '1.5')"),
+    (float, "x", False, "s.k: must be a number (got 'x')"),  # text from TOML is not parsed
+    (bool, "maybe", True, "s.k: must be true or false (got 'maybe')"),
+    (Secret, "", False, "s.k: must be a non-empty string"),
+    (Literal["a", "b"], "c", False, "s.k: must be one of 'a', 'b' (got 'c')"),
+    (list[str], "a", False, "s.k: must be a list"),
+    (list[int], "[1,", True, "s.k: must be a JSON list or comma-separated values"),
+    (list[int], [1, "x"], False, "s.k[1]: must be an integer (got 'x')"),
+    (dict[str, str], ["x"], False, "s.k: must be a table of names"),
+    (dict[str, str], "{x", True, "s.k: must be a JSON object or comma-separated name=value pairs"),
+    (McpServerConfig, "n", False, "s.k: must be a table"),
+    (McpServerConfig, {"nmae": "n"}, False, "s.k.nmae: unknown key"),
+    (McpServerConfig, {"args": "a,b"}, False, "s.k.args: must be a list"),  # a table's values are typed
+])
+def test_a_value_of_the_wrong_type_is_an_error_naming_the_key(hint: Any, value: Any, from_env: bool,
+                                                              message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        coerce("s.k", value, hint, from_env=from_env)
+    assert str(info.value) == message
+
+
+# --- validation: named rules, the first broken one is the error ------------------------------------
+
+def test_every_rule_has_its_own_name_and_the_defaults_break_none() -> None:
+    assert len({rule.name for rule in RULES}) == len(RULES)
+    defaults = Config()
+    assert [rule.name for rule in RULES if rule.check(defaults) is not None] == []
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"SWITCHBOARD_HTTP__PORT": "0"}, "http.port: must be greater than 0 (got 0)"),
+    ({"SWITCHBOARD_DAEMON__SHUTDOWN_GRACE_S": "-1"}, "daemon.shutdown_grace_s: must not be negative"),
+    ({"SWITCHBOARD_CLUSTER__LEASE_TTL_S": "2.5"}, "cluster.lease_ttl_s: must be at least 3 seconds (got 2.5)"),
+    ({"SWITCHBOARD_REDIS__URL": "http://x"}, "redis.url: must start with redis://"),
+    ({"SWITCHBOARD_STORE__KEEP_DAYS": "3"}, "store.keep_days: needs the PostgreSQL store"),
+    ({"SWITCHBOARD_AGENT__REPLY_TOKENS": "9", "SWITCHBOARD_AGENT__CONTEXT_TOKENS": "9"},
+     "agent.reply_tokens: must be less than agent.context_tokens"),
+    ({"SWITCHBOARD_ADMIN__HOST": "0.0.0.0"}, "admin.token: required when admin.host is not loopback (0.0.0.0)"),
+    ({"SWITCHBOARD_ADMIN__HOST": "0.0.0.0", "SWITCHBOARD_ADMIN__ENABLED": "false"}, None),
+    ({"SWITCHBOARD_TELEGRAM__TOKEN": "t", "SWITCHBOARD_TELEGRAM__MODE": "webhook",
+      "SWITCHBOARD_TELEGRAM__WEBHOOK_URL": "https://x/hook"},
+     'telegram.secret_token: required when telegram.mode is "webhook"'),
+    ({"SWITCHBOARD_MEDIA__FILE_TYPES": "text/plain,pdf"}, "media.file_types: 'pdf' is not a MIME type"),
+    ({"SWITCHBOARD_MEDIA__RETENTION_HOURS": "-1"}, "media.retention_hours: must not be negative"),
+    ({"SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": "ftp://x"},
+     "agent.base_url: must be an http(s) URL (got 'ftp://x')"),
+    ({"SWITCHBOARD_AGENT__BASE_URL": "ftp://x"}, None),  # only the OpenAI agent uses it
+    # Two problems: the earlier rule is the one reported.
+    ({"SWITCHBOARD_HTTP__PORT": "70000", "SWITCHBOARD_ADMIN__PORT": "0"},
+     "http.port: must be between 1 and 65535 (got 70000)"),
+])
+def test_a_broken_rule_is_the_config_error(env: dict[str, str], message: str | None) -> None:
+    if message is None:
+        load_config(None, env)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env)
+    assert message in str(info.value)

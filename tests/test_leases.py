@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from agent_cache import keys
 from agent_cache.leases import RENEW_SLICE, Lease, LeaseManager, now
 from gateway.cluster.coordinator import Cluster
 from gateway.core.metrics import Metrics
 from tests.cluster_events import Working
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, RedisServerMissing
 
 
 @pytest.fixture
@@ -136,10 +138,10 @@ async def test_a_lease_our_clock_cannot_prove_is_confirmed_by_asking_redis_once(
     renewals = 0
     renew = m._renew_slice
 
-    def counted(part: list[Lease]) -> object:
+    async def counted(part: list[Lease]) -> list[int]:
         nonlocal renewals
         renewals += 1
-        return renew(part)
+        return await renew(part)
 
     m._renew_slice = counted  # type: ignore[method-assign]
     assert await asyncio.gather(*(m.confirm("s", lease.fence) for _ in range(5))) == [True] * 5
@@ -316,3 +318,35 @@ async def test_a_message_for_a_session_being_taken_over_waits_for_the_takeovers_
     finally:
         events.finish.set()
         await new.stop()
+
+
+async def test_on_redis_cluster_scripts_go_side_by_side_and_the_listing_follows(tmp_path: Path) -> None:
+    """Redis Cluster refuses scripts in a pipeline and a listing key in another slot: acquisitions
+    and renewals go as concurrent calls, and the acquired names are listed by a second call."""
+    server = RedisServer(tmp_path / "cluster", cluster=True)
+    try:
+        server.start()
+    except RedisServerMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    client = RedisCluster.from_url(f"redis://127.0.0.1:{server.port}", decode_responses=True)
+    try:
+        m = LeaseManager(client, "w1", "a", ttl_s=30, listed_in=keys.worker_sessions("w1"))
+        other = LeaseManager(client, "w2", "b", ttl_s=30)
+        names = [f"s{i}" for i in range(5)]
+        got = await asyncio.gather(*(m.acquire(n, keys.lease(n), keys.fence(n)) for n in names))
+        assert all(g.lease is not None for g in got)
+        assert await client.smembers(keys.worker_sessions("w1")) == set(names)
+        refused = await other.acquire("s0", keys.lease("s0"), keys.fence("s0"))
+        assert refused.lease is None and refused.owner == "w1"
+        await client.delete(keys.lease("s3"))  # gone behind our back: the renewal says so
+        lost: list[str] = []
+        m.on_lost = lambda name, lease, *, expired: lost.append(name)
+        await m.renew_all()
+        assert lost == ["s3"] and sorted(m.held) == ["s0", "s1", "s2", "s4"]
+        await m.release_many(["s0", "s1"])
+        assert await client.exists(keys.lease("s0")) == 0 and await client.exists(keys.lease("s2")) == 1
+        await client.script_flush()  # as after a restart: the scripts are loaded again
+        assert (await other.acquire("s0", keys.lease("s0"), keys.fence("s0"))).lease is not None
+    finally:
+        await client.aclose()
+        server.stop()

@@ -581,6 +581,9 @@ def test_the_example_configs_servers_load(tmp_path: Path) -> None:
     ({"name": "a", "command": "x", "env": {"A": 1}}, "mcp.servers[0].env.A: must be a string"),
     ({"name": "a", "command": "x", "bogus": 1}, "mcp.servers[0].bogus: unknown key"),
     ({"name": "a", "url": "http://h/mcp", "headers_file": "/nonexistent/h"}, "headers_file: cannot read"),
+    ({"name": "a", "command": " "}, "mcp.servers.a.command: must not be empty"),
+    ({"name": "a", "command": "x", "headers_file": "/etc/hostname"}, "mcp.servers.a.headers_file: is for HTTP"),
+    ({"name": "a", "command": "x", "env_file": "/nonexistent/e"}, "mcp.servers.a.env_file: cannot read"),
 ])
 def test_bad_server_entries_are_refused_by_key(entry: dict[str, Any], error: str) -> None:
     with pytest.raises(ConfigError) as exc:

@@ -122,7 +122,7 @@ async def archived(store: Store, session: str, conversation: int) -> list[str]:
     if isinstance(store, PostgresClusterStore):
         store = store.history
     if isinstance(store, PostgresStore):
-        rows = await store._run("test", lambda c: c.fetch(
+        rows = await store.db.run("test", lambda c: c.fetch(
             "SELECT content FROM messages WHERE session_key = $1 AND conversation = $2 ORDER BY id",
             session, conversation))
         return [r[0] for r in rows]

@@ -26,7 +26,14 @@ from gateway.core.ports import FencedOut, InboundStatus, StoreError
 from gateway.core.transcript import ChatMessage, ToolCall
 from gateway.ops import cli
 from gateway.store import postgres
-from gateway.store.postgres import MIGRATIONS, SCHEMA_VERSION, Migration, PostgresStore, SchemaTooNew
+from gateway.store.postgres import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Migration,
+    PostgresSettings,
+    PostgresStore,
+    SchemaTooNew,
+)
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.store.transfer import TransferError, copy
@@ -282,7 +289,7 @@ async def test_migrations_fresh_rerun_concurrent_and_a_later_step(pg_url: str, m
     step = Migration(SCHEMA_VERSION + 1, "a later step", "ALTER TABLE sessions ADD COLUMN note text")
     monkeypatch.setattr(postgres, "MIGRATIONS", (*MIGRATIONS, step))
     monkeypatch.setattr(postgres, "SCHEMA_VERSION", step.version)
-    not_yet = PostgresStore(pg_url, require_fence=True, migrate=False)
+    not_yet = PostgresStore(pg_url, require_fence=True, settings=PostgresSettings(migrate=False))
     with pytest.raises(StoreError, match=r"run `switchboard store migrate`"):
         await not_yet.open()
     later = PostgresStore(pg_url, require_fence=True)
@@ -307,7 +314,7 @@ async def test_a_schema_newer_than_the_code_is_refused_in_one_line(pg_url: str) 
         await newer.open()
     text = str(refused.value)
     assert "\n" not in text and f"version {SCHEMA_VERSION + 1}, newer than this switchboard" in text
-    assert newer._pool is None  # closed again
+    assert newer.db.pool is None  # closed again
 
 
 def test_cli_store_migrate(pg_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -458,8 +465,8 @@ def test_cli_store_copy(tmp_path: Path, pg_url: str, capsys: pytest.CaptureFixtu
 
 async def test_retention_deletes_old_archived_conversations_and_finished_records_in_batches(
         pg_url: str) -> None:
-    store = PostgresStore(pg_url, require_fence=True, keep_days=30, retention_batch=3, retention_pause_s=0,
-                          retention_interval_s=3600)
+    store = PostgresStore(pg_url, require_fence=True, keep_days=30,
+                          settings=PostgresSettings(retention_batch=3, retention_pause_s=0, retention_interval_s=3600))
     await store.open()
     try:
         f1, f2 = fence(S1), fence(S2)
@@ -494,7 +501,8 @@ async def test_retention_deletes_old_archived_conversations_and_finished_records
 
 
 async def test_retention_runs_by_itself_in_the_background(pg_url: str) -> None:
-    store = PostgresStore(pg_url, require_fence=True, keep_days=1, retention_interval_s=0.1, retention_pause_s=0)
+    store = PostgresStore(pg_url, require_fence=True, keep_days=1,
+                          settings=PostgresSettings(retention_interval_s=0.1, retention_pause_s=0))
     await store.open()
     try:
         f = fence()
@@ -508,7 +516,7 @@ async def test_retention_runs_by_itself_in_the_background(pg_url: str) -> None:
         assert await store.conversation(S1) == (2, [])
     finally:
         await store.close()
-    assert store._retention is None
+    assert store.retention.task is None
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -568,7 +576,7 @@ def own_server() -> Iterator[PgServer]:
 
 async def test_errors_are_store_errors_and_it_recovers_after_a_restart(own_server: PgServer) -> None:
     url = own_server.create_database("outage")
-    store = PostgresStore(url, require_fence=True, timeout_s=2)
+    store = PostgresStore(url, require_fence=True, settings=PostgresSettings(timeout_s=2))
     await store.open()
     try:
         f = fence()

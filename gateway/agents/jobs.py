@@ -6,8 +6,9 @@ it runs past `foreground_max_s`, or when the model asks for it (`background: tru
 group is then adopted by this registry as it is — same group, same reaper, same ledger record, so
 it still dies with the daemon however that ends — and the call returns at once with the job's id
 and the output so far. The model manages jobs with `job_status`, `job_read`, `job_wait` and
-`job_kill`; when a job ends on its own (or past `job_max_s`) the session gets one automatic
-message saying so, unless the model already saw the end through one of those tools.
+`job_kill` (`gateway.agents.job_tools`); when a job ends on its own (or past `job_max_s`) the
+session gets one automatic message saying so, unless the model already saw the end through one of
+those tools.
 
 Jobs belong to a session: a session sees and kills only its own. `/new` (and lease loss, and the
 daemon's stop) kills a session's jobs with the reason named; a `/stop` stops the turn, not them.
@@ -24,7 +25,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,7 +44,6 @@ Deliver = Callable[[str, str, str], Awaitable[bool]]  # (session key, unique mes
 # stopped before the call returns (a job moved to the background by an interrupting message).
 call_note: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("call_note", default=None)
 
-KILLED_BY_AGENT = ToolReason.system("killed by the agent (job_kill)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,19 +88,21 @@ class OutputBuffer:
 
 
 class Job:
+    """A foreground command adopted by the registry: the same group, process, output and reader."""
+
     __slots__ = ("command", "ended", "ended_at", "id", "out", "proc", "pump", "read_pos", "reason", "returncode",
                  "seen_end", "session", "spawn", "started", "state", "waiters")
 
-    def __init__(self, job_id: str, session: str, command: str, spawn: Spawn, proc: asyncio.subprocess.Process,
-                 out: OutputBuffer, pump: asyncio.Task[None], started: float) -> None:
+    def __init__(self, job_id: str, fg: Foreground) -> None:
+        assert fg.proc is not None and fg.out is not None and fg.pump is not None, "only a started command moves"
         self.id = job_id
-        self.session = session
-        self.command = command
-        self.spawn = spawn
-        self.proc = proc
-        self.out = out
-        self.pump = pump
-        self.started = started  # monotonic, when the command started (in the foreground)
+        self.session = fg.session
+        self.command = fg.command
+        self.spawn = fg.spawn
+        self.proc = fg.proc
+        self.out = fg.out
+        self.pump = fg.pump
+        self.started = fg.started  # monotonic, when the command started (in the foreground)
         self.ended_at: float | None = None
         self.state: JobState = "running"
         self.returncode: int | None = None
@@ -132,6 +134,43 @@ class Job:
             return f"[background job {self.id} stopped: {self.reason.marker}]"
         return f"[background job {self.id} finished: exit {self.returncode}]"
 
+    def kill(self, reason: ToolReason) -> None:
+        """TERM to the group now, KILL after the grace (the reaper); the first reason stays."""
+        if self.state != "running":
+            return
+        self.state, self.reason = "killed", reason
+        self.spawn.stop()
+
+    async def run_to_end(self, max_s: float, grace_s: float) -> None:
+        """Until the job ends: its output is read by its pump; past `max_s` it is killed. Then its
+        end is recorded and `ended` set."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.pump), max(0.0, max_s - self.runtime()))
+        except TimeoutError:
+            self.kill(ToolReason.system(f"ran past tools.job_max_s ({max_s:g} s)"))
+        except Exception:
+            log.exception("reading a job's output failed")
+        if not self.pump.done():  # killed: the output ends when the group is gone
+            with contextlib.suppress(TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(self.pump), grace_s + 5)
+            self.pump.cancel()
+        self.returncode = self.proc.returncode
+        self.ended_at = time.monotonic()
+        if self.state == "running":
+            self.state = "exited"
+        self.spawn.stop()  # anything it left running in its group goes too
+        self.ended.set()
+
+    def notice(self, limit: int) -> tuple[str, int]:
+        """The automatic message that tells the session the job ended — how, the command, and the
+        last `limit` characters of the output the model has not read — and where reading it leaves off."""
+        unread_from = max(self.read_pos, self.out.start)
+        skipped = max(0, self.out.total - unread_from - limit)
+        tail, read_to, _ = self.out.since(unread_from + skipped, limit)
+        return (f"{self.end_line()}\n$ {_short(self.command)}\n"
+                + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
+                + (tail.rstrip() or "(no new output)")), read_to
+
 
 class Foreground:
     """A shell command running in a tool call now, which may move to the background."""
@@ -150,6 +189,66 @@ class Foreground:
         self.job: Job | None = None  # set once adopted: from then on the registry owns the group
         self.requested = False  # the user wrote: move once `yield_after_s` old
         self.wake = asyncio.Event()
+
+    async def start(self, buffer_chars: int) -> None:
+        """Wait for the process (a cancel meanwhile stops it), then read its output."""
+        proc = await asyncio.shield(self.spawn.task)
+        if proc is None:
+            raise asyncio.CancelledError("stopped before the process started")
+        self.proc, self.out = proc, OutputBuffer(buffer_chars)
+        self.pump = asyncio.get_running_loop().create_task(_pump(proc, self.out), context=contextvars.Context())
+
+    async def until_moved(self, timeout_s: float, settings: JobSettings,
+                          adopt: Callable[[Foreground], Job | None]) -> tuple[Job, str] | None:
+        """Wait until the command ends or times out (None), or moves to the background: (its job,
+        why) — once the user wrote and it is `yield_after_s` old, or at `foreground_max_s`.
+        `adopt` refusing (no room) leaves it running here until it ends or times out."""
+        pump = self.pump
+        assert pump is not None, "started first"
+        deadline = self.started + timeout_s
+        auto = self.started + settings.foreground_max_s if settings.foreground_max_s > 0 else None
+        while not pump.done():
+            now = time.monotonic()
+            moment = self.started + settings.yield_after_s if self.requested else None
+            if (why := _why_move(now, moment, auto, settings)) is not None:
+                if (job := adopt(self)) is not None:
+                    return job, why
+                self.requested, auto = False, None  # no room: it runs on in the foreground
+                continue
+            if now >= deadline:
+                return None
+            await self._sleep(pump, min(t for t in (deadline, moment, auto) if t is not None) - now)
+        return None
+
+    async def _sleep(self, pump: asyncio.Task[None], delay: float) -> None:
+        """Until the command ends, `wake` is set (the user wrote), or `delay` has passed."""
+        self.wake.clear()
+        waker = asyncio.ensure_future(self.wake.wait())
+        try:
+            await asyncio.wait({pump, waker}, timeout=max(0.0, delay), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+
+    def stop(self) -> None:
+        """The run's closer: its group is stopped — unless it is a job now, no longer the turn's to kill."""
+        if self.job is None:
+            self.spawn.stop()
+
+    def end(self) -> None:
+        """The tool call returns: stopped, timed out, or finished with children left behind, the
+        group goes (and its output is read no more) — unless it is a job now."""
+        self.stop()
+        if self.job is None and self.pump is not None and not self.pump.done():
+            self.pump.cancel()
+
+
+def _why_move(now: float, moment: float | None, auto: float | None, settings: JobSettings) -> str | None:
+    """Why a foreground command moves to the background now, if it does."""
+    if moment is not None and now >= moment:
+        return "the user sent a new message"
+    if auto is not None and now >= auto:
+        return f"it ran past tools.foreground_max_s ({settings.foreground_max_s:g} s)"
+    return None
 
 
 class JobRegistry:
@@ -179,6 +278,10 @@ class JobRegistry:
     def jobs(self, session: str) -> list[Job]:
         return list(self._jobs.get(session, {}).values())
 
+    def find(self, session: str, job_id: str) -> Job | None:
+        """A job of `session` by its id as a user or the model writes it ("j3", "3", " J3 ")."""
+        return self._jobs.get(session, {}).get(_job_id(job_id))
+
     def yield_foreground(self, session: str, *, now: bool) -> list[str]:
         """The user wrote in `session`. `now` (busy "interrupt": the turn is cancelled right after
         this returns): commands old enough move to the background at once, synchronously, so the
@@ -202,7 +305,7 @@ class JobRegistry:
         """Kill every running job of `session` (no notices: the reason is the session's end)."""
         jobs = self.running(session)
         for job in jobs:
-            self._kill(job, reason)
+            job.kill(reason)
         if jobs:
             log.info("killed %d background job(s): %s", len(jobs), reason.marker, extra={"session": session})
         return len(jobs)
@@ -215,7 +318,7 @@ class JobRegistry:
         jobs = self.running()
         for session in list(self._jobs):
             self.kill_session(session, reason)
-        return [(job.session, self._message_id(job), self._notice(job)[0]) for job in jobs]
+        return [(job.session, self._message_id(job), job.notice(self.settings.read_chars)[0]) for job in jobs]
 
     def count_running(self, session: str) -> int:
         return len(self.running(session))
@@ -224,12 +327,12 @@ class JobRegistry:
         return [job.summary() for job in self.jobs(session)]
 
     def kill_job(self, session: str, job_id: str, reason: ToolReason) -> str | None:
-        job = self._jobs.get(session, {}).get(_job_id(job_id))
+        job = self.find(session, job_id)
         if job is None:
             return None
         if job.state != "running":
             return f"Job {job.id} had already ended."
-        self._kill(job, reason)
+        job.kill(reason)
         return f"Killed job {job.id}."
 
     def room(self, session: str) -> str | None:
@@ -259,150 +362,49 @@ class JobRegistry:
         if background and (full := self.room(session)) is not None:
             return f"error: not started: {full}; end one with job_kill or wait for it"
         fg = Foreground(session, command, self.reaper.spawn(argv, cwd=cwd), call_note.get())
-
-        def close() -> None:  # the run's closer: a job is no longer the turn's to kill
-            if fg.job is None:
-                fg.spawn.stop()
-
-        waker: asyncio.Task[bool] | None = None
-        try:
-            with run.on_cancel(close) if run is not None else contextlib.nullcontext():
-                self._foreground.setdefault(session, set()).add(fg)  # a message from now on is seen
-                proc = await asyncio.shield(fg.spawn.task)
-                if proc is None:
-                    raise asyncio.CancelledError("stopped before the process started")
-                fg.proc, fg.out = proc, OutputBuffer(max(self.settings.buffer_chars, max_output))
-                fg.pump = asyncio.get_running_loop().create_task(_pump(proc, fg.out), context=contextvars.Context())
+        with run.on_cancel(fg.stop) if run is not None else contextlib.nullcontext(), self._listening(fg):
+            try:
+                await fg.start(max(self.settings.buffer_chars, max_output))
                 if background:
-                    if (job := self._adopt(fg)) is None:  # the last slot went to a call beside this one
-                        return f"error: not started: {self.room(session) or 'the gateway is stopping'}"
-                    return f"[started in background: job {job.id}] use job_read, job_wait or job_kill"
-                deadline = fg.started + timeout_s
-                auto = fg.started + self.settings.foreground_max_s if self.settings.foreground_max_s > 0 else None
-                while not fg.pump.done():
-                    now = time.monotonic()
-                    moment = fg.started + self.settings.yield_after_s if fg.requested else None
-                    if (moment is not None and now >= moment) or (auto is not None and now >= auto):
-                        why = "the user sent a new message" if moment is not None and now >= moment else \
-                            f"it ran past tools.foreground_max_s ({self.settings.foreground_max_s:g} s)"
-                        if (job := self._adopt(fg)) is not None:
-                            return self._handover(job, why, max_output)
-                        fg.requested, auto = False, None  # no room: it runs on in the foreground
-                        continue
-                    if now >= deadline:
-                        break
-                    wake_at = min(t for t in (deadline, moment, auto) if t is not None)
-                    fg.wake.clear()
-                    waker = asyncio.ensure_future(fg.wake.wait())
-                    await asyncio.wait({fg.pump, waker}, timeout=max(0.0, wake_at - now),
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    waker.cancel()
-                timed_out = not fg.pump.done()
-        finally:
-            if waker is not None:
-                waker.cancel()
-            self._foreground.get(session, set()).discard(fg)
-            if not self._foreground.get(session, True):
-                self._foreground.pop(session, None)
-            if fg.job is None:  # stopped, timed out, or finished with children left behind: the group goes
-                fg.spawn.stop()
-                if fg.pump is not None and not fg.pump.done():
-                    fg.pump.cancel()
+                    return self._started_in_background(fg)
+                moved = await fg.until_moved(timeout_s, self.settings, self._adopt)
+                timed_out = moved is None and fg.pump is not None and not fg.pump.done()
+            finally:
+                fg.end()
+        if moved is not None:
+            return _handover(*moved, max_output)
         return _format(fg.proc, fg.out, max_output, timed_out)
 
-    def _handover(self, job: Job, why: str, max_output: int) -> str:
-        """The call's result when its command moves: what it printed so far, which counts as read."""
-        so_far, job.read_pos, _ = job.out.since(max(0, job.out.total - max_output), max_output)
-        return moved_text(job, reason=why) + (f"\noutput so far:\n{so_far}" if so_far else "\n(no output yet)")
+    def _started_in_background(self, fg: Foreground) -> str:
+        """`background: true`: the call's result, a job at once (or why not: the last slot went to a
+        call beside this one)."""
+        if (job := self._adopt(fg)) is None:
+            return f"error: not started: {self.room(fg.session) or 'the gateway is stopping'}"
+        return f"[started in background: job {job.id}] use job_read, job_wait or job_kill"
 
-    # --- the job tools -------------------------------------------------------------------------
-
-    def _find(self, job_id: object) -> Job | str:
-        """The current session's job, or an error text for the model."""
-        run = get_run()
-        session = run.session_key if run is not None else "-"
-        job = self._jobs.get(session, {}).get(_job_id(str(job_id)))
-        if job is None:
-            return f"error: no job {job_id!r} in this chat (job_status lists them)"
-        return job
-
-    def status(self, job_id: object | None) -> str:
-        if job_id is None or job_id == "":
-            run = get_run()
-            listed = self.jobs(run.session_key if run is not None else "-")
-        else:
-            found = self._find(job_id)
-            if isinstance(found, str):
-                return found
-            listed = [found]
-        for job in listed:
-            job.seen_end = job.seen_end or job.state != "running"
-        return "\n".join(j.summary() for j in listed) or "no background jobs"
-
-    def read(self, job_id: object, max_chars: object | None) -> str:
-        job = self._find(job_id)
-        if isinstance(job, str):
-            return job
-        limit = self.settings.read_chars
-        if max_chars is not None:
-            limit = max(1, min(limit, int(str(max_chars))))
-        text, job.read_pos, lost = job.out.since(job.read_pos, limit)
-        notes = []
-        if lost:
-            notes.append(f"[{lost} characters lost: only the last {job.out.cap} are kept]")
-        if (unread := job.out.total - job.read_pos) > 0:
-            notes.append(f"[{unread} more characters: read again]")
-        elif job.state != "running":
-            notes.append(job.end_line())
-            job.seen_end = True
-        else:
-            notes.append(f"[job {job.id} still running]")
-        return "\n".join([text.rstrip("\n") or "(no new output)", *notes])
-
-    async def wait(self, job_id: object, timeout_s: object | None) -> str:
-        job = self._find(job_id)
-        if isinstance(job, str):
-            return job
-        limit = self.settings.wait_max_s
-        timeout = min(limit, float(str(timeout_s))) if timeout_s is not None else limit
-        if timeout < 0:
-            raise ValueError("timeout_s must not be negative")
-        job.waiters += 1
-        woken = asyncio.Event()  # set when the user writes (busy "steer"): the turn goes on at once
-        waits = self._waits.setdefault(job.session, set())
-        waits.add(woken)
-        ended, nudged = asyncio.ensure_future(job.ended.wait()), asyncio.ensure_future(woken.wait())
+    @contextlib.contextmanager
+    def _listening(self, fg: Foreground) -> Iterator[None]:
+        """While the call runs, a message from the user in its session is seen (`yield_foreground`)."""
+        self._foreground.setdefault(fg.session, set()).add(fg)
         try:
-            await asyncio.wait({ended, nudged}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            yield
         finally:
-            ended.cancel()
-            nudged.cancel()
-            job.waiters -= 1
+            self._foreground.get(fg.session, set()).discard(fg)
+            if not self._foreground.get(fg.session, True):
+                self._foreground.pop(fg.session, None)
+
+    @contextlib.contextmanager
+    def user_wake(self, session: str) -> Iterator[asyncio.Event]:
+        """An event set when the user writes in `session` (busy "steer"): a job_wait ends at once."""
+        woken = asyncio.Event()
+        waits = self._waits.setdefault(session, set())
+        waits.add(woken)
+        try:
+            yield woken
+        finally:
             waits.discard(woken)
             if not waits:
-                self._waits.pop(job.session, None)
-        if job.state != "running" and job.ended.is_set():
-            job.seen_end = True
-            out = self.read(job.id, None)  # ends with the end line once nothing is left unread
-            return out if out.endswith(job.end_line()) else f"{job.end_line()}\n{out}"
-        if woken.is_set():
-            return f"[wait ended: the user sent a new message; job {job.id} still running]"
-        return f"[job {job.id} still running after {timeout:g} s]"
-
-    async def kill_tool(self, job_id: object) -> str:
-        job = self._find(job_id)
-        if isinstance(job, str):
-            return job
-        if job.state != "running":
-            job.seen_end = True
-            return f"job {job.id} had already ended: {job.end_line()}"
-        self._kill(job, KILLED_BY_AGENT)
-        with contextlib.suppress(TimeoutError):  # TERM now, KILL after the grace: then its output ends
-            await asyncio.wait_for(job.ended.wait(), self.reaper.grace_s + 5)
-        job.seen_end = True
-        if not job.ended.is_set():
-            return f"job {job.id} is being killed (its processes are still ending)"
-        return f"job {job.id} killed ({job.reason.marker if job.reason else 'killed'})"
+                self._waits.pop(session, None)
 
     # --- inside ------------------------------------------------------------------------------
 
@@ -415,7 +417,7 @@ class JobRegistry:
         if (full := self.room(fg.session)) is not None:
             log.info("a command stays in the foreground: %s", full, extra={"session": fg.session})
             return None
-        job = Job(f"j{next(self._ids)}", fg.session, fg.command, fg.spawn, fg.proc, fg.out, fg.pump, fg.started)
+        job = Job(f"j{next(self._ids)}", fg)
         fg.job = job
         jobs = self._jobs.setdefault(fg.session, {})
         jobs[job.id] = job
@@ -444,55 +446,25 @@ class JobRegistry:
                 if not jobs:
                     del self._jobs[old.session]
 
-    def _kill(self, job: Job, reason: ToolReason) -> None:
-        if job.state != "running":
-            return
-        job.state, job.reason = "killed", reason
-        job.spawn.stop()  # TERM to the group now, KILL after the grace (the reaper)
-
     async def _watch(self, job: Job) -> None:
-        """Until the job ends: its output is read by its pump; past `job_max_s` it is killed."""
-        left = self.settings.job_max_s - job.runtime()
-        try:
-            await asyncio.wait_for(asyncio.shield(job.pump), max(0.0, left))
-        except TimeoutError:
-            self._kill(job, ToolReason.system(f"ran past tools.job_max_s ({self.settings.job_max_s:g} s)"))
-        except Exception:
-            log.exception("reading a job's output failed")
-        if not job.pump.done():  # killed: the output ends when the group is gone
-            with contextlib.suppress(TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(job.pump), self.reaper.grace_s + 5)
-            job.pump.cancel()
-        job.returncode = job.proc.returncode
-        job.ended_at = time.monotonic()
-        if job.state == "running":
-            job.state = "exited"
-        job.spawn.stop()  # anything it left running in its group goes too
-        job.ended.set()
+        """Until the job ends (see `Job.run_to_end`); then its session is told, unless it knows."""
+        await job.run_to_end(self.settings.job_max_s, self.reaper.grace_s)
         self._forget_old(job)
         log.info("job %s ended: %s", job.id, job.end_line(), extra={"session": job.session})
         await asyncio.sleep(0)  # a job_wait woken by the end marks it seen first
         if self._tells(job) and self.deliver is not None:
-            text, read_to = self._notice(job)
-            try:
-                if await self.deliver(job.session, self._message_id(job), text):
-                    job.read_pos = max(job.read_pos, read_to)  # the model reads it there
-            except Exception:
-                log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
+            await self._tell(job, self.deliver)
+
+    async def _tell(self, job: Job, deliver: Deliver) -> None:
+        text, read_to = job.notice(self.settings.read_chars)
+        try:
+            if await deliver(job.session, self._message_id(job), text):
+                job.read_pos = max(job.read_pos, read_to)  # the model reads it there
+        except Exception:
+            log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
 
     def _message_id(self, job: Job) -> str:
         return f"{JOB_PREFIX}{self._token}:{job.id}"  # unique to the job, across restarts too
-
-    def _notice(self, job: Job) -> tuple[str, int]:
-        """The automatic message that tells the session a job ended — how, the command, and the
-        last `read_chars` of the output the model has not read — and where reading it leaves off."""
-        limit = self.settings.read_chars
-        unread_from = max(job.read_pos, job.out.start)
-        skipped = max(0, job.out.total - unread_from - limit)
-        tail, read_to, _ = job.out.since(unread_from + skipped, limit)
-        return (f"{job.end_line()}\n$ {_short(job.command)}\n"
-                + (f"[{skipped} characters of new output before these left out]\n" if skipped else "")
-                + (tail.rstrip() or "(no new output)")), read_to
 
     def _tells(self, job: Job) -> bool:
         """Does the session get a notice? Not if the model saw the end itself, nor when the job
@@ -500,6 +472,12 @@ class JobRegistry:
         if self.closing or job.seen_end or job.waiters:
             return False
         return job.reason is None or job.reason.text.startswith("ran past")
+
+
+def _handover(job: Job, why: str, max_output: int) -> str:
+    """The call's result when its command moves: what it printed so far, which counts as read."""
+    so_far, job.read_pos, _ = job.out.since(max(0, job.out.total - max_output), max_output)
+    return moved_text(job, reason=why) + (f"\noutput so far:\n{so_far}" if so_far else "\n(no output yet)")
 
 
 def moved_text(job: Job, *, reason: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -40,31 +41,66 @@ class McpConfig:
     servers: list[McpServerConfig] = field(default_factory=list)
 
 
+# (where, server) -> the problem, naming the key; None when the rule holds
+ServerRule = Callable[[str, McpServerConfig], str | None]
+
+
+def _one_transport(where: str, s: McpServerConfig) -> str | None:
+    if (s.command is None) == (s.url is None):
+        return f"{where}: set either command (stdio) or url (streamable HTTP)"
+    return None
+
+
+def _http_url(where: str, s: McpServerConfig) -> str | None:
+    if s.url is not None and (urlsplit(s.url).scheme not in ("http", "https") or not urlsplit(s.url).netloc):
+        return f"{where}.url: must be an http(s) URL"
+    return None
+
+
+def _command(where: str, s: McpServerConfig) -> str | None:
+    if s.command is not None and not s.command.strip():
+        return f"{where}.command: must not be empty"
+    return None
+
+
+def _stdio_keys_only_for_stdio(where: str, s: McpServerConfig) -> str | None:
+    if s.url is not None and (s.args or s.env or s.env_file or s.cwd):
+        return f"{where}: args, env, env_file and cwd are for stdio servers (command)"
+    return None
+
+
+def _http_keys_only_for_http(where: str, s: McpServerConfig) -> str | None:
+    if s.command is not None and s.headers_file:
+        return f"{where}.headers_file: is for HTTP servers (url)"
+    return None
+
+
+def _timings_positive(where: str, s: McpServerConfig) -> str | None:
+    return next((f"{where}.{key}: must be greater than 0"
+                 for key in ("timeout_s", "connect_timeout_s", "ping_interval_s", "max_backoff_s")
+                 if getattr(s, key) <= 0), None)
+
+
+def _files_readable(where: str, s: McpServerConfig) -> str | None:
+    return next((f"{where}.{key}: cannot read {path}" for key in ("env_file", "headers_file")
+                 if (path := getattr(s, key)) is not None and not Path(path).is_file()), None)
+
+
+SERVER_RULES: tuple[ServerRule, ...] = (
+    _one_transport, _http_url, _command, _stdio_keys_only_for_stdio, _http_keys_only_for_http, _timings_positive,
+    _files_readable)
+
+
 def check_mcp(config: McpConfig) -> None:
-    """Raise ValueError naming the key of the first bad entry."""
+    """Raise ValueError naming the key of the first bad entry: its name first (by position, as
+    the name may be the problem), then `SERVER_RULES` in order (by name)."""
     seen: set[str] = set()
     for i, s in enumerate(config.servers):
-        where = f"mcp.servers[{i}]"
         if not SERVER_NAME.match(s.name):
-            raise ValueError(f"{where}.name: 1-32 letters, digits, '_' or '-' (got {s.name!r})")
+            raise ValueError(f"mcp.servers[{i}].name: 1-32 letters, digits, '_' or '-' (got {s.name!r})")
         if s.name in seen:
-            raise ValueError(f"{where}.name: {s.name!r} is used twice")
+            raise ValueError(f"mcp.servers[{i}].name: {s.name!r} is used twice")
         seen.add(s.name)
-        where = f"mcp.servers.{s.name}"
-        if (s.command is None) == (s.url is None):
-            raise ValueError(f"{where}: set either command (stdio) or url (streamable HTTP)")
-        if s.url is not None and (urlsplit(s.url).scheme not in ("http", "https") or not urlsplit(s.url).netloc):
-            raise ValueError(f"{where}.url: must be an http(s) URL")
-        if s.command is not None and not s.command.strip():
-            raise ValueError(f"{where}.command: must not be empty")
-        if s.url is not None and (s.args or s.env or s.env_file or s.cwd):
-            raise ValueError(f"{where}: args, env, env_file and cwd are for stdio servers (command)")
-        if s.command is not None and s.headers_file:
-            raise ValueError(f"{where}.headers_file: is for HTTP servers (url)")
-        for key in ("timeout_s", "connect_timeout_s", "ping_interval_s", "max_backoff_s"):
-            if getattr(s, key) <= 0:
-                raise ValueError(f"{where}.{key}: must be greater than 0")
-        for key in ("env_file", "headers_file"):
-            path = getattr(s, key)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{where}.{key}: cannot read {path}")
+        for rule in SERVER_RULES:
+            if (problem := rule(f"mcp.servers.{s.name}", s)) is not None:
+                raise ValueError(problem)

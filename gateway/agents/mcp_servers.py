@@ -39,8 +39,10 @@ from gateway.agents.mcp_session import (
 )
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import Tool
+from gateway.core.backoff import Backoff
 from gateway.core.cancellation import Run, get_run
 from gateway.core.logs import redactor
+from gateway.core.outage import OutageLog
 from gateway.core.ports import Health
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,9 @@ class McpServer:
         self.tools: dict[str, Tool] = {}  # offered name -> tool, while up
         self.state = "starting"
         self.detail = "starting"
-        self.failures = 0  # consecutive failed starts or deaths
+        # Restarts wait 1, 2, 4 … up to max_backoff_s seconds (max_backoff_s at once if it is below 1).
+        self._backoff = Backoff(min(1.0, settings.max_backoff_s), settings.max_backoff_s, jitter=0.0)
+        self._outage = OutageLog(log, f"MCP server {settings.name}")
         self.restarts = 0
         self.late_results = 0  # answers that came after their call was stopped, dropped
         self.calls: Counter[str] = Counter()  # by outcome: ok, tool_error, error, timeout, cancelled, unavailable
@@ -178,11 +182,9 @@ class McpServer:
                     reason = f"not ready within {s.connect_timeout_s:g} s (connect_timeout_s)"
             self._set_down(reason)
             if time.monotonic() - started > max(60.0, s.max_backoff_s):
-                self.failures = 0  # it had been up a good while: a fresh outage starts from 1 s
-            delay = min(s.max_backoff_s, 2.0 ** self.failures)
-            self.failures += 1
+                self._backoff.reset()  # it had been up a good while: a fresh outage starts from 1 s
+            delay = self._backoff.step()
             self.detail = f"down: {reason}; retry in {delay:g} s"
-            self.state = "down"
             await asyncio.sleep(delay)
             self.restarts += 1
 
@@ -292,18 +294,14 @@ class McpServer:
             self.detail = f"up, {len(tools)} tool(s)"
 
     def _set_up(self) -> None:
-        s = self.settings
-        if self.state == "down":
-            log.warning("MCP server %s is back (%d tool(s))", s.name, len(self.tools))
-        else:
-            log.info("MCP server %s is up (%d tool(s))", s.name, len(self.tools))
+        if not self._outage.recovered(f"is back ({len(self.tools)} tool(s))"):
+            log.info("MCP server %s is up (%d tool(s))", self.settings.name, len(self.tools))
         self.state = "up"
         self.detail = f"up, {len(self.tools)} tool(s)"
 
     def _set_down(self, reason: str) -> None:
-        if self.state != "down":  # once per outage; the retries say nothing more
-            log.warning("MCP server %s is down: %s; its tools are withdrawn, retrying with backoff",
-                        self.settings.name, reason)
+        # One kind of failure: logged once per outage, whatever the reason; the retries say nothing more.
+        self._outage.failed("down", f"is down: {reason}; its tools are withdrawn, retrying with backoff")
         self.state = "down"
 
     # --- calls ----------------------------------------------------------------------------------

@@ -22,11 +22,12 @@ import aiohttp
 from yarl import URL
 
 from gateway.agents.jobs import call_note
+from gateway.agents.openai_stream import Round, error_text, from_message, parse_json, read_stream
 from gateway.agents.tools import ToolRegistry
 from gateway.core import jsonfast
+from gateway.core.backoff import Backoff
 from gateway.core.cancellation import get_run
 from gateway.core.context import encode, estimate, fit
-from gateway.core.logs import redactor
 from gateway.core.ports import AgentError, TurnContext
 from gateway.core.transcript import (
     AgentEvent,
@@ -42,12 +43,7 @@ from gateway.core.transcript import (
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _text(value: str) -> str:
-    """Model output as storable text: a lone surrogate (valid JSON escape, invalid UTF-8) becomes U+FFFD."""
-    return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
+_dumps = jsonfast.dumps
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,29 +73,6 @@ _TOO_LONG = ("context_length_exceeded", "maximum context length", "context lengt
              "prompt is too long", "reduce the length")
 
 
-class _Round:
-    """What one streamed completion produced."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.calls: dict[int, dict[str, str]] = {}
-
-    def add_tool_delta(self, delta: dict[str, Any]) -> None:
-        slot = self.calls.setdefault(int(delta.get("index", len(self.calls))),
-                                     {"id": "", "name": "", "arguments": ""})
-        if delta.get("id"):
-            slot["id"] = _text(str(delta["id"]))
-        fn = delta.get("function") or {}
-        if fn.get("name"):
-            slot["name"] += _text(str(fn["name"]))
-        if fn.get("arguments"):
-            slot["arguments"] += _text(str(fn["arguments"]))
-
-    def tool_calls(self) -> tuple[ToolCall, ...]:
-        return tuple(ToolCall(c["id"] or f"call_{i}", c["name"], c["arguments"] or "{}")
-                     for i, c in sorted(self.calls.items()))
-
-
 class OpenAIAgent:
     def __init__(self, settings: OpenAISettings, tools: ToolRegistry) -> None:
         self.settings = settings
@@ -107,6 +80,9 @@ class OpenAIAgent:
         self._session: aiohttp.ClientSession | None = None
         self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
         self._url = URL(settings.base_url.rstrip("/") + "/chat/completions")  # parsed once, not per request
+        self._headers = {"Content-Type": "application/json"}
+        if settings.api_key:
+            self._headers["Authorization"] = f"Bearer {settings.api_key}"
 
     @property
     def description(self) -> str:
@@ -128,55 +104,60 @@ class OpenAIAgent:
     async def run_turn(self, history: Sequence[ChatMessage], message: ChatMessage,
                        context: TurnContext | None = None) -> AsyncIterator[AgentEvent]:
         s = self.settings
-        budget = s.context_tokens - s.reply_tokens
-        ratio = context.token_ratio if context is not None else 1.0
-        memo = context.history_memo if context is not None else None
-        system = [_dumps({"role": "system", "content": s.system_prompt})] if s.system_prompt else []
-        turn: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
+        turn = _Turn(s, history, message, context)
         for _round in range(s.max_tool_rounds + 1):
-            rnd = _Round()
-            for attempt in range(2):  # once more with a smaller budget if the provider says too long
-                extra = sum(estimate(json.dumps(m, ensure_ascii=False)) for m in turn[1:])  # this turn's rounds
-                fitted = fit(history, message, budget_tokens=budget - extra, system_prompt=s.system_prompt,
-                             ratio=ratio, memo=memo)
-                rows = fitted.encoded if fitted.encoded is not None else b",".join(map(encode, fitted.messages))
-                messages = b"[" + b",".join([*system, *([rows] if rows else []), *map(_dumps, turn)]) + b"]"
-                try:
-                    async with contextlib.aclosing(self._complete(messages, rnd,
-                                                                  fitted.estimated_tokens + extra)) as events:
-                        async for event in events:
-                            yield event
-                    break
-                except ContextTooLong as exc:
-                    if attempt or rnd.text:
-                        raise
-                    budget = _smaller_budget(str(exc), fitted.estimated_tokens + extra)
-                    log.warning("the provider said the context is too long; retrying with %d tokens", budget)
+            rnd = Round()
+            async with contextlib.aclosing(self._completion(turn, rnd)) as events:
+                async for event in events:
+                    yield event
             calls = rnd.tool_calls()
             text = "".join(rnd.text)
             joined = context.take_interjection() if context is not None else None
-            if not calls:
-                if joined is None:
-                    return
-                turn += [{"role": "assistant", "content": text}, {"role": "user", "content": joined}]
+            if calls:
+                async with contextlib.aclosing(self._tool_round(turn, text, calls, joined)) as steps:
+                    async for step in steps:
+                        yield step
+            elif joined is not None:
+                turn.sent += [{"role": "assistant", "content": text}, {"role": "user", "content": joined}]
                 yield Interjection(joined)  # the answer so far stands; the model continues from it
-                continue
-            yield ToolCallsRequested(text, calls)
-            turn.append(ChatMessage("assistant", text, tool_calls=calls).to_openai())
-            steered = [joined] if joined is not None else []  # arrived before the calls: none of them runs
-            results: dict[str, str] = {}
-            async with contextlib.aclosing(self._run_calls(calls, context, steered)) as outcomes:
-                async for call, result in outcomes:
-                    results[call.id] = result
-                    yield ToolResult(call.id, result)
-            turn += [{"role": "tool", "tool_call_id": call.id, "content": results[call.id]} for call in calls]
-            if context is not None and (late := context.take_interjection()) is not None:
-                steered.append(late)
-            if steered:
-                joined = "\n\n".join(steered)
-                turn.append({"role": "user", "content": joined})
-                yield Interjection(joined)
+            else:
+                return
         yield TextDelta(f"\n[stopped after {s.max_tool_rounds} tool rounds]")
+
+    async def _completion(self, turn: _Turn, rnd: Round) -> AsyncGenerator[TextDelta | Usage, None]:
+        """One model round; asked once more, with a smaller budget, if the provider refuses the
+        request as too long before it has answered anything."""
+        for attempt in range(2):
+            messages, estimated = turn.request()
+            try:
+                async with contextlib.aclosing(self._complete(messages, rnd, estimated)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except ContextTooLong as exc:
+                if attempt or rnd.text:
+                    raise
+                turn.shrink(str(exc), estimated)
+
+    async def _tool_round(self, turn: _Turn, text: str, calls: tuple[ToolCall, ...],
+                          joined: str | None) -> AsyncGenerator[AgentEvent, None]:
+        """The round's tool calls and their results. A message the user added (`joined`: before the
+        calls; or while they ran) follows the results, and calls not started by then are skipped."""
+        yield ToolCallsRequested(text, calls)
+        turn.sent.append(ChatMessage("assistant", text, tool_calls=calls).to_openai())
+        steered = [joined] if joined is not None else []  # arrived before the calls: none of them runs
+        results: dict[str, str] = {}
+        async with contextlib.aclosing(self._run_calls(calls, turn.context, steered)) as outcomes:
+            async for call, result in outcomes:
+                results[call.id] = result
+                yield ToolResult(call.id, result)
+        turn.sent += [{"role": "tool", "tool_call_id": call.id, "content": results[call.id]} for call in calls]
+        if turn.context is not None and (late := turn.context.take_interjection()) is not None:
+            steered.append(late)
+        if steered:
+            joined = "\n\n".join(steered)
+            turn.sent.append({"role": "user", "content": joined})
+            yield Interjection(joined)
 
     async def _run_calls(self, calls: tuple[ToolCall, ...], context: TurnContext | None,
                          steered: list[str]) -> AsyncGenerator[tuple[ToolCall, str], None]:
@@ -218,129 +199,84 @@ class OpenAIAgent:
             self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
         return self._head[1]
 
-    async def _complete(self, messages: bytes, rnd: _Round,
+    async def _complete(self, messages: bytes, rnd: Round,
                         estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
         """One streamed completion; `messages` is the JSON array to send."""
-        s = self.settings
-        body = self._body_head() + messages + b"}"
-        headers = {"Content-Type": "application/json"}
-        if s.api_key:
-            headers["Authorization"] = f"Bearer {s.api_key}"
-        for attempt in range(s.retries + 1):
-            try:
-                resp = await self._http().post(self._url, data=body, headers=headers)
-            except aiohttp.ClientError as exc:
-                if attempt < s.retries:
-                    await asyncio.sleep(s.backoff_s * 2 ** attempt)
-                    continue
-                raise AgentError(f"the model provider is unreachable ({type(exc).__name__})") from exc
-            if resp.status in RETRY_STATUSES and attempt < s.retries:
-                delay = _retry_after(resp) or s.backoff_s * 2 ** attempt
-                resp.close()
-                log.warning("provider answered HTTP %d; retrying in %.1f s", resp.status, delay)
-                await asyncio.sleep(delay)
-                continue
-            break
+        resp = await self._post(self._body_head() + messages + b"}")
         run = get_run()
         async with resp:
             with run.on_cancel(resp.close) if run else contextlib.nullcontext():
                 if resp.status != 200:
-                    detail = (await resp.text())[:300]
-                    text = f"the model provider failed: HTTP {resp.status} {_error_text(detail)}"
-                    if resp.status in (400, 413) and any(hint in detail.lower() for hint in _TOO_LONG):
-                        raise ContextTooLong(text)
-                    raise AgentError(text)
+                    raise await _refusal(resp)
                 if resp.content_type == "application/json":  # a provider that ignores stream=true
-                    payload = _json(await resp.text())
-                    async for ev in _from_message(payload, rnd):
-                        yield ev
+                    for delta in from_message(parse_json(await resp.text()), rnd):
+                        yield delta
                     return
-                batches = _sse_batches(resp.content)
-                try:
-                    async for events in batches:
-                        words: list[str] = []  # the batch's words: one delta, not one per event
-                        for data in events:
-                            if data == b"[DONE]":
-                                if words:
-                                    yield TextDelta("".join(words))
-                                return
-                            chunk = _json(data.decode("utf-8", "replace"))
-                            if "error" in chunk:
-                                raise AgentError(f"the model provider failed: {_error_text(json.dumps(chunk))}")
-                            if isinstance(usage := chunk.get("usage"), dict):
-                                if words:
-                                    yield TextDelta("".join(words))
-                                    words = []
-                                yield Usage(int(usage.get("prompt_tokens") or 0),
-                                            int(usage.get("completion_tokens") or 0), estimated)
-                            for choice in chunk.get("choices") or []:
-                                delta = choice.get("delta") or {}
-                                for tc in delta.get("tool_calls") or []:
-                                    rnd.add_tool_delta(tc)
-                                if content := delta.get("content"):
-                                    content = _text(str(content))
-                                    rnd.text.append(content)
-                                    words.append(content)
-                        if words:
-                            yield TextDelta("".join(words))
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise AgentError(f"the model provider connection broke ({type(exc).__name__})") from exc
-                finally:
-                    await batches.aclose()  # left at [DONE], before its end: closed here, not by the GC
+                async with contextlib.aclosing(read_stream(resp.content, rnd, estimated)) as events:
+                    async for event in events:
+                        yield event
+
+    async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+        """The provider's response, once it is not one worth retrying — or the last retry's.
+        Retries wait `backoff_s`, doubling (or what the provider's Retry-After says)."""
+        s = self.settings
+        backoff = Backoff(s.backoff_s, s.backoff_s * 2 ** s.retries, jitter=0.0)  # never capped: doubling only
+        while True:
+            try:
+                resp = await self._http().post(self._url, data=body, headers=self._headers)
+            except aiohttp.ClientError as exc:
+                if backoff.attempt >= s.retries:
+                    raise AgentError(f"the model provider is unreachable ({type(exc).__name__})") from exc
+                await asyncio.sleep(backoff.step())
+                continue
+            if resp.status not in RETRY_STATUSES or backoff.attempt >= s.retries:
+                return resp
+            step = backoff.step()  # taken even when Retry-After sets the delay: it counts the attempt
+            delay = _retry_after(resp) or step
+            resp.close()
+            log.warning("provider answered HTTP %d; retrying in %.1f s", resp.status, delay)
+            await asyncio.sleep(delay)
 
 
-async def _sse_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
-    """The `data:` payloads of a server-sent event stream, in batches: every complete line that has
-    arrived when the reader wakes, so a burst of events costs one wake-up, not one per line."""
-    partial: list[bytes] = []  # a line not yet ended, in pieces (joined once, however long it grows)
-    while chunk := await content.readany():
-        if b"\n" not in chunk:
-            partial.append(chunk)
-            continue
-        lines = b"".join([*partial, chunk]).split(b"\n") if partial else chunk.split(b"\n")
-        partial = [lines.pop()]
-        events = [line[5:].strip() for line in map(bytes.strip, lines) if line.startswith(b"data:")]
-        if events:
-            yield events
-    if (rest := b"".join(partial).strip()).startswith(b"data:"):  # the stream ended without a final newline
-        yield [rest[5:].strip()]
+class _Turn:
+    """What one turn sends each round: the system prompt, the history fitted to the budget, and
+    this turn's own messages so far (the user's, then each round's answer, tool results and
+    interjections). The budget shrinks if the provider finds a request too long."""
+
+    def __init__(self, s: OpenAISettings, history: Sequence[ChatMessage], message: ChatMessage,
+                 context: TurnContext | None) -> None:
+        self.history = history
+        self.message = message
+        self.context = context
+        self.system_prompt = s.system_prompt
+        self.budget = s.context_tokens - s.reply_tokens
+        self.ratio = context.token_ratio if context is not None else 1.0
+        self.memo = context.history_memo if context is not None else None
+        self.system = [_dumps({"role": "system", "content": s.system_prompt})] if s.system_prompt else []
+        self.sent: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
+
+    def request(self) -> tuple[bytes, int]:
+        """The messages to send, as a JSON array, and our estimate of their tokens."""
+        extra = sum(estimate(json.dumps(m, ensure_ascii=False)) for m in self.sent[1:])  # this turn's rounds
+        fitted = fit(self.history, self.message, budget_tokens=self.budget - extra, system_prompt=self.system_prompt,
+                     ratio=self.ratio, memo=self.memo)
+        rows = fitted.encoded if fitted.encoded is not None else b",".join(map(encode, fitted.messages))
+        messages = b"[" + b",".join([*self.system, *([rows] if rows else []), *map(_dumps, self.sent)]) + b"]"
+        return messages, fitted.estimated_tokens + extra
+
+    def shrink(self, error: str, estimated: int) -> None:
+        """The provider refused `estimated` tokens as too long: the rest of the turn fits a smaller budget."""
+        self.budget = _smaller_budget(error, estimated)
+        log.warning("the provider said the context is too long; retrying with %d tokens", self.budget)
 
 
-async def _from_message(payload: dict[str, Any], rnd: _Round) -> AsyncIterator[TextDelta]:
-    try:
-        msg = payload["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise AgentError("the model provider returned an unexpected response") from exc
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        rnd.add_tool_delta({"index": i, **tc})
-    if content := msg.get("content"):
-        content = _text(str(content))
-        rnd.text.append(content)
-        yield TextDelta(content)
-
-
-_dumps = jsonfast.dumps
-
-
-def _json(text: str) -> dict[str, Any]:
-    try:
-        value = jsonfast.loads(text)
-    except ValueError as exc:
-        raise AgentError("the model provider returned malformed data") from exc
-    if not isinstance(value, dict):
-        raise AgentError("the model provider returned malformed data")
-    return value
-
-
-def _error_text(detail: str) -> str:
-    """The provider's own words, short — with any secret it echoed (e.g. our key) masked."""
-    try:
-        err = json.loads(detail).get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return redactor(str(err["message"]))[:200]
-    except (ValueError, AttributeError):
-        pass
-    return redactor(detail)[:200]
+async def _refusal(resp: aiohttp.ClientResponse) -> AgentError:
+    """What a non-200 answer means: too long a request (the caller may ask again, smaller), or a failure."""
+    detail = (await resp.text())[:300]
+    text = f"the model provider failed: HTTP {resp.status} {error_text(detail)}"
+    if resp.status in (400, 413) and any(hint in detail.lower() for hint in _TOO_LONG):
+        return ContextTooLong(text)
+    return AgentError(text)
 
 
 def _smaller_budget(error: str, estimated: int) -> int:

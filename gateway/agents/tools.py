@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.agents.job_tools import JobTools
 from gateway.agents.jobs import JobRegistry
 from gateway.agents.processes import ProcessReaper, ProcessResult, run_in_process_group
 
@@ -133,18 +134,19 @@ def shell_tool(settings: ProcessToolSettings, jobs: JobRegistry | None = None) -
 def job_tools(jobs: JobRegistry) -> list[Tool]:
     """job_status, job_read, job_wait and job_kill: the model's hold on its background jobs."""
     job_id = {"type": "string", "description": "the job's id, e.g. j3"}
+    hold = JobTools(jobs)
 
     async def status(args: dict[str, Any]) -> str:
-        return jobs.status(args.get("job_id"))
+        return hold.status(args.get("job_id"))
 
     async def read(args: dict[str, Any]) -> str:
-        return jobs.read(_required(args), args.get("max_chars"))
+        return hold.read(_required(args), args.get("max_chars"))
 
     async def wait(args: dict[str, Any]) -> str:
-        return await jobs.wait(_required(args), args.get("timeout_s"))
+        return await hold.wait(_required(args), args.get("timeout_s"))
 
     async def kill(args: dict[str, Any]) -> str:
-        return await jobs.kill_tool(_required(args))
+        return await hold.kill(_required(args))
 
     return [
         Tool("job_status", "List this chat's background jobs, or describe one.",

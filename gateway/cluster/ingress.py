@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 
 from agent_cache import keys
 from gateway.cluster.coordinator import Cluster
+from gateway.core.outage import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class IngressLeader:
         self.cluster = cluster
         self.name = name
         self._save = cluster.redis.register_script(_SAVE)
+        self._outage = OutageLog(log, f"ingress {name}")  # Redis unreachable while standing by
 
     def held(self) -> bool:
         return self.cluster.leases.holds(self.name)
@@ -42,6 +44,7 @@ class IngressLeader:
             try:
                 got = await self.cluster.leases.acquire(self.name, keys.ingress(self.name),
                                                         keys.ingress_state(self.name, "fence"))
+                self._outage.recovered("Redis answers again")
                 if got.lease is not None:
                     self.cluster.ingress[self.name] = "leader"
                     log.info("ingress %s: this worker is the leader now", self.name)
@@ -50,7 +53,7 @@ class IngressLeader:
                     log.info("ingress %s: standing by (leader: %s)", self.name, got.owner)
                     announced = True
             except (RedisError, OSError) as exc:
-                log.warning("ingress %s: cannot reach Redis (%s)", self.name, type(exc).__name__)
+                self._outage.failed("unreachable", f"cannot reach Redis ({type(exc).__name__})")
             await asyncio.sleep(self.cluster.ttl_s / 3)
 
     async def load(self, field: str) -> str | None:

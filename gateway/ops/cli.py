@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 
 from gateway import __version__
 from gateway.core.logs import redactor, setup_logging
@@ -52,11 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
     run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
+    # What each command does with the loaded config (install-unit needs none: see `main`).
+    run.set_defaults(handler=_run)
+    check.set_defaults(handler=lambda config, args: _check(config))
+    pairing.set_defaults(handler=lambda config, args: asyncio.run(_pairing(config, args.action, args.code)))
+    sessions.set_defaults(handler=lambda config, args: asyncio.run(_sessions(config, args.action, args.key)))
+    status.set_defaults(handler=lambda config, args: asyncio.run(_status(config)))
+    migrate.set_defaults(handler=lambda config, args: asyncio.run(_migrate(config)))
+    copy.set_defaults(handler=lambda config, args: asyncio.run(_copy(config, args.source, args.target)))
+    export.set_defaults(handler=lambda config, args: asyncio.run(_export(config, args.session)))
     return p
 
 
 def _load(path: str | None) -> Config:
     return load_config(path)
+
+
+Handler = Callable[[Config, argparse.Namespace], int]  # a command's exit status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,19 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"switchboard: config error: {exc}", file=sys.stderr)
         return 2
-    if args.command == "check":
-        print(render(config), end="")
-        return 0
-    if args.command == "pairing":
-        return asyncio.run(_pairing(config, args.action, args.code))
-    if args.command == "sessions":
-        return asyncio.run(_sessions(config, args.action, args.key))
-    if args.command == "status":
-        return asyncio.run(_status(config))
-    if args.command == "store":
-        return asyncio.run(_migrate(config) if args.action == "migrate" else _copy(config, args.source, args.target))
-    if args.command == "export":
-        return asyncio.run(_export(config, args.session))
+    handler: Handler = args.handler
+    return handler(config, args)
+
+
+def _check(config: Config) -> int:
+    print(render(config), end="")
+    return 0
+
+
+def _run(config: Config, args: argparse.Namespace) -> int:
+    """The daemon, until it stops; 1 if it cannot start (one line, not a traceback)."""
     if args.log_format:
         config.log.format = args.log_format
     if args.log_level:
@@ -209,13 +220,13 @@ async def _status(config: Config, limit: int = 50) -> int:
 
 
 async def _migrate(config: Config) -> int:
-    from gateway.store.postgres import SCHEMA_VERSION, PostgresStore
+    from gateway.store.postgres import SCHEMA_VERSION, PostgresSettings, PostgresStore
 
     if config.store.url is None:
         print("switchboard: store migrate: [store] url is not set (only the PostgreSQL store has a schema "
               "to migrate)", file=sys.stderr)
         return 2
-    store = PostgresStore(config.store.url.reveal(), require_fence=False, pool_size=1)
+    store = PostgresStore(config.store.url.reveal(), require_fence=False, settings=PostgresSettings(pool_size=1))
     try:
         await store.open()
     except StoreError as exc:

@@ -11,9 +11,8 @@ import ipaddress
 import json
 import os
 import tomllib
-import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,16 +22,12 @@ from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.attachments import MediaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
+from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
+from gateway.ops.coercion import coerce, is_secret
 from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
 ENV_PREFIX = "SWITCHBOARD_"
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-class ConfigError(Exception):
-    """A bad configuration value; the message names the key."""
 
 
 @dataclass
@@ -213,206 +208,175 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
 
 def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[str, str],
           env: Mapping[str, str]) -> None:
+    """Set `target`'s fields: from the file, then the environment (which wins), then — for secrets
+    still unset — systemd's credentials directory. `<key>_file` names a file holding a secret."""
     hints = typing.get_type_hints(type(target))
     names = {f.name for f in dataclasses.fields(target)}
-    file_keys = {f"{n}_file": n for n in names if _is_secret(hints[n])}
-    creds = env.get("CREDENTIALS_DIRECTORY")
-    for source, items in (("file", values), ("env", env_values)):
+    file_keys = {f"{n}_file": n for n in names if is_secret(hints[n])}
+    for items, from_env in ((values, False), (env_values, True)):
         for key, value in items.items():
             where = f"{section}.{key}"
-            from_text = source == "env"
             if key in file_keys:
                 key = file_keys[key]
-                value = _read_secret_file(where, str(value)).replace("\n", ",")  # one secret a line
-                from_text = True
-            elif key not in names:
+                value, from_text = _secret_lines(where, str(value)), True
+            elif key in names:
+                from_text = from_env
+            else:
                 raise ConfigError(f"{where}: unknown key")
-            setattr(target, key, _coerce(where, value, hints[key], from_env=from_text))
-    if creds:  # systemd LoadCredential=: a file named "<section>.<key>"
-        for name in names:
-            cred = Path(creds) / f"{section}.{name}"
-            if _is_secret(hints[name]) and getattr(target, name) in (None, [], {}) and cred.is_file():
-                setattr(target, name, _coerce(f"{section}.{name}", _read_secret_file(
-                    f"{section}.{name}", str(cred)).replace("\n", ","), hints[name], from_env=True))
+            setattr(target, key, coerce(where, value, hints[key], from_env=from_text))
+    if creds := env.get("CREDENTIALS_DIRECTORY"):
+        _fill_credentials(section, target, hints, Path(creds))
 
 
-def _read_secret_file(where: str, path: str) -> str:
+def _fill_credentials(section: str, target: Any, hints: dict[str, Any], creds: Path) -> None:
+    """systemd's LoadCredential=: a file named `<section>.<key>` sets a secret nothing else set."""
+    for name, hint in hints.items():
+        cred = creds / f"{section}.{name}"
+        if is_secret(hint) and getattr(target, name) in (None, [], {}) and cred.is_file():
+            where = f"{section}.{name}"
+            setattr(target, name, coerce(where, _secret_lines(where, str(cred)), hint, from_env=True))
+
+
+def _secret_lines(where: str, path: str) -> str:
+    """A secret file's text, one value a line, as the comma-separated list the environment would give."""
     try:
-        return Path(path).read_text().strip()
+        return Path(path).read_text().strip().replace("\n", ",")
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read {path}: {exc.strerror}") from None
 
 
-def _is_secret(hint: Any) -> bool:
-    return Secret in (typing.get_args(hint) or (hint,)) or any(
-        Secret in typing.get_args(a) for a in typing.get_args(hint))
+# --- validation: named rules, checked in order; the first broken one is the error ---------------
+
+Check = Callable[[Config], str | None]  # the problem, naming the key; None when the rule holds
 
 
-def _coerce(where: str, value: Any, hint: Any, *, from_env: bool) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if from_env and value == "":
-            return None
-        return _coerce(where, value, inner[0], from_env=from_env)
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{where}: must be one of {choices} (got {value!r})")
-        return value
-    if origin is list:
-        if from_env and isinstance(value, str):
-            try:
-                value = json.loads(value) if value.startswith("[") else [
-                    v.strip() for v in value.split(",") if v.strip()]
-            except ValueError:
-                raise ConfigError(f"{where}: must be a JSON list or comma-separated values") from None
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: must be a list")
-        return [_coerce(f"{where}[{i}]", v, args[0], from_env=from_env) for i, v in enumerate(value)]
-    if origin is dict:
-        return _coerce_table(where, value, args[1], from_env=from_env)
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a table in a list ([[mcp.servers]])
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: must be a table")
-        item = hint()
-        hints = typing.get_type_hints(hint)
-        for key, v in value.items():
-            if key not in hints:
-                raise ConfigError(f"{where}.{key}: unknown key")
-            setattr(item, key, _coerce(f"{where}.{key}", v, hints[key], from_env=False))
-        return item
-    if hint is bool:
-        if from_env and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: must be true or false (got {value!r})")
-        return value
-    if hint in (int, float):
-        if from_env and isinstance(value, str):
-            try:
-                value = hint(value)
-            except ValueError:
-                raise ConfigError(f"{where}: must be a number (got {value!r})") from None
-        if isinstance(value, bool) or not isinstance(value, int if hint is int else (int, float)):
-            raise ConfigError(f"{where}: must be {'an integer' if hint is int else 'a number'} (got {value!r})")
-        return hint(value)
-    if hint is Secret:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: must be a non-empty string")
-        return Secret(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: must be a string (got {value!r})")
-        return value
-    raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - a bug in the schema
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    check: Check
 
 
-def _coerce_table(where: str, value: Any, inner: Any, *, from_env: bool) -> dict[str, Any]:
-    """A TOML table of names to values; from the environment or a file, a JSON object or
-    comma-separated `name=value` pairs."""
-    if from_env and isinstance(value, str):
-        try:
-            value = json.loads(value) if value.startswith("{") else dict(
-                (name.strip(), v.strip()) for name, _, v in (p.partition("=") for p in value.split(",") if p.strip()))
-        except ValueError:
-            raise ConfigError(f"{where}: must be a JSON object or comma-separated name=value pairs") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: must be a table of names")
-    return {str(k): _coerce(f"{where}.{k}", v, inner, from_env=from_env) for k, v in value.items()}
+def _get(c: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(c, section), name)
 
 
-def _validate_tenants(c: Config) -> None:
-    found = tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
-    if found is not None:
-        raise ConfigError(found)
+def _positive(*keys: str) -> Check:
+    def check(c: Config) -> str | None:
+        return next((f"{k}: must be greater than 0 (got {_get(c, k)})" for k in keys if _get(c, k) <= 0), None)
+    return check
 
 
-def _validate(c: Config) -> None:
-    positive = {"http.port": c.http.port, "router.max_message_chars": c.router.max_message_chars,
-                "router.turn_timeout_s": c.router.turn_timeout_s, "agent_cache.max_agents": c.agent_cache.max_agents,
-                "agent_cache.idle_ttl_s": c.agent_cache.idle_ttl_s, "tools.shell_timeout_s": c.tools.shell_timeout_s,
-                "agent.max_tool_rounds": c.agent.max_tool_rounds, "agent.context_tokens": c.agent.context_tokens,
-                "agent.reply_tokens": c.agent.reply_tokens, "tools.max_parallel": c.tools.max_parallel}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
-    if not 0 < c.http.port < 65536:
-        raise ConfigError(f"http.port: must be between 1 and 65535 (got {c.http.port})")
-    for key, value in (("daemon.drain_timeout_s", c.daemon.drain_timeout_s),
-                       ("daemon.resume_max_age_s", c.daemon.resume_max_age_s),
-                       ("daemon.shutdown_grace_s", c.daemon.shutdown_grace_s)):
-        if value < 0:
-            raise ConfigError(f"{key}: must not be negative")
-    if c.cluster.lease_ttl_s < 3:
-        raise ConfigError(f"cluster.lease_ttl_s: must be at least 3 seconds (got {c.cluster.lease_ttl_s:g})")
-    if c.redis.url is not None and not c.redis.url.reveal().startswith(
-            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
-        raise ConfigError("redis.url: must start with redis://, rediss://, unix:// or redis+cluster://")
-    if c.store.url is not None and not c.store.url.reveal().startswith(("postgresql://", "postgres://")):
-        raise ConfigError("store.url: must start with postgresql:// or postgres:// (SQLite needs no url: "
-                          "it lives in store.data_dir)")
-    if c.store.keep_days < 0:
-        raise ConfigError(f"store.keep_days: must not be negative (got {c.store.keep_days}; 0 keeps everything)")
-    if c.store.keep_days and c.store.url is None:
-        raise ConfigError("store.keep_days: needs the PostgreSQL store (store.url); "
-                          "the SQLite and Redis stores keep everything")
-    if c.router.messages_per_minute < 0:
-        raise ConfigError("router.messages_per_minute: must not be negative (0 turns the limit off)")
-    if c.agent.reply_tokens >= c.agent.context_tokens:
-        raise ConfigError("agent.reply_tokens: must be less than agent.context_tokens")
-    if c.tools.tool_kill_grace_s < 0:
-        raise ConfigError("tools.tool_kill_grace_s: must not be negative")
-    for key, value in (("tools.jobs_per_session", c.tools.jobs_per_session), ("tools.jobs_total", c.tools.jobs_total),
-                       ("tools.job_max_s", c.tools.job_max_s), ("tools.job_buffer_chars", c.tools.job_buffer_chars),
-                       ("tools.job_read_chars", c.tools.job_read_chars)):
-        if value <= 0:
-            raise ConfigError(f"{key}: must be greater than 0 (got {value})")
-    for key, value in (("tools.yield_after_s", c.tools.yield_after_s),
-                       ("tools.foreground_max_s", c.tools.foreground_max_s)):
-        if value < 0:
-            raise ConfigError(f"{key}: must not be negative")
-    if c.agent.echo_delay_s < 0:
-        raise ConfigError("agent.echo_delay_s: must not be negative")
-    if not 0 < c.admin.port < 65536:
-        raise ConfigError(f"admin.port: must be between 1 and 65535 (got {c.admin.port})")
-    if c.admin.enabled and not c.admin.token and not is_loopback(c.admin.host):
-        raise ConfigError(f"admin.token: required when admin.host is not loopback ({c.admin.host})")
-    _validate_tenants(c)
-    if c.api.enabled and not c.api.keys and not c.api.tenants and not is_loopback(c.http.host):
-        raise ConfigError(f"api.keys: required when http.host is not loopback ({c.http.host})")
-    if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.webhook_url:
-        raise ConfigError("telegram.webhook_url: required when telegram.mode is \"webhook\"")
-    if c.telegram.token and c.telegram.mode == "webhook" and not c.telegram.secret_token:
-        raise ConfigError("telegram.secret_token: required when telegram.mode is \"webhook\"")
-    for key, value in (("telegram.edit_interval_s", c.telegram.edit_interval_s),
-                       ("discord.edit_interval_s", c.discord.edit_interval_s),
-                       ("telegram.draft_interval_s", c.telegram.draft_interval_s)):
-        if value < 0:
-            raise ConfigError(f"{key}: must not be negative")
-    _validate_media(c.media)
-    if not 0 < c.telegram.draft_refresh_s < 30:
-        raise ConfigError("telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")
+def _not_negative(*keys: str) -> Check:
+    def check(c: Config) -> str | None:
+        return next((f"{k}: must not be negative" for k in keys if _get(c, k) < 0), None)
+    return check
+
+
+def _port(key: str) -> Check:
+    def check(c: Config) -> str | None:
+        port = _get(c, key)
+        return None if 0 < port < 65536 else f"{key}: must be between 1 and 65535 (got {port})"
+    return check
+
+
+def _unless(holds: Callable[[Config], bool], problem: Callable[[Config], str]) -> Check:
+    return lambda c: None if holds(c) else problem(c)
+
+
+def _tenants(c: Config) -> str | None:
+    return tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
+
+
+def _mime_types(c: Config) -> str | None:
+    return next((f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)"
+                 for key in ("image_types", "file_types") for mime in getattr(c.media, key) if "/" not in mime), None)
+
+
+def _mcp(c: Config) -> str | None:
     try:
         check_mcp(c.mcp)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if c.agent.kind == "openai" and not c.agent.base_url.startswith(("http://", "https://")):
-        raise ConfigError(f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")
+        return str(exc)
+    return None
 
 
-def _validate_media(m: MediaSettings) -> None:
-    for key in ("max_image_bytes", "max_file_bytes", "max_message_bytes", "max_per_message", "download_timeout_s",
-                "inline_chars"):
-        if getattr(m, key) <= 0:
-            raise ConfigError(f"media.{key}: must be greater than 0 (got {getattr(m, key)})")
-    for key in ("image_tokens", "retention_hours"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"media.{key}: must not be negative")
-    for key in ("image_types", "file_types"):
-        for mime in getattr(m, key):
-            if "/" not in mime:
-                raise ConfigError(f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)")
+def _webhook_needs(key: str) -> Rule:
+    return Rule(f"a Telegram webhook needs telegram.{key}", _unless(
+        lambda c: not (c.telegram.token and c.telegram.mode == "webhook") or bool(getattr(c.telegram, key)),
+        lambda c: f"telegram.{key}: required when telegram.mode is \"webhook\""))
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+RULES: tuple[Rule, ...] = (
+    Rule("sizes and limits are positive", _positive(
+        "http.port", "router.max_message_chars", "router.turn_timeout_s", "agent_cache.max_agents",
+        "agent_cache.idle_ttl_s", "tools.shell_timeout_s", "agent.max_tool_rounds", "agent.context_tokens",
+        "agent.reply_tokens", "tools.max_parallel")),
+    Rule("the HTTP port is a port", _port("http.port")),
+    Rule("daemon timings are not negative", _not_negative(
+        "daemon.drain_timeout_s", "daemon.resume_max_age_s", "daemon.shutdown_grace_s")),
+    Rule("a lease lives at least 3 s", _unless(
+        lambda c: c.cluster.lease_ttl_s >= 3,
+        lambda c: f"cluster.lease_ttl_s: must be at least 3 seconds (got {c.cluster.lease_ttl_s:g})")),
+    Rule("the Redis URL is a Redis URL", _unless(
+        lambda c: c.redis.url is None or c.redis.url.reveal().startswith(REDIS_SCHEMES),
+        lambda c: "redis.url: must start with redis://, rediss://, unix:// or redis+cluster://")),
+    Rule("the store URL is a PostgreSQL URL", _unless(
+        lambda c: c.store.url is None or c.store.url.reveal().startswith(("postgresql://", "postgres://")),
+        lambda c: "store.url: must start with postgresql:// or postgres:// (SQLite needs no url: "
+                  "it lives in store.data_dir)")),
+    Rule("retention is not negative", _unless(
+        lambda c: c.store.keep_days >= 0,
+        lambda c: f"store.keep_days: must not be negative (got {c.store.keep_days}; 0 keeps everything)")),
+    Rule("retention needs PostgreSQL", _unless(
+        lambda c: not c.store.keep_days or c.store.url is not None,
+        lambda c: "store.keep_days: needs the PostgreSQL store (store.url); "
+                  "the SQLite and Redis stores keep everything")),
+    Rule("the rate limit is not negative", _unless(
+        lambda c: c.router.messages_per_minute >= 0,
+        lambda c: "router.messages_per_minute: must not be negative (0 turns the limit off)")),
+    Rule("the answer fits the context", _unless(
+        lambda c: c.agent.reply_tokens < c.agent.context_tokens,
+        lambda c: "agent.reply_tokens: must be less than agent.context_tokens")),
+    Rule("the kill grace is not negative", _not_negative("tools.tool_kill_grace_s")),
+    Rule("job limits are positive", _positive(
+        "tools.jobs_per_session", "tools.jobs_total", "tools.job_max_s", "tools.job_buffer_chars",
+        "tools.job_read_chars")),
+    Rule("job timings are not negative", _not_negative("tools.yield_after_s", "tools.foreground_max_s")),
+    Rule("the echo delay is not negative", _not_negative("agent.echo_delay_s")),
+    Rule("the admin port is a port", _port("admin.port")),
+    Rule("the admin listener off loopback needs a token", _unless(
+        lambda c: not c.admin.enabled or bool(c.admin.token) or is_loopback(c.admin.host),
+        lambda c: f"admin.token: required when admin.host is not loopback ({c.admin.host})")),
+    Rule("API keys and tenants are well formed", _tenants),
+    Rule("the API off loopback needs keys", _unless(
+        lambda c: not c.api.enabled or bool(c.api.keys) or bool(c.api.tenants) or is_loopback(c.http.host),
+        lambda c: f"api.keys: required when http.host is not loopback ({c.http.host})")),
+    _webhook_needs("webhook_url"),
+    _webhook_needs("secret_token"),
+    Rule("edit intervals are not negative", _not_negative(
+        "telegram.edit_interval_s", "discord.edit_interval_s", "telegram.draft_interval_s")),
+    Rule("media limits are positive", _positive(
+        "media.max_image_bytes", "media.max_file_bytes", "media.max_message_bytes", "media.max_per_message",
+        "media.download_timeout_s", "media.inline_chars")),
+    Rule("media budgets are not negative", _not_negative("media.image_tokens", "media.retention_hours")),
+    Rule("media types are MIME types", _mime_types),
+    Rule("a draft is refreshed before it lapses", _unless(
+        lambda c: 0 < c.telegram.draft_refresh_s < 30,
+        lambda c: "telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")),
+    Rule("MCP servers are well formed", _mcp),
+    Rule("the OpenAI agent has an http(s) URL", _unless(
+        lambda c: c.agent.kind != "openai" or c.agent.base_url.startswith(("http://", "https://")),
+        lambda c: f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")),
+)
+
+
+def _validate(c: Config) -> None:
+    for rule in RULES:
+        if (problem := rule.check(c)) is not None:
+            raise ConfigError(problem)
 
 
 def render(config: Config) -> str:

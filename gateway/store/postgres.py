@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from asyncpg.pool import PoolConnectionProxy
+    from asyncpg.pool import PoolAcquireContext, PoolConnectionProxy
 
     Conn: TypeAlias = PoolConnectionProxy[asyncpg.Record]
 _OPEN_SQL = "(" + ", ".join(f"'{s}'" for s in OPEN_STATUSES) + ")"
@@ -287,45 +287,49 @@ def _token() -> str:
     return secrets.token_hex(8)
 
 
-class PostgresStore:
-    """The Store protocol (and pairing) on PostgreSQL; see the module docstring."""
+@dataclass(frozen=True, slots=True)
+class PostgresSettings:
+    """How the store uses its database: the pool, the statement timeout, migration at `open`, and
+    the pace of retention (what is kept, `keep_days`, is the store's own parameter)."""
 
-    def __init__(self, url: str, *, require_fence: bool, keep_days: float = 0, pool_size: int = 10,
-                 timeout_s: float = 5.0, migrate: bool = True, retention_interval_s: float = 3600.0,
-                 retention_batch: int = 1000, retention_pause_s: float = 0.05) -> None:
+    pool_size: int = 10
+    timeout_s: float = 5.0  # per statement, and to connect
+    migrate: bool = True  # `open` applies missing migrations; else it refuses a schema behind the code
+    retention_interval_s: float = 3600.0  # between retention passes
+    retention_batch: int = 1000  # rows per DELETE
+    retention_pause_s: float = 0.05  # between DELETEs: never a long lock, never a busy database
+
+
+class Database:
+    """The pool, and how every statement runs: asyncpg's failures as a StoreError without the URL's
+    password (or a cause chain), a statement that met a dropped connection retried on a fresh one,
+    and the fence of a session write checked (a shared store refuses a fence-less one)."""
+
+    def __init__(self, url: str, *, require_fence: bool, settings: PostgresSettings) -> None:
         self.require_fence = require_fence
-        self.keep_days = keep_days
-        self.pool_size = pool_size
-        self.timeout_s = timeout_s
-        self.migrate = migrate
-        self.retention_interval_s = retention_interval_s
-        self.retention_batch = retention_batch
-        self.retention_pause_s = retention_pause_s
+        self.settings = settings
         self._secrets = url_secrets(url)
         try:
             parts = urlsplit(url)
             _ = parts.port  # a port that is not a number raises here, not at the first connection
         except ValueError as exc:
-            raise StoreError(f"invalid postgres url: {self._redact(str(exc))}") from None
+            raise StoreError(f"invalid postgres url: {self.redact(str(exc))}") from None
         if parts.scheme not in ("postgresql", "postgres"):
             raise StoreError("invalid postgres url: it must start with postgresql:// or postgres://")
         self._dsn = url
-        self._url = redact_url(url)
-        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
-        self._retention: asyncio.Task[None] | None = None
+        self.url = redact_url(url)
+        self.pool: asyncpg.Pool[asyncpg.Record] | None = None
         self.applied: list[Migration] = []  # what open() migrated, for `switchboard store migrate`
 
-    def __repr__(self) -> str:
-        return f"PostgresStore({self._url!r})"
-
-    # --- plumbing -------------------------------------------------------------------------
+    @property
+    def timeout_s(self) -> float:
+        return self.settings.timeout_s
 
     async def open(self) -> None:
-        """Connect (a wrong URL or password fails here, not at the first message), migrate, and
-        start retention."""
-        with self._errors("connect"):
-            self._pool = await asyncpg.create_pool(
-                self._dsn, min_size=1, max_size=self.pool_size, timeout=self.timeout_s,
+        """Connect (a wrong URL or password fails here, not at the first message) and migrate."""
+        with self.errors("connect"):
+            self.pool = await asyncpg.create_pool(
+                self._dsn, min_size=1, max_size=self.settings.pool_size, timeout=self.timeout_s,
                 command_timeout=self.timeout_s, max_inactive_connection_lifetime=60.0,
                 server_settings={"application_name": "switchboard"})
         try:
@@ -333,15 +337,9 @@ class PostgresStore:
         except BaseException:
             await self.close()
             raise
-        if self.keep_days > 0:
-            self._retention = asyncio.get_running_loop().create_task(self._retain())
 
     async def close(self) -> None:
-        if self._retention is not None:
-            self._retention.cancel()
-            await asyncio.wait({self._retention}, timeout=self.timeout_s)
-            self._retention = None
-        pool, self._pool = self._pool, None
+        pool, self.pool = self.pool, None
         if pool is not None:
             try:
                 await asyncio.wait_for(pool.close(), timeout=self.timeout_s)
@@ -349,7 +347,7 @@ class PostgresStore:
                 pool.terminate()
 
     @contextlib.contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
+    def errors(self, what: str) -> Iterator[None]:
         """asyncpg failures become StoreError, without the URL's password and without a cause chain."""
         try:
             yield
@@ -359,19 +357,25 @@ class PostgresStore:
             raise StoreError(f"postgres {what} failed: timed out after {self.timeout_s:g} s") from None
         except (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, UnicodeError,
                 ValueError) as exc:
-            text = self._redact(str(exc)).splitlines()[0][:200] if str(exc) else ""
+            text = self.redact(str(exc)).splitlines()[0][:200] if str(exc) else ""
             raise StoreError(f"postgres {what} failed: {type(exc).__name__}: {text}") from None
 
-    def _redact(self, text: str) -> str:
+    def redact(self, text: str) -> str:
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
 
-    async def _run(self, what: str, op: Callable[[Conn], Awaitable[T]]) -> T:
+    def connection(self, timeout_s: float) -> PoolAcquireContext[asyncpg.Record]:
+        """A pooled connection (`async with`), for work that holds one across statements."""
+        if self.pool is None:
+            raise StoreError("store is not open")
+        return self.pool.acquire(timeout=timeout_s)
+
+    async def run(self, what: str, op: Callable[[Conn], Awaitable[T]]) -> T:
         """Run `op` on a pooled connection; a dropped connection is retried on a fresh one."""
-        with self._errors(what):
+        with self.errors(what):
             for delay in (*_RETRY_DELAYS_S, None):
-                pool = self._pool
+                pool = self.pool
                 if pool is None:
                     raise StoreError("store is not open")
                 try:
@@ -383,58 +387,20 @@ class PostgresStore:
                     await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _fence(self, fence: Fence) -> int:
+    def fence(self, fence: Fence) -> int:
+        """The number a session write carries; a shared store refuses a fence-less (local) one."""
         if fence.is_local and self.require_fence:
             raise StoreError("refused a write without a lease's fence (the PostgreSQL store is shared)")
         return fence.number
 
     @staticmethod
-    def _fenced_out(what: str) -> FencedOut:
+    def fenced_out(what: str) -> FencedOut:
         return FencedOut(f"postgres {what} refused: a newer owner of the session has written since "
                          "(this worker's lease fence is stale)")
 
-    # --- schema ---------------------------------------------------------------------------
-
-    async def _schema(self) -> None:
-        """Apply the migrations this database lacks, one transaction each, under an advisory lock;
-        refuse a schema newer than this code."""
-        assert self._pool is not None
-        with self._errors("migrate"):
-            async with self._pool.acquire() as conn:
-                await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
-                try:
-                    await conn.execute(
-                        "CREATE TABLE IF NOT EXISTS schema_version (version integer PRIMARY KEY,"
-                        " description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
-                    current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version"))
-                    if current > SCHEMA_VERSION:
-                        raise SchemaTooNew(
-                            f"the database schema is version {current}, newer than this switchboard knows "
-                            f"({SCHEMA_VERSION}): upgrade switchboard (it never downgrades a schema)")
-                    pending = [m for m in MIGRATIONS if m.version > current]
-                    if pending and not self.migrate:
-                        raise StoreError(f"the database schema is version {current}, this switchboard needs "
-                                         f"{SCHEMA_VERSION}: run `switchboard store migrate`")
-                    for step in pending:
-                        async with conn.transaction():
-                            await conn.execute(step.sql)
-                            await conn.execute("INSERT INTO schema_version (version, description) VALUES ($1, $2)",
-                                               step.version, step.description)
-                        log.info("store schema migrated to version %d: %s", step.version, step.description)
-                        self.applied.append(step)
-                finally:
-                    with contextlib.suppress(Exception):
-                        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
-
-    async def schema_version(self) -> int:
-        return int(await self._run("schema_version", lambda c: c.fetchval(
-            "SELECT coalesce(max(version), 0) FROM schema_version")))
-
-    # --- operations -----------------------------------------------------------------------
-
     async def ping(self) -> bool:
         """True when the database answers and can take writes (not a read-only replica)."""
-        pool = self._pool
+        pool = self.pool
         if pool is None:
             return False
         try:
@@ -444,50 +410,103 @@ class PostgresStore:
         except Exception:
             return False
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        number, token = self._fence(fence), _token()
+    async def _schema(self) -> None:
+        """Apply the migrations this database lacks, one transaction each, under an advisory lock;
+        refuse a schema newer than this code."""
+        assert self.pool is not None
+        with self.errors("migrate"):
+            async with self.pool.acquire() as conn:
+                await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
+                try:
+                    await self._migrate(conn)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
+
+    async def _migrate(self, conn: Conn) -> None:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version (version integer PRIMARY KEY,"
+            " description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())")
+        current = int(await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version"))
+        if current > SCHEMA_VERSION:
+            raise SchemaTooNew(
+                f"the database schema is version {current}, newer than this switchboard knows "
+                f"({SCHEMA_VERSION}): upgrade switchboard (it never downgrades a schema)")
+        pending = [m for m in MIGRATIONS if m.version > current]
+        if pending and not self.settings.migrate:
+            raise StoreError(f"the database schema is version {current}, this switchboard needs "
+                             f"{SCHEMA_VERSION}: run `switchboard store migrate`")
+        for step in pending:
+            async with conn.transaction():
+                await conn.execute(step.sql)
+                await conn.execute("INSERT INTO schema_version (version, description) VALUES ($1, $2)",
+                                   step.version, step.description)
+            log.info("store schema migrated to version %d: %s", step.version, step.description)
+            self.applied.append(step)
+
+    async def schema_version(self) -> int:
+        return int(await self.run("schema_version", lambda c: c.fetchval(
+            "SELECT coalesce(max(version), 0) FROM schema_version")))
+
+
+class InboundLedger:
+    """Inbound messages: accepted (de-duplicated by platform, chat and message id), finished, and
+    the open ones a recovery replays. Every write is fenced."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def accept(self, fence: Fence, msg: InboundMessage) -> int | None:
+        number, token = self.db.fence(fence), _token()
         payload = json.dumps(msg.to_dict(), ensure_ascii=False)  # text as text, not escapes
-        row = await self._run("accept_inbound", lambda c: c.fetchrow(
+        row = await self.db.run("accept_inbound", lambda c: c.fetchrow(
             ACCEPT, fence.session_key, number, _text(msg.platform), _text(msg.chat_id), _text(msg.message_id),
             payload, time.time(), token))
         assert row is not None
         if not row["fenced_ok"]:
-            raise self._fenced_out("accept_inbound")
+            raise self.db.fenced_out("accept_inbound")
         return None if row["id"] is None else int(row["id"])
 
-    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
-                             detail: str | None = None) -> None:
-        number = self._fence(fence)
-        ok = await self._run("finish_inbound", lambda c: c.fetchval(
+    async def finish(self, fence: Fence, inbound_id: int, status: InboundStatus, detail: str | None = None) -> None:
+        number = self.db.fence(fence)
+        ok = await self.db.run("finish_inbound", lambda c: c.fetchval(
             FINISH, fence.session_key, number, inbound_id, status.value, _opt(detail)))
         if not ok:
-            raise self._fenced_out("finish_inbound")
+            raise self.db.fenced_out("finish_inbound")
 
-    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+    async def unfinished(self, session_key: str | None = None) -> list[InboundRecord]:
         """Open inbound messages, oldest first: of one session, or (single process only) of all.
 
         A shared store returns [] without a session: it cannot tell which sessions this worker
         should recover, so recovery runs per session when a worker acquires the session's lease.
         """
-        if session_key is None and self.require_fence:
+        if session_key is None and self.db.require_fence:
             return []
         sql = f"SELECT id, session_key, payload, status, received_at FROM inbound WHERE status IN {_OPEN_SQL}"
         args: tuple[str, ...] = ()
         if session_key is not None:
             sql += " AND session_key = $1"
             args = (session_key,)
-        rows = await self._run("unfinished_inbound", lambda c: c.fetch(sql + " ORDER BY id", *args))
+        rows = await self.db.run("unfinished_inbound", lambda c: c.fetch(sql + " ORDER BY id", *args))
         return [InboundRecord(int(r[0]), r[1], InboundMessage.from_dict(json.loads(r[2])), InboundStatus(r[3]),
                               float(r[4])) for r in rows]
 
+
+class Transcripts:
+    """Conversations: the current one read, rows appended (with the answered message's inbound
+    status in the same statement), a reset archiving it; every write fenced."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
     async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
-        rows = await self._run("conversation", lambda c: c.fetch(CONVERSATION, session_key))
+        rows = await self.db.run("conversation", lambda c: c.fetch(CONVERSATION, session_key))
         conversation = int(rows[0][0]) if rows else 1
         return conversation, [_row(r[1:]) for r in rows if r[1] is not None]
 
     async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
                      inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
-        number, now = self._fence(fence), time.time()
+        number, now = self.db.fence(fence), time.time()
         columns = ([m.role for m in rows], [_text(m.content) for m in rows], [m.tool_calls_json() for m in rows],
                    [_opt(m.tool_call_id) for m in rows], [m.interrupted_by for m in rows],
                    [_opt(m.reason) for m in rows], [m.created_at for m in rows])
@@ -495,44 +514,49 @@ class PostgresStore:
         # Named by what it writes: a caller's retry after a lost reply is found already applied.
         token = hashlib.blake2b(repr((number, conversation, columns, inbound_id, status, detail)).encode(
             "utf-8", "surrogatepass"), digest_size=12).hexdigest()
-        row = await self._run("append", lambda c: c.fetchrow(
+        row = await self.db.run("append", lambda c: c.fetchrow(
             APPEND, fence.session_key, number, conversation, now, token, *columns, inbound_id,
             status.value if status is not None else None, _opt(detail)))
         assert row is not None
         if not row["fenced_ok"]:
-            raise self._fenced_out("append")
+            raise self.db.fenced_out("append")
 
     async def reset(self, fence: Fence) -> int:
-        number, token, now = self._fence(fence), _token(), time.time()
-        row = await self._run("reset", lambda c: c.fetchrow(RESET, fence.session_key, number, now, token))
+        number, token, now = self.db.fence(fence), _token(), time.time()
+        row = await self.db.run("reset", lambda c: c.fetchrow(RESET, fence.session_key, number, now, token))
         assert row is not None
         if not row["fenced_ok"]:
-            raise self._fenced_out("reset")
+            raise self.db.fenced_out("reset")
         return int(row["repeated"] if row["repeated"] is not None else row["conversation"])
 
     async def claim(self, fence: Fence) -> None:
         """Make `fence` the newest this database has seen for its session (a takeover), so writes
         carrying an older one are refused from now on; FencedOut if a newer one was seen."""
-        number = self._fence(fence)
-        if not await self._run("claim", lambda c: c.fetchval(CLAIM, fence.session_key, number)):
-            raise self._fenced_out("claim")
+        number = self.db.fence(fence)
+        if not await self.db.run("claim", lambda c: c.fetchval(CLAIM, fence.session_key, number)):
+            raise self.db.fenced_out("claim")
 
     async def sessions(self, limit: int = 100) -> list[SessionInfo]:
-        rows = await self._run("sessions", lambda c: c.fetch(
+        rows = await self.db.run("sessions", lambda c: c.fetch(
             "SELECT s.key, s.conversation, s.updated_at, (SELECT count(*) FROM messages m"
             " WHERE m.session_key = s.key AND m.conversation = s.conversation)"
             " FROM sessions s ORDER BY s.updated_at DESC LIMIT $1", limit))
         return [SessionInfo(r[0], int(r[1]), float(r[2]), int(r[3])) for r in rows]
 
-    # --- pairing --------------------------------------------------------------------------
-    # Times are the database server's, so workers with skewed clocks agree on expiry.
+
+class Pairings:
+    """Pairing codes and paired users. Times are the database server's, so workers with skewed
+    clocks agree on expiry."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     async def is_paired(self, platform: str, user_id: str) -> bool:
-        return bool(await self._run("is_paired", lambda c: c.fetchval(
+        return bool(await self.db.run("is_paired", lambda c: c.fetchval(
             "SELECT EXISTS (SELECT 1 FROM paired_users WHERE platform = $1 AND user_id = $2)", platform, user_id)))
 
-    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
-                           ttl_s: float, max_pending: int) -> str | None:
+    async def code(self, platform: str, user_id: str, user_name: str, *, code: str, ttl_s: float,
+                   max_pending: int) -> str | None:
         async def op(c: Conn) -> str | None:
             async with c.transaction():
                 # One issuer per platform at a time, so the cap holds under concurrency.
@@ -552,9 +576,9 @@ class PostgresStore:
                                 _text(user_name), now)
                 return code
 
-        return await self._run("pairing_code", op)
+        return await self.db.run("pairing_code", op)
 
-    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+    async def approve(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
         async def op(c: Conn) -> tuple[str, str, str] | None:
             async with c.transaction():
                 row = await c.fetchrow(
@@ -563,40 +587,58 @@ class PostgresStore:
                     " created_at >= extract(epoch FROM clock_timestamp())::float8 - $2 AS fresh", code, ttl_s)
                 if row is None or not row["fresh"]:
                     return None
-                await self._pair(c, row[0], row[1], row[2])
+                await _pair(c, row[0], row[1], row[2])
                 return (str(row[0]), str(row[1]), str(row[2]))
 
-        return await self._run("approve_pairing", op)
+        return await self.db.run("approve_pairing", op)
 
-    async def add_paired(self, platform: str, user_id: str, user_name: str) -> None:
+    async def add(self, platform: str, user_id: str, user_name: str) -> None:
         """Record an approved pairing (the code itself was checked elsewhere: Redis, in a cluster)."""
-        await self._run("approve_pairing", lambda c: self._pair(c, platform, user_id, user_name))
-
-    @staticmethod
-    async def _pair(c: Conn, platform: str, user_id: str, user_name: str) -> None:
-        await c.execute(
-            "INSERT INTO paired_users VALUES ($1, $2, $3, extract(epoch FROM clock_timestamp())::float8)"
-            " ON CONFLICT (platform, user_id) DO UPDATE SET user_name = excluded.user_name,"
-            " approved_at = excluded.approved_at", platform, user_id, _text(user_name))
+        await self.db.run("approve_pairing", lambda c: _pair(c, platform, user_id, user_name))
 
     async def paired_users(self) -> list[tuple[str, str, str]]:
-        rows = await self._run("pairing_state", lambda c: c.fetch(
+        rows = await self.db.run("pairing_state", lambda c: c.fetch(
             "SELECT platform, user_id, user_name FROM paired_users ORDER BY approved_at"))
         return [(str(r[0]), str(r[1]), str(r[2])) for r in rows]
 
-    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]:
-        """(pending codes, paired users) for `switchboard pairing list`."""
-        rows = await self._run("pairing_state", lambda c: c.fetch(
+    async def pending(self) -> list[tuple[str, str, str, str, float]]:
+        rows = await self.db.run("pairing_state", lambda c: c.fetch(
             "SELECT code, platform, user_id, user_name, created_at FROM pairing_codes ORDER BY created_at"))
-        pending = [(str(r[0]), str(r[1]), str(r[2]), str(r[3]), float(r[4])) for r in rows]
-        return pending, await self.paired_users()
+        return [(str(r[0]), str(r[1]), str(r[2]), str(r[3]), float(r[4])) for r in rows]
 
-    # --- retention ------------------------------------------------------------------------
 
-    async def _retain(self) -> None:
-        """Every `retention_interval_s`, one pruning pass; never on the hot path, and one worker
-        of a cluster at a time."""
-        await asyncio.sleep(min(60.0, self.retention_interval_s))
+async def _pair(c: Conn, platform: str, user_id: str, user_name: str) -> None:
+    await c.execute(
+        "INSERT INTO paired_users VALUES ($1, $2, $3, extract(epoch FROM clock_timestamp())::float8)"
+        " ON CONFLICT (platform, user_id) DO UPDATE SET user_name = excluded.user_name,"
+        " approved_at = excluded.approved_at", platform, user_id, _text(user_name))
+
+
+class Retention:
+    """With `keep_days` > 0: a background task deletes, in batches, the messages of archived
+    conversations (never a session's current one) archived more than `keep_days` ago, and finished
+    inbound records received before then — one worker of a cluster at a time, never on the hot path."""
+
+    def __init__(self, db: Database, keep_days: float) -> None:
+        self.db = db
+        self.keep_days = keep_days
+        self.settings = db.settings
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.keep_days > 0:
+            self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.wait({self.task}, timeout=self.settings.timeout_s)
+            self.task = None
+
+    async def _run(self) -> None:
+        """Every `retention_interval_s`, one pruning pass."""
+        interval = self.settings.retention_interval_s
+        await asyncio.sleep(min(60.0, interval))
         while True:
             try:
                 deleted = await self.prune()
@@ -608,7 +650,7 @@ class PostgresStore:
                 log.warning("retention pass failed (will try again): %s", exc)
             except Exception:
                 log.exception("retention pass failed (will try again)")
-            await asyncio.sleep(self.retention_interval_s)
+            await asyncio.sleep(interval)
 
     async def prune(self, *, now: float | None = None) -> dict[str, int]:
         """One retention pass: delete, `retention_batch` rows per statement with a pause between,
@@ -619,57 +661,159 @@ class PostgresStore:
         if self.keep_days <= 0:
             return deleted
         cutoff = (time.time() if now is None else now) - self.keep_days * 86400
-        batch, timeout = self.retention_batch, max(30.0, self.timeout_s)
-        pool = self._pool
-        if pool is None:
-            raise StoreError("store is not open")
-        with self._errors("retention"):
-            async with pool.acquire(timeout=self.timeout_s * 2) as c:
+        with self.db.errors("retention"):
+            async with self.db.connection(self.settings.timeout_s * 2) as c:
                 if not await c.fetchval("SELECT pg_try_advisory_lock($1)", RETENTION_LOCK):
                     return deleted
                 try:
-                    await self._prune_conversations(c, cutoff, batch, timeout, deleted)
-                    while True:
-                        status = await c.execute(
-                            "DELETE FROM inbound WHERE id IN (SELECT id FROM inbound"
-                            f" WHERE status NOT IN {_OPEN_SQL} AND received_at < $1 LIMIT $2)",
-                            cutoff, batch, timeout=timeout)
-                        n = int(status.split()[-1])
-                        deleted["inbound"] += n
-                        deleted["statements"] += 1
-                        if n < batch:
-                            break
-                        await asyncio.sleep(self.retention_pause_s)
+                    await self._prune_conversations(c, cutoff, deleted)
+                    await self._prune_inbound(c, cutoff, deleted)
                 finally:
                     # (A connection broken mid-pass is reset by the pool, which unlocks it too.)
                     with contextlib.suppress(Exception):
                         await c.execute("SELECT pg_advisory_unlock($1)", RETENTION_LOCK)
         return deleted
 
-    async def _prune_conversations(self, c: Conn, cutoff: float, batch: int, limit_s: float,
-                                   deleted: dict[str, int]) -> None:
+    @property
+    def _limit_s(self) -> float:
+        """A retention statement's timeout: it may take longer than the hot path's."""
+        return max(30.0, self.settings.timeout_s)
+
+    async def _prune_inbound(self, c: Conn, cutoff: float, deleted: dict[str, int]) -> None:
+        batch = self.settings.retention_batch
+        while True:
+            status = await c.execute(
+                "DELETE FROM inbound WHERE id IN (SELECT id FROM inbound"
+                f" WHERE status NOT IN {_OPEN_SQL} AND received_at < $1 LIMIT $2)",
+                cutoff, batch, timeout=self._limit_s)
+            n = int(status.split()[-1])
+            deleted["inbound"] += n
+            deleted["statements"] += 1
+            if n < batch:
+                return
+            await asyncio.sleep(self.settings.retention_pause_s)
+
+    async def _prune_conversations(self, c: Conn, cutoff: float, deleted: dict[str, int]) -> None:
         while True:
             doomed = await c.fetch(
                 "SELECT a.session_key, a.conversation FROM archives a"
                 " JOIN sessions s ON s.key = a.session_key AND a.conversation < s.conversation"
-                " WHERE a.archived_at < $1 ORDER BY a.archived_at LIMIT 100", cutoff, timeout=limit_s)
+                " WHERE a.archived_at < $1 ORDER BY a.archived_at LIMIT 100", cutoff, timeout=self._limit_s)
             if not doomed:
                 return
             keys, numbers = [r[0] for r in doomed], [r[1] for r in doomed]
-            while True:
-                # The join with sessions again: a current conversation is never deleted, whatever
-                # the archives table says.
-                status = await c.execute(
-                    "DELETE FROM messages WHERE id IN (SELECT m.id FROM unnest($1::text[], $2::int[]) AS d(k, n)"
-                    " JOIN sessions s ON s.key = d.k AND d.n < s.conversation"
-                    " JOIN messages m ON m.session_key = d.k AND m.conversation = d.n LIMIT $3)",
-                    keys, numbers, batch, timeout=limit_s)
-                n = int(status.split()[-1])
-                deleted["messages"] += n
-                deleted["statements"] += 1
-                await asyncio.sleep(self.retention_pause_s)
-                if n < batch:
-                    break
+            await self._prune_messages(c, keys, numbers, deleted)
             await c.execute("DELETE FROM archives WHERE (session_key, conversation) IN"
-                            " (SELECT * FROM unnest($1::text[], $2::int[]))", keys, numbers, timeout=limit_s)
+                            " (SELECT * FROM unnest($1::text[], $2::int[]))", keys, numbers, timeout=self._limit_s)
             deleted["conversations"] += len(doomed)
+
+    async def _prune_messages(self, c: Conn, keys: list[str], numbers: list[int], deleted: dict[str, int]) -> None:
+        batch = self.settings.retention_batch
+        while True:
+            # The join with sessions again: a current conversation is never deleted, whatever the
+            # archives table says.
+            status = await c.execute(
+                "DELETE FROM messages WHERE id IN (SELECT m.id FROM unnest($1::text[], $2::int[]) AS d(k, n)"
+                " JOIN sessions s ON s.key = d.k AND d.n < s.conversation"
+                " JOIN messages m ON m.session_key = d.k AND m.conversation = d.n LIMIT $3)",
+                keys, numbers, batch, timeout=self._limit_s)
+            n = int(status.split()[-1])
+            deleted["messages"] += n
+            deleted["statements"] += 1
+            await asyncio.sleep(self.settings.retention_pause_s)
+            if n < batch:
+                return
+
+
+class PostgresStore:
+    """The Store protocol (and pairing) on PostgreSQL; see the module docstring. Its parts share
+    one `Database`: the inbound ledger, the transcripts, the pairings, and retention."""
+
+    def __init__(self, url: str, *, require_fence: bool, keep_days: float = 0,
+                 settings: PostgresSettings = PostgresSettings()) -> None:
+        self.db = Database(url, require_fence=require_fence, settings=settings)
+        self.inbound = InboundLedger(self.db)
+        self.transcripts = Transcripts(self.db)
+        self.pairings = Pairings(self.db)
+        self.retention = Retention(self.db, keep_days)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.db.url!r})"
+
+    @property
+    def require_fence(self) -> bool:
+        """Shared by a cluster: a write without a lease's fence is refused."""
+        return self.db.require_fence
+
+    @property
+    def applied(self) -> list[Migration]:
+        """What `open` migrated, for `switchboard store migrate`."""
+        return self.db.applied
+
+    async def open(self) -> None:
+        """Connect (a wrong URL or password fails here, not at the first message), migrate, and
+        start retention."""
+        await self.db.open()
+        self.retention.start()
+
+    async def close(self) -> None:
+        await self.retention.stop()
+        await self.db.close()
+
+    async def ping(self) -> bool:
+        return await self.db.ping()
+
+    async def schema_version(self) -> int:
+        return await self.db.schema_version()
+
+    async def prune(self, *, now: float | None = None) -> dict[str, int]:
+        return await self.retention.prune(now=now)
+
+    # --- the Store protocol: each to its part ------------------------------------------------
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        return await self.inbound.accept(fence, msg)
+
+    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
+                             detail: str | None = None) -> None:
+        await self.inbound.finish(fence, inbound_id, status, detail)
+
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        return await self.inbound.unfinished(session_key)
+
+    async def conversation(self, session_key: str) -> tuple[int, list[ChatMessage]]:
+        return await self.transcripts.conversation(session_key)
+
+    async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
+                     inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
+        await self.transcripts.append(fence, conversation, rows, inbound=inbound)
+
+    async def reset(self, fence: Fence) -> int:
+        return await self.transcripts.reset(fence)
+
+    async def claim(self, fence: Fence) -> None:
+        await self.transcripts.claim(fence)
+
+    async def sessions(self, limit: int = 100) -> list[SessionInfo]:
+        return await self.transcripts.sessions(limit)
+
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        return await self.pairings.is_paired(platform, user_id)
+
+    async def pairing_code(self, platform: str, user_id: str, user_name: str, *, code: str,
+                           ttl_s: float, max_pending: int) -> str | None:
+        return await self.pairings.code(platform, user_id, user_name, code=code, ttl_s=ttl_s,
+                                        max_pending=max_pending)
+
+    async def approve_pairing(self, code: str, *, ttl_s: float) -> tuple[str, str, str] | None:
+        return await self.pairings.approve(code, ttl_s=ttl_s)
+
+    async def add_paired(self, platform: str, user_id: str, user_name: str) -> None:
+        await self.pairings.add(platform, user_id, user_name)
+
+    async def paired_users(self) -> list[tuple[str, str, str]]:
+        return await self.pairings.paired_users()
+
+    async def pairing_state(self) -> tuple[list[tuple[str, str, str, str, float]], list[tuple[str, str, str]]]:
+        """(pending codes, paired users) for `switchboard pairing list`."""
+        return await self.pairings.pending(), await self.pairings.paired_users()

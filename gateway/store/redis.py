@@ -36,6 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 from agent_cache import keys
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.outage import OutageLog
 from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
 
@@ -199,7 +200,7 @@ class RedisStore:
         self._touched: dict[str, float] = {}  # session -> last write, for the next index batch
         self._index_timer: asyncio.TimerHandle | None = None
         self._index_lock = asyncio.Lock()  # one batch at a time: a later score never lands first
-        self._index_failing = False
+        self._index_outage = OutageLog(log, "sessions index")
         self._index_tasks: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
@@ -341,11 +342,9 @@ class RedisStore:
             except (RedisError, OSError) as exc:
                 for key, at in touched.items():  # kept for the next batch (a newer write wins)
                     self._touched.setdefault(key, at)
-                if not self._index_failing:
-                    log.warning("could not update the sessions index: %s", self._redact(str(exc)))
-                self._index_failing = True
+                self._index_outage.failed("unwritable", f"could not update it: {self._redact(str(exc))}")
             else:
-                self._index_failing = False
+                self._index_outage.recovered("updated again")
 
     async def sessions(self, limit: int = 100) -> list[SessionInfo]:
         r = self._r

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from agent_cache import keys
 from gateway.core.ports import StoreError
-from gateway.store.postgres import PostgresStore, redact_url
+from gateway.store.postgres import PostgresSettings, PostgresStore, redact_url
 
 _TEXT_NUL = "\x00"
 
@@ -406,7 +406,7 @@ async def copy(source_url: str, target_url: str, *, progress: Callable[[str], No
         raise TransferError("the target of a copy must be a PostgreSQL URL (postgresql://…)")
     say = progress or (lambda _text: None)
     source = open_source(source_url)
-    target = PostgresStore(target_url, require_fence=False, pool_size=2)
+    target = PostgresStore(target_url, require_fence=False, settings=PostgresSettings(pool_size=2))
     await source.open()
     try:
         await target.open()  # creates (migrates) the schema

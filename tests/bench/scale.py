@@ -110,7 +110,7 @@ async def leases_at(n: int, url: str, r: Redis) -> str:
                 await asyncio.sleep(0.05)
                 t, cpu = time.perf_counter(), time.process_time()
                 await cluster.leases.renew_all()
-                await cluster._refresh_leased()
+                await cluster.watchlist.refresh()
                 rounds.append(time.perf_counter() - t)
                 cpus.append(time.process_time() - cpu)
                 stop.set()

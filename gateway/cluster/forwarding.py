@@ -1,0 +1,179 @@
+"""Messages between workers: a message for a session another worker owns goes to that owner's
+inbox stream (and, for a command, its result comes back on a reply list); each worker consumes its
+own inbox, and claims what dead workers left in theirs.
+
+Invariant: an inbox entry is acknowledged (and deleted) only once it was handed to the core, or
+found malformed — one that could not be taken now stays pending and is handled again once it has
+been idle for a TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from typing import Any, cast
+
+from redis.exceptions import RedisError, ResponseError
+
+from agent_cache import keys
+from agent_cache.leases import AnyRedis
+from gateway.core.cluster import ClusterEvents, ClusterUnavailable
+from gateway.core.messages import InboundMessage
+from gateway.core.outage import OutageLog
+from gateway.core.ports import Outcome, Submitted
+
+log = logging.getLogger(__name__)
+
+REPLY_WAIT_S = 10.0
+READ_COUNT = 100  # inbox entries read or claimed per call
+REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
+
+
+class Forwarder:
+    """The sending side: an entry in the owner's inbox; with a reply wanted, the wait for it."""
+
+    def __init__(self, redis: AnyRedis, worker_id: str) -> None:
+        self.redis = redis
+        self.worker_id = worker_id
+
+    async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
+                      want_reply: bool) -> Submitted | None:
+        """Hand a message to its owner's inbox; with `want_reply`, wait for the command's result
+        (None: no answer in time). Raises ClusterUnavailable."""
+        request = uuid.uuid4().hex if want_reply else ""
+        entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
+                 "from": self.worker_id}
+        try:
+            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
+            if not want_reply:
+                return None
+            got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        if not got:
+            return None
+        result = json.loads(got[1])
+        return Submitted(Outcome(result["outcome"]), result["detail"])
+
+    async def reply(self, request: str, result: Submitted) -> None:
+        """The answer to a forwarded command, for the worker waiting in `forward`."""
+        key = keys.forward_reply(request)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpush(key, json.dumps({"outcome": result.outcome.value, "detail": result.detail}, ensure_ascii=False))
+            pipe.expire(key, REPLY_TTL_S)
+            await pipe.execute()
+
+
+class Inbox:
+    """The receiving side: this worker's inbox, consumed (what an earlier incarnation read and never
+    acknowledged first), and the entries nobody handled — ours or a dead worker's — claimed."""
+
+    def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, events: ClusterEvents,
+                 forwarder: Forwarder) -> None:
+        self.redis = redis
+        self.worker_id = worker_id
+        self.ttl_s = ttl_s
+        self.events = events
+        self.forwarder = forwarder
+        self.stream = keys.worker_inbox(worker_id)
+        self._outage = OutageLog(log, "inbox")
+
+    async def create(self) -> None:
+        """The stream and its consumer group, unless they exist."""
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
+            await self.redis.xgroup_create(self.stream, keys.GROUP, id="0", mkstream=True)
+
+    async def consume(self) -> None:
+        backlog = True  # first what an earlier incarnation read and never acknowledged
+        while True:
+            try:
+                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self.stream: "0" if backlog else ">"},
+                                                    count=READ_COUNT, block=None if backlog else 1000)
+            except (RedisError, OSError) as exc:
+                self._outage.failed(type(exc).__name__, f"reading failed: {type(exc).__name__}")
+                await asyncio.sleep(1.0)
+                continue
+            self._outage.recovered("reading again")
+            streams = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]]", batch or [])
+            entries = [e for _stream, part in streams for e in part]
+            if backlog and not entries:
+                backlog = False
+                continue
+            for entry_id, fields in entries:
+                await self._handle(self.stream, entry_id, fields)
+
+    async def reclaim_own(self) -> None:
+        """Entries delivered to this worker but never handled — a blocking read answered while the
+        process was paused and then lost with its connection — are handled now, once idle a TTL."""
+        _next, claimed, *_ = await self.redis.xautoclaim(self.stream, keys.GROUP, self.worker_id,
+                                                         min_idle_time=int(self.ttl_s * 1000), count=READ_COUNT)
+        for entry_id, fields in claimed:
+            log.info("handling an inbox entry delivered earlier but never handled")
+            await self._handle(self.stream, entry_id, fields, again=True)
+
+    async def claim_from_the_dead(self) -> None:
+        """Take over what dead workers left in their inboxes: entries they read but never
+        acknowledged (XAUTOCLAIM, once idle for a TTL) and entries they never got to read.
+        Their sessions are adopted through their lapsed leases (see `gateway.cluster.adoption`)."""
+        workers = cast("list[str]", await self.redis.hkeys(keys.workers()))  # decode_responses=True
+        for worker in workers:
+            if worker != self.worker_id and not await self.redis.exists(keys.worker_alive(worker)):
+                await self._claim_inbox_of(worker)
+
+    async def _claim_inbox_of(self, worker: str) -> None:
+        inbox = keys.worker_inbox(worker)
+        try:
+            _next, claimed, *_ = await self.redis.xautoclaim(
+                inbox, keys.GROUP, self.worker_id, min_idle_time=int(self.ttl_s * 1000), count=READ_COUNT)
+            unread = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {inbox: ">"}, count=READ_COUNT)
+        except ResponseError:  # no such stream or group: it never got anything
+            await self.redis.hdel(keys.workers(), worker)
+            return
+        entries = list(claimed) + [e for _s, batch in cast("list[Any]", unread or []) for e in batch]
+        for entry_id, fields in entries:
+            log.info("re-routing a message forwarded to dead worker %s", worker)
+            await self._handle(inbox, entry_id, fields, again=True)
+        if entries or (await self.redis.xpending(inbox, keys.GROUP)).get("pending"):
+            return  # the rest once they have been idle for a TTL
+        async with self.redis.pipeline(transaction=False) as pipe:  # gone, and nothing left behind
+            pipe.delete(keys.worker_sessions(worker))
+            pipe.hdel(keys.workers(), worker)
+            await pipe.execute()
+
+    async def _handle(self, stream: str, entry_id: str, fields: dict[str, str], *, again: bool = False) -> None:
+        """Hand an entry to the core, then acknowledge it — unless it must stay pending. `again`:
+        handled before, a TTL ago or more (ownership has settled since): its hop count starts
+        over, so a message that bounced during a takeover is not refused for it."""
+        # An entry deleted meanwhile comes back empty: just acknowledge it.
+        if fields and not await self._deliver(entry_id, fields, again=again):
+            return
+        with contextlib.suppress(RedisError, OSError):
+            # Deleted too: a stream keeps acknowledged entries, and the inbox would grow forever.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, keys.GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+                await pipe.execute()
+
+    async def _deliver(self, entry_id: str, fields: dict[str, str], *, again: bool) -> bool:
+        """Deliver one entry (and its reply, if one is wanted); False if it stays pending."""
+        try:
+            entry = json.loads(fields["data"])
+            msg = InboundMessage.from_dict(entry["msg"])
+            hops = 1 if again else int(entry["hops"])  # (1: still a forwarded message, the store de-duplicates)
+            result = await self.events.deliver(msg, entry["session"], hops)
+            if result is not None and result.outcome is Outcome.UNAVAILABLE and not entry.get("reply"):
+                # Acknowledged by the worker that forwarded it, so it must not be lost here:
+                # it stays pending and is handled again once idle for a TTL.
+                log.warning("a forwarded message could not be taken now; it stays in the inbox")
+                return False
+            if result is not None and entry.get("reply"):
+                await self.forwarder.reply(entry["reply"], result)
+        except (ValueError, KeyError, TypeError):
+            log.exception("dropping a malformed inbox entry %s", entry_id)
+        except (RedisError, OSError) as exc:
+            log.warning("handling a forwarded message failed (%s); it stays pending", type(exc).__name__)
+            return False
+        return True
