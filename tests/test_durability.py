@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.agents.echo import EchoAgent
-from gateway.agents.tools import ToolRegistry
+from gateway.agents.tools import Tool, ToolRegistry
 from gateway.core import turns
 from gateway.core.cancellation import GATEWAY_RESTART, NOT_RECORDED
 from gateway.core.fencing import Fence
@@ -101,3 +101,27 @@ async def test_a_write_refused_during_adoption_never_escapes_to_whoever_routed_t
     finally:
         await router.shutdown(GATEWAY_RESTART, grace_s=1)
         await store.close()
+
+
+async def test_a_stopped_run_opens_no_new_provider_request_even_when_a_tool_swallows_its_cancel(
+        make_router: RouterFactory, tools: ToolRegistry, provider: FakeProvider, chat: MemoryChat) -> None:
+    entered = asyncio.Event()
+
+    async def stubborn(_args: dict[str, object]) -> str:
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:  # a third-party tool that swallows its cancel and returns
+            return "done anyway"
+        return "done"
+
+    tools.register(Tool("stubborn", "waits", {"type": "object", "properties": {}}, stubborn))
+    provider.by_text["go"] = Script(tool_calls=[("stubborn", {})])
+    router = await make_router(cancel_grace_s=5.0)
+    submitted = await router.submit(chat.message("c1", "go"), chat)
+    assert submitted.run is not None
+    await asyncio.wait_for(entered.wait(), 10)
+    await router.submit(chat.message("c1", "/stop"), chat)
+    await asyncio.wait_for(submitted.run.wait(), 10)
+    await asyncio.sleep(0.2)  # time for a request that should not come
+    assert len(provider.connections) == 1, [c.body.get("messages", [])[-1] for c in provider.connections]

@@ -62,6 +62,10 @@ def test_backoff_doubles_up_to_its_cap_and_starts_again_after_a_success() -> Non
         assert base * 0.9 <= delay <= base * 1.1
     with pytest.raises(ValueError):
         Backoff(2.0, 1.0)
+    down_for_days = Backoff(1.0, 60.0, jitter=0.0)
+    for _ in range(5000):  # past what a float exponent holds: still the cap, never an OverflowError
+        assert down_for_days.step() <= 60.0
+    assert down_for_days.peek() == 60.0
 
 
 def test_an_outage_is_logged_once_per_kind_and_its_end_once(caplog: pytest.LogCaptureFixture) -> None:

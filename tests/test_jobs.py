@@ -10,7 +10,7 @@ import contextvars
 import json
 import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ KEY = "memory:dm:c1"
 
 class Setup:
     def __init__(self, router: Router, jobs: JobRegistry, tools: ToolRegistry,
-                 delivered: list[tuple[str, str]]) -> None:
+                 delivered: Sequence[tuple[str, str]]) -> None:
         self.router, self.jobs, self.tools, self.delivered = router, jobs, tools, delivered
 
 
@@ -57,13 +57,7 @@ async def make(store: SqliteStore, provider: FakeProvider, chat: MemoryChat) -> 
         agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=1, backoff_s=0.01),
                             tools)
         router = build_router(store, agent, chat, busy=busy, jobs=jobs)
-        delivered: list[tuple[str, str]] = []
-
-        async def deliver(key: str, message_id: str, text: str) -> bool:
-            delivered.append((message_id, text))
-            return await router.deliver_automatic(key, message_id, text)
-
-        jobs.deliver = deliver
+        delivered = jobs.notices_sent  # every completion notice the registry handed to the router
         await chat.start(router)
         await router.start()
         made.append((router, jobs, agent, reaper))

@@ -25,12 +25,12 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.agents.processes import ProcessReaper, Spawn
-from gateway.core.background import JOB_PREFIX
+from gateway.core.background import JOB_PREFIX, JobNotice
 from gateway.core.cancellation import ToolReason, get_run
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 KEEP_FINISHED_PER_SESSION = 8  # ended jobs a session still lists (job_status, /jobs)
 KEEP_FINISHED = 1_000  # and in all
 JobState = Literal["running", "exited", "killed"]
-Deliver = Callable[[str, str, str], Awaitable[bool]]  # (session key, unique message id, text) -> handed over
 
 # Set by the agent around each tool call: a way to say what became of the call if its turn is
 # stopped before the call returns (a job moved to the background by an interrupting message).
@@ -253,12 +252,14 @@ def _why_move(now: float, moment: float | None, auto: float | None, settings: Jo
 
 class JobRegistry:
     """Every background job of this daemon, by session; and the foreground commands that may
-    become one. `deliver` (set by the daemon) hands a completion notice to the router."""
+    become one. A job's end its session should hear of is a `JobNotice` the core waits for
+    (`next_notice`): the registry never calls into the core."""
 
     def __init__(self, reaper: ProcessReaper, settings: JobSettings | None = None) -> None:
         self.reaper = reaper
         self.settings = settings or JobSettings()
-        self.deliver: Deliver | None = None
+        self._notices: asyncio.Queue[JobNotice] = asyncio.Queue()
+        self.notices_sent: deque[tuple[str, str]] = deque(maxlen=100)  # (message id, text), newest last
         self._jobs: dict[str, dict[str, Job]] = {}  # session -> job id -> job (finished ones too, a few)
         self._foreground: dict[str, set[Foreground]] = {}
         self._waits: dict[str, set[asyncio.Event]] = {}  # job_wait calls, by session
@@ -452,16 +453,21 @@ class JobRegistry:
         self._forget_old(job)
         log.info("job %s ended: %s", job.id, job.end_line(), extra={"session": job.session})
         await asyncio.sleep(0)  # a job_wait woken by the end marks it seen first
-        if self._tells(job) and self.deliver is not None:
-            await self._tell(job, self.deliver)
+        if self._tells(job):
+            self._tell(job)
 
-    async def _tell(self, job: Job, deliver: Deliver) -> None:
+    async def next_notice(self) -> JobNotice:
+        return await self._notices.get()
+
+    def _tell(self, job: Job) -> None:
         text, read_to = job.notice(self.settings.read_chars)
-        try:
-            if await deliver(job.session, self._message_id(job), text):
-                job.read_pos = max(job.read_pos, read_to)  # the model reads it there
-        except Exception:
-            log.exception("could not deliver the end of job %s", job.id, extra={"session": job.session})
+
+        def told() -> None:
+            job.read_pos = max(job.read_pos, read_to)  # the model reads it there
+
+        message_id = self._message_id(job)
+        self.notices_sent.append((message_id, text))
+        self._notices.put_nowait(JobNotice(job.session, message_id, text, told))
 
     def _message_id(self, job: Job) -> str:
         return f"{JOB_PREFIX}{self._token}:{job.id}"  # unique to the job, across restarts too

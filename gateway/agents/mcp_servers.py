@@ -294,7 +294,7 @@ class McpServer:
             self.detail = f"up, {len(tools)} tool(s)"
 
     def _set_up(self) -> None:
-        if not self._outage.recovered(f"is back ({len(self.tools)} tool(s))"):
+        if not self._outage.recovered(f"is back ({len(self.tools)} tool(s))", level=logging.WARNING):
             log.info("MCP server %s is up (%d tool(s))", self.settings.name, len(self.tools))
         self.state = "up"
         self.detail = f"up, {len(self.tools)} tool(s)"

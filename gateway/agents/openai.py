@@ -26,7 +26,7 @@ from gateway.agents.openai_stream import Round, error_text, from_message, parse_
 from gateway.agents.tools import ToolRegistry
 from gateway.core import jsonfast
 from gateway.core.backoff import Backoff
-from gateway.core.cancellation import get_run
+from gateway.core.cancellation import checkpoint, get_run
 from gateway.core.context import encode, estimate, fit
 from gateway.core.ports import AgentError, TurnContext
 from gateway.core.transcript import (
@@ -222,6 +222,7 @@ class OpenAIAgent:
         s = self.settings
         backoff = Backoff(s.backoff_s, s.backoff_s * 2 ** s.retries, jitter=0.0)  # never capped: doubling only
         while True:
+            checkpoint()  # a stopped run opens no new provider request, whatever cancel it swallowed
             try:
                 resp = await self._http().post(self._url, data=body, headers=self._headers)
             except aiohttp.ClientError as exc:

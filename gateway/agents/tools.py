@@ -15,6 +15,7 @@ from typing import Any
 from gateway.agents.job_tools import JobTools
 from gateway.agents.jobs import JobRegistry
 from gateway.agents.processes import ProcessReaper, ProcessResult, run_in_process_group
+from gateway.core.cancellation import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ToolRegistry:
                 raise ValueError("arguments must be a JSON object")
         except ValueError as exc:
             return f"error: invalid arguments for {name}: {exc}"
+        checkpoint()  # a stopped run starts no tool
         try:
             return await tool.func(args)
         except (ValueError, TypeError, OSError) as exc:

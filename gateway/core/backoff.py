@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 
@@ -12,17 +13,20 @@ class Backoff:
     reset (what a log line or a give-up rule reads).
     """
 
-    __slots__ = ("attempt", "cap", "factor", "first", "jitter")
+    __slots__ = ("_to_cap", "attempt", "cap", "factor", "first", "jitter")
 
     def __init__(self, first: float = 0.5, cap: float = 60.0, *, factor: float = 2.0, jitter: float = 0.1) -> None:
         if first <= 0 or cap < first or factor < 1 or not 0 <= jitter < 1:
             raise ValueError("a backoff needs 0 < first <= cap, factor >= 1 and 0 <= jitter < 1")
         self.first, self.cap, self.factor, self.jitter = first, cap, factor, jitter
         self.attempt = 0
+        # Steps after which the delay is the cap: the exponent stops there, so a dependency down
+        # for days never overflows a float.
+        self._to_cap = math.ceil(math.log(cap / first, factor)) if factor > 1 and cap > first else 0
 
     def peek(self) -> float:
         """The next delay without jitter, and without taking the step."""
-        return min(self.cap, self.first * self.factor ** self.attempt)
+        return min(self.cap, self.first * self.factor ** min(self.attempt, self._to_cap))
 
     def step(self) -> float:
         """The delay before the next attempt; the one after it is longer, up to the cap."""

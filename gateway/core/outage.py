@@ -35,10 +35,10 @@ class OutageLog:
         self._log.log(level, "%s: %s", self._what, text, exc_info=exc_info)
         return True
 
-    def recovered(self, state: str) -> bool:
-        """Record a success; True if it ended an outage (and said so)."""
+    def recovered(self, state: str, *, level: int = logging.INFO) -> bool:
+        """Record a success; True if it ended an outage (and said so, at `level`)."""
         if self._kind is None:
             return False
         self._kind = None
-        self._log.info("%s: %s", self._what, state)
+        self._log.log(level, "%s: %s", self._what, state)
         return True

@@ -177,6 +177,8 @@ class Router:
         """Recover what a previous process left unfinished, then start the sweepers."""
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._sweep()), loop.create_task(self._turns.watch_timeouts())]
+        if self._parts.jobs is not None:
+            self._tasks.append(loop.create_task(self._automatic.relay(self._parts.jobs)))
         await self._recovery.recover_all()
 
     async def shutdown(self, reason: ToolReason, *, drain_s: float = 0.0, grace_s: float = 10.0) -> None:

@@ -184,7 +184,6 @@ class Daemon:
             store=self.store, outlets=self.adapters, cache=config.agent_cache, metrics=self.metrics,
             access=self.access, cluster=self.cluster, media=self.media, jobs=self.jobs,
             status_lines=(self.mcp.status_line,) if self.mcp.servers else ()))
-        self.jobs.deliver = self.router.deliver_automatic
         if self.mcp.servers:
             self.metrics.registry.register(McpCollector(self.mcp))
         self._stack: contextlib.AsyncExitStack | None = None

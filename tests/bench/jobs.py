@@ -33,7 +33,6 @@ async def measure(busy: str, trials: int, data: Path) -> list[str]:
                             builtin_registry(ProcessToolSettings(reaper=reaper), shell=True, jobs=jobs))
         chat = MemoryChat()
         router = build_router(store, agent, chat, busy=busy, jobs=jobs)
-        jobs.deliver = router.deliver_automatic
         await chat.start(router)
         await router.start()
         moved, told = [], []

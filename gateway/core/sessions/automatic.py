@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.core.background import BackgroundJobs
 from gateway.core.intake.ownership import Owners
 from gateway.core.messages import InboundMessage
 from gateway.core.ports import Outlet, Outlets, Store, StoreError
@@ -31,6 +32,16 @@ class AutomaticMessages:
         if found is not None:
             await self._queue.resume(*found, key)
         return found is not None
+
+    async def relay(self, jobs: BackgroundJobs) -> None:
+        """Until cancelled: each job end a session should hear of, queued into that session."""
+        while True:
+            notice = await jobs.next_notice()
+            try:
+                if await self.deliver(notice.session, notice.message_id, notice.text):
+                    notice.told()
+            except Exception:
+                log.exception("could not deliver the end of a job", extra={"session": notice.session})
 
     async def leave(self, key: str, message_id: str, text: str) -> None:
         """The same while stopping: stored as accepted, so the next start replays it."""
