@@ -129,6 +129,13 @@ def ingress_state(name: str, field: str) -> str:
     return f"{PREFIX}:ingress:{{{name}}}:{field}"
 
 
+def sentinel() -> str:
+    """A value every worker sets once it joins and checks with its heartbeat: missing, it means
+    Redis lost its data (restarted without persistence, flushed, failed over to an empty replica),
+    and with it everything created once at start (inbox groups, leases, listings)."""
+    return f"{PREFIX}:sentinel"
+
+
 def token_id(token: str) -> str:
     """A stable, non-secret name for a bot token (never put the token itself in a key)."""
     return hashlib.sha256(token.encode()).hexdigest()[:16]

@@ -18,7 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, cast
 
 from redis.exceptions import RedisError
 
@@ -68,6 +68,7 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._chores: set[asyncio.Task[None]] = set()
         self._housekeeping = OutageLog(log, "cluster housekeeping")
+        self._sentinel: str | None = None  # the sentinel's value when we joined (see keys.sentinel)
 
     @property
     def worker_id(self) -> str:
@@ -84,6 +85,7 @@ class Cluster:
         try:
             await inbox.create()
             await self._heartbeat()
+            self._sentinel = await self._join_sentinel()
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"cannot reach Redis ({type(exc).__name__})") from None
         self.leases.start()
@@ -237,7 +239,8 @@ class Cluster:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             try:
-                await self._heartbeat()
+                if not await self._heartbeat():
+                    await self._redis_lost_its_data(inbox)
                 await self.watchlist.refresh()
                 await self._release_idle()
                 await inbox.reclaim_own()
@@ -261,13 +264,35 @@ class Cluster:
             for session in [s for s in self.watchlist.owned() if events.running(s)]:
                 self.leases.check_lease(session)
 
-    async def _heartbeat(self) -> None:
+    async def _join_sentinel(self) -> str | None:
+        """The sentinel's value, set now (a value never used before) unless another worker set it first."""
+        await self.redis.set(keys.sentinel(), secrets.token_hex(8), nx=True)
+        return cast("str | None", await self.redis.get(keys.sentinel()))
+
+    async def _heartbeat(self) -> bool:
+        """Say we are alive; False if Redis has lost its data since we joined: the sentinel is not
+        the one we joined with (gone, or set anew by a worker that noticed first)."""
         beat = {"seen_at": time.time(), "incarnation": self.incarnation, "sessions": len(self.leases.held),
                 "ingress": self.ingress, **self.info}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(keys.worker_alive(self.worker_id), self.incarnation, px=int(self.ttl_s * 1000))
             pipe.hset(keys.workers(), self.worker_id, json.dumps(beat))
-            await pipe.execute()
+            pipe.get(keys.sentinel())
+            *_, sentinel = await pipe.execute()
+        return self._sentinel is None or sentinel == self._sentinel
+
+    async def _redis_lost_its_data(self, inbox: Inbox) -> None:
+        """Redis came back empty. What was created once at start is made again (the sentinel, this
+        worker's inbox group), and the sessions this worker held are listed as lapsed: their
+        leases are gone, so each is taken again through the normal fenced acquisition (a new,
+        larger fence: fences follow Redis's clock) and what was left open is closed and resumed."""
+        held = list(self.leases.held)
+        log.error("cluster: Redis lost its data (restarted without persistence?): leases, listings and "
+                  "inboxes are re-established; %d session(s) held here will be taken again", len(held))
+        await inbox.create()
+        if held:
+            await self.redis.zadd(keys.leased(), dict.fromkeys(held, 0))
+        self._sentinel = await self._join_sentinel()
 
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""

@@ -86,12 +86,28 @@ class Inbox:
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
             await self.redis.xgroup_create(self.stream, keys.GROUP, id="0", mkstream=True)
 
+    async def _recreate(self) -> None:
+        try:
+            await self.create()
+        except (RedisError, OSError) as exc:
+            self._outage.failed(type(exc).__name__, f"cannot re-create the inbox: {type(exc).__name__}")
+            await asyncio.sleep(1.0)
+            return
+        log.error("inbox: Redis had lost this worker's inbox group (restarted empty?); made it again")
+
     async def consume(self) -> None:
         backlog = True  # first what an earlier incarnation read and never acknowledged
         while True:
             try:
                 batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self.stream: "0" if backlog else ">"},
                                                     count=READ_COUNT, block=None if backlog else 1000)
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):  # Redis lost it (restarted empty): made again, not assumed
+                    await self._recreate()
+                    continue
+                self._outage.failed(type(exc).__name__, f"reading failed: {exc}")
+                await asyncio.sleep(1.0)
+                continue
             except (RedisError, OSError) as exc:
                 self._outage.failed(type(exc).__name__, f"reading failed: {type(exc).__name__}")
                 await asyncio.sleep(1.0)

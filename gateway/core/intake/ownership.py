@@ -123,18 +123,29 @@ class ClusterNode:
             # answer: say so rather than answer twice or not at all.
             return await self._answers.reject(a.outlet, a.msg, a.key, BUSY_ELSEWHERE)
         log.debug("forwarding to %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
-        # The owner answers push platforms itself; only a client connected here needs the result.
-        want_reply = a.cmd is not None and not a.outlet.pushes_anywhere
+        # Acknowledged means stored: the platform hears "taken" only once the owner has taken the
+        # message (stored it, or answered a command). A forward the owner never confirms — Redis
+        # lost it, restarting empty; the owner died — is not acknowledged, so the platform
+        # delivers it again (the store's inbound record de-duplicates a second arrival).
         try:
-            result = await self._ownership.forward(owner, a.msg, a.key, hops=a.hops, want_reply=want_reply)
+            result = await self._ownership.forward(owner, a.msg, a.key, hops=a.hops, want_reply=True)
         except ClusterUnavailable as exc:
             self._recent.forget(a.msg)
             log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": a.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
-        if not want_reply:
-            return Submitted(Outcome.FORWARDED, owner)
+        return await self._confirmed(a, owner, result)
+
+    async def _confirmed(self, a: Arrival, owner: str, result: Submitted | None) -> Submitted:
+        """What the owner said of a forwarded message (None: nothing, in time)."""
+        answered_here = a.cmd is not None and not a.outlet.pushes_anywhere  # the owner cannot reach this client
         if result is None:
-            return await self._answers.reject(a.outlet, a.msg, a.key, NO_ANSWER)
+            self._recent.forget(a.msg)
+            if answered_here:
+                return await self._answers.reject(a.outlet, a.msg, a.key, NO_ANSWER)
+            log.warning("%s did not confirm a forwarded message in time", owner, extra={"session": a.key})
+            return Submitted(Outcome.UNAVAILABLE, "the owner did not confirm it", retry_after_s=UNAVAILABLE_RETRY_S)
+        if not answered_here:  # the owner answered the chat itself
+            return result if result.outcome is Outcome.UNAVAILABLE else Submitted(Outcome.FORWARDED, owner)
         kind = (NoticeKind.STOPPED if result.detail == STOPPED else
                 NoticeKind.ERROR if result.outcome is Outcome.REJECTED else NoticeKind.INFO)
         await a.outlet.notify(a.msg.chat, result.detail, reply_to=a.msg.message_id, kind=kind)  # the owner can't
