@@ -132,6 +132,9 @@ class Store(Protocol):
 
     async def ping(self) -> bool: ...
 
+    def problem(self) -> str | None:
+        """What keeps the store from taking writes now, in words (e.g. a full disk); None: nothing known."""
+
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
         """Durably record an inbound message; None if (platform, chat, message id) was seen before."""
 

@@ -192,7 +192,8 @@ class Daemon:
         self.stop_errors: list[str] = []
 
     async def readiness(self) -> dict[str, Health]:
-        checks = {"store": Health(await self.store.ping(), store_kind(self.config))}
+        ok = await self.store.ping()
+        checks = {"store": Health(ok, self.store.problem() or store_kind(self.config))}
         if self.cluster is not None:
             checks["cluster"] = self.cluster.health()
         for name, adapter in self.adapters.items():

@@ -64,6 +64,9 @@ class PostgresClusterStore:
     async def ping(self) -> bool:
         return await self.history.ping() and await self.coordination.ping()
 
+    def problem(self) -> str | None:
+        return self.history.problem() or self.coordination.problem()
+
     # --- inbound: PostgreSQL ------------------------------------------------------------------
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:

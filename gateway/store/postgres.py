@@ -763,6 +763,9 @@ class PostgresStore:
     async def ping(self) -> bool:
         return await self.db.ping()
 
+    def problem(self) -> str | None:
+        return None
+
     async def schema_version(self) -> int:
         return await self.db.schema_version()
 

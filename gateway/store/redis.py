@@ -246,6 +246,9 @@ class RedisStore:
         except Exception:
             return False
 
+    def problem(self) -> str | None:
+        return None
+
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
         r, key = self._r, _fenced(fence)
         seen, token = keys.seen(key, msg.platform, msg.chat_id, msg.message_id), _token()

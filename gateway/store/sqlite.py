@@ -9,9 +9,12 @@ operation per transaction, so a failing write fails alone and the others land.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import queue
+import shutil
 import sqlite3
 import threading
 import time
@@ -22,6 +25,7 @@ from typing import Any, TypeVar
 from gateway.core import jsonfast
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.outage import OutageLog
 from gateway.core.ports import OPEN_STATUSES, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
 
@@ -80,6 +84,9 @@ CREATE INDEX IF NOT EXISTS inbound_finished ON inbound (received_at)
     WHERE status NOT IN ('accepted', 'running', 'restart');
 CREATE INDEX IF NOT EXISTS sessions_by_update ON sessions (updated_at);
 """
+RESERVE_BYTES = 16 << 20  # kept free for the WAL's checkpoint and the records already promised
+WAL_LIMIT_BYTES = 4 << 20  # the WAL is truncated to this after a checkpoint (it never keeps a full disk)
+SPACE_CHECK_S = 1.0  # free space is read at most this often
 PRUNE_EVERY_S = 3600.0  # finished inbound rows past the dedup window are deleted this often
 PRUNE_SLICE = 5000  # rows per transaction: writes queued meanwhile wait for one slice at most
 
@@ -88,11 +95,28 @@ _Item = tuple[Op, "asyncio.Future[Any]"] | None  # None asks the writer to stop
 _Result = tuple["asyncio.Future[Any]", Any, BaseException | None]
 
 
+class DiskFull(StoreError):
+    """The data disk has no room: nothing new is accepted until it has."""
+
+
 class SqliteStore:
-    def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400, prune_every_s: float = PRUNE_EVERY_S) -> None:
+    """A full disk is a state, not a crash. On the first write that finds the disk full, the
+    reserve file (`<db>.reserve`, `reserve_bytes` made at open) is given up, so the WAL's
+    checkpoint and the records of turns already running still have room; new messages are refused
+    (retryable) while the disk stays full, and `ping` — readiness — says so. Each `ping` tries a
+    write: once one lands, the reserve is made again and messages are taken again."""
+
+    def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400, prune_every_s: float = PRUNE_EVERY_S,
+                 reserve_bytes: int = RESERVE_BYTES) -> None:
         self.path = path
         self.dedup_ttl_s = dedup_ttl_s
         self.prune_every_s = prune_every_s
+        self.reserve_bytes = reserve_bytes
+        self.reserve = path.with_name(path.name + ".reserve")
+        self._full = False  # a write found the disk full and none has landed since
+        self._space_checked = -SPACE_CHECK_S
+        self._low = False  # free space under the threshold, at the last look
+        self._outage = OutageLog(log, "store")
         self._ops: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,6 +132,7 @@ class SqliteStore:
         self._thread.start()
         await ready
         await self._call(self._prune_all)
+        await asyncio.to_thread(self._make_reserve)
 
     async def close(self) -> None:
         if self._thread is None:
@@ -115,6 +140,7 @@ class SqliteStore:
         self._ops.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.reserve.unlink(missing_ok=True)  # held only while the store runs; made again at open
 
     async def _call(self, op: Callable[[sqlite3.Connection], T]) -> T:
         if self._thread is None or self._loop is None:
@@ -131,6 +157,7 @@ class SqliteStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
+            conn.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
             conn.executescript(SCHEMA)
         except sqlite3.Error as exc:
             failure: list[_Result] = [(ready, None, StoreError(f"cannot open {self.path}: {exc}"))]
@@ -156,19 +183,80 @@ class SqliteStore:
                 else:
                     ops.append(item)
             results = _run_group(conn, ops) if ops else []
+            if any(isinstance(exc, DiskFull) for _fut, _value, exc in results):
+                self._disk_full(conn)
             if results:
                 loop.call_soon_threadsafe(_settle, results)
         conn.close()
 
+    def _reserve_size(self) -> int:
+        stat = os.statvfs(self.path.parent)
+        return min(self.reserve_bytes, stat.f_blocks * stat.f_frsize // 20)
+
+    def _make_reserve(self) -> None:
+        """Hold `reserve_bytes` of the disk (at most a twentieth of it) for when it fills up — only
+        when twice that is free, so making it never fills the disk itself."""
+        if self.reserve.exists() or self.reserve_bytes <= 0:
+            return
+        size = self._reserve_size()
+        if shutil.disk_usage(self.path.parent).free < 2 * size:
+            return
+        try:
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # no room for it now: made at the next recovery
+            self.reserve.unlink(missing_ok=True)
+            log.warning("store: no room for the disk reserve (%s)", exc.strerror)
+
+    def _disk_full(self, conn: sqlite3.Connection) -> None:
+        """(The writer thread.) The disk is full: give up the reserve and checkpoint the WAL into
+        the room it leaves, so the records already promised can still land."""
+        if not self._full:
+            self._full = True
+            self._outage.failed("full", f"the data disk is full ({self.path.parent}); new messages are "
+                                "refused until there is room", level=logging.ERROR)
+        self.reserve.unlink(missing_ok=True)
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def problem(self, *, fresh: bool = False) -> str | None:
+        if self._full or (self.reserve_bytes > 0 and not self.reserve.exists()):
+            return "the data disk is full"  # (or was, and has no room for its reserve again yet)
+        now = time.monotonic()
+        if fresh or now - self._space_checked >= SPACE_CHECK_S:
+            self._space_checked = now
+            usage = shutil.disk_usage(self.path.parent)
+            self._low = usage.free < min(WAL_LIMIT_BYTES, usage.total // 20)
+        return "the data disk is nearly full" if self._low else None
+
+    def _room_for_new(self) -> None:
+        """Refuse a new message (retryable) while the disk is full or nearly so."""
+        if (problem := self.problem()) is not None:
+            raise DiskFull(problem)
+
     # --- operations -----------------------------------------------------------------------
 
     async def ping(self) -> bool:
+        """Readable and — after the disk was full — writable again (each ping tries one write)."""
         try:
-            return bool(await self._call(lambda c: c.execute("SELECT 1").fetchone()))
+            if self._full:
+                await self._call(_probe_write)
+                self._full = False  # a write landed: SQLite has room again
+            elif not await self._call(lambda c: c.execute("SELECT 1").fetchone()):
+                return False
         except StoreError:
             return False
+        await asyncio.to_thread(self._make_reserve)  # (when it is missing and there is room for it)
+        if self.problem(fresh=True) is not None:
+            return False
+        self._outage.recovered("the data disk has room again; messages are taken again")
+        return True
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        self._room_for_new()
         session_key, payload = fence.session_key, jsonfast.dumps_text(msg.to_dict())
 
         def op(c: sqlite3.Connection) -> int | None:
@@ -345,9 +433,18 @@ def _run_alone(conn: sqlite3.Connection, op: Op, fut: asyncio.Future[Any]) -> _R
         return fut, value, None
     except Exception as exc:
         _rollback(conn)
-        if isinstance(exc, sqlite3.OperationalError):  # the database itself (locked, full, gone), not this write
+        if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode == sqlite3.SQLITE_FULL:
+            return fut, None, DiskFull(str(exc))  # logged once per outage by the store
+        if isinstance(exc, sqlite3.OperationalError):  # the database itself (locked, gone), not this write
             log.error("store write failed: %s", exc)
         return fut, None, StoreError(str(exc))
+
+
+def _probe_write(conn: sqlite3.Connection) -> None:
+    """A write that needs room (a page's worth), undone at once: does the disk take writes again?"""
+    conn.execute("CREATE TABLE IF NOT EXISTS space_probe (data BLOB)")
+    conn.execute("INSERT INTO space_probe VALUES (zeroblob(8192))")
+    conn.execute("DELETE FROM space_probe")
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
