@@ -19,8 +19,8 @@ from gateway.agents.tools import Tool, ToolRegistry
 from gateway.core import turns
 from gateway.core.cancellation import GATEWAY_RESTART, NOT_RECORDED
 from gateway.core.fencing import Fence
-from gateway.core.messages import session_key
-from gateway.core.ports import FencedOut, InboundStatus
+from gateway.core.messages import InboundMessage, session_key
+from gateway.core.ports import FencedOut, InboundStatus, Outcome, StoreError
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
@@ -125,3 +125,36 @@ async def test_a_stopped_run_opens_no_new_provider_request_even_when_a_tool_swal
     await asyncio.wait_for(submitted.run.wait(), 10)
     await asyncio.sleep(0.2)  # time for a request that should not come
     assert len(provider.connections) == 1, [c.body.get("messages", [])[-1] for c in provider.connections]
+
+
+class _AnswerLostOnce(SqliteStore):
+    """The store as a connection lost after COMMIT makes it: the first record lands, its answer is lost."""
+
+    lost = 0
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+        inbound_id = await super().accept_inbound(fence, msg)
+        if not self.lost:
+            self.lost += 1
+            raise StoreError("connection lost after COMMIT")
+        return inbound_id
+
+
+async def test_a_message_stored_although_the_store_said_otherwise_is_answered_once_not_sent_again(
+        tmp_path: Path, chat: MemoryChat) -> None:
+    store = _AnswerLostOnce(tmp_path / "s.db")
+    await store.open()
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat)
+    await chat.start(router)
+    await router.start()
+    try:
+        submitted = await router.submit(chat.message("c1", "hello"), chat)
+        assert submitted.outcome is Outcome.ACCEPTED and submitted.run is not None  # not "send it again"
+        await asyncio.wait_for(submitted.run.wait(), 10)
+        assert not any("send it again" in t for t in chat.texts("c1")), chat.texts("c1")
+        _, rows = await store.conversation(submitted.run.session_key)
+        assert [r.role for r in rows] == ["user", "assistant"]
+        assert await store.unfinished_inbound() == []
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await store.close()

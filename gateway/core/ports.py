@@ -80,6 +80,10 @@ class StoreError(Exception):
     """The store could not do what was asked (disk full, Redis down, fenced out...)."""
 
 
+class DiskFull(StoreError):
+    """The store's disk has no room: new messages are refused until it has (not a blip to wait out)."""
+
+
 class FencedOut(StoreError):
     """A shared store refused a write: its fence is not the session's current one."""
 

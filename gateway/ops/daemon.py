@@ -45,7 +45,7 @@ from gateway.ops.http import build_app, start_sites
 from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
-from gateway.store.sqlite import SqliteStore
+from gateway.store.sqlite import RESERVE_BYTES, SqliteStore
 from platforms.media import MediaStore
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def core_settings(config: Config, agent: Agent) -> CoreSettings:
 def build_store(config: Config, *, retention: bool = False) -> Store:
     """PostgreSQL when `[store] url` is set (in cluster mode with Redis for de-duplication and
     pairing codes), else the shared Redis store in cluster mode, else SQLite in the data dir.
-    `retention`: the daemon's store runs the `keep_days` pruning (CLI commands' stores do not)."""
+    `retention`: the daemon's own store (the `keep_days` pruning, the disk reserve); CLI commands' stores have neither."""
     if config.store.url is not None:
         from gateway.store.postgres import PostgresStore
 
@@ -105,7 +105,8 @@ def build_store(config: Config, *, retention: bool = False) -> Store:
         from gateway.store.redis import RedisStore
 
         return RedisStore(config.redis.url.reveal())
-    return SqliteStore(Path(config.store.data_dir) / "switchboard.db")
+    return SqliteStore(Path(config.store.data_dir) / "switchboard.db",
+                       reserve_bytes=RESERVE_BYTES if retention else 0)
 
 
 def store_kind(config: Config) -> str:

@@ -26,7 +26,7 @@ from gateway.core import jsonfast
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.outage import OutageLog
-from gateway.core.ports import OPEN_STATUSES, InboundRecord, InboundStatus, SessionInfo, StoreError
+from gateway.core.ports import OPEN_STATUSES, DiskFull, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -95,19 +95,16 @@ _Item = tuple[Op, "asyncio.Future[Any]"] | None  # None asks the writer to stop
 _Result = tuple["asyncio.Future[Any]", Any, BaseException | None]
 
 
-class DiskFull(StoreError):
-    """The data disk has no room: nothing new is accepted until it has."""
-
-
 class SqliteStore:
-    """A full disk is a state, not a crash. On the first write that finds the disk full, the
-    reserve file (`<db>.reserve`, `reserve_bytes` made at open) is given up, so the WAL's
+    """A full disk is a state, not a crash. The daemon's store keeps a reserve file
+    (`<db>.reserve`, `reserve_bytes`, made at open; a CLI command's store keeps none and never
+    touches it). On the first write that finds the disk full, the reserve is given up, so the WAL's
     checkpoint and the records of turns already running still have room; new messages are refused
     (retryable) while the disk stays full, and `ping` — readiness — says so. Each `ping` tries a
     write: once one lands, the reserve is made again and messages are taken again."""
 
     def __init__(self, path: Path, *, dedup_ttl_s: float = 7 * 86400, prune_every_s: float = PRUNE_EVERY_S,
-                 reserve_bytes: int = RESERVE_BYTES) -> None:
+                 reserve_bytes: int = 0) -> None:
         self.path = path
         self.dedup_ttl_s = dedup_ttl_s
         self.prune_every_s = prune_every_s
@@ -140,7 +137,8 @@ class SqliteStore:
         self._ops.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-        self.reserve.unlink(missing_ok=True)  # held only while the store runs; made again at open
+        if self.reserve_bytes > 0:
+            self.reserve.unlink(missing_ok=True)  # held only while the daemon runs; made again at open
 
     async def _call(self, op: Callable[[sqlite3.Connection], T]) -> T:
         if self._thread is None or self._loop is None:
@@ -218,7 +216,8 @@ class SqliteStore:
             self._full = True
             self._outage.failed("full", f"the data disk is full ({self.path.parent}); new messages are "
                                 "refused until there is room", level=logging.ERROR)
-        self.reserve.unlink(missing_ok=True)
+        if self.reserve_bytes > 0:
+            self.reserve.unlink(missing_ok=True)
         with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 

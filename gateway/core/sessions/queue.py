@@ -4,10 +4,13 @@ gateway itself queues (replays after a restart, resumes, a background job's end)
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from gateway.core.background import BackgroundJobs
+from gateway.core.backoff import Backoff
 from gateway.core.cancellation import NEW_MESSAGE, Run
 from gateway.core.cluster import ClusterUnavailable
 from gateway.core.fencing import Fence
@@ -16,7 +19,7 @@ from gateway.core.intake.dedupe import RecentMessages
 from gateway.core.intake.gates import Arrival
 from gateway.core.intake.ownership import Owners
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import NoticeKind, Outcome, Outlet, Store, StoreError, Submitted
+from gateway.core.ports import DiskFull, InboundStatus, NoticeKind, Outcome, Outlet, Store, StoreError, Submitted
 from gateway.core.sessions.admission import Admission, LaneState, admit
 from gateway.core.sessions.control import BusyPolicies
 from gateway.core.sessions.lanes import Lanes, Scope
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 STEERED = "↪ added to the current answer"
 NOT_SAVED = "Sorry, I could not save your message (storage error). Please send it again."
+ACCEPT_RETRY_S = 5.0  # a message is held (not yet acknowledged) this long through a store outage
 
 
 class TurnQueue:
@@ -102,7 +106,7 @@ class TurnQueue:
         """Store the message (acknowledged means stored); what to answer if it was not stored."""
         try:
             await self._owners.watch(turn.key)  # before the message is stored: then someone always finishes it
-            turn.inbound_id = await self._store.accept_inbound(turn.fence, turn.msg)
+            turn.inbound_id = await self._accept(turn)
         except (StoreError, ClusterUnavailable) as exc:
             turn.accepted.set_result(False)
             self._recent.forget(turn.msg)
@@ -112,6 +116,39 @@ class TurnQueue:
             turn.accepted.set_result(False)
             return Submitted(Outcome.DUPLICATE)
         turn.accepted.set_result(True)
+        return None
+
+    async def _accept(self, turn: Turn) -> int | None:
+        """The message's inbound record: written now, or — through a short store outage — once
+        the store is back. A write whose answer was lost may have landed: the retry is idempotent
+        (the store returns our own record), and a message the store already holds open, unrun,
+        is joined rather than refused as a duplicate (its first delivery was told "send again")."""
+        backoff = Backoff(0.05, 0.5, jitter=0.0)
+        deadline = time.monotonic() + ACCEPT_RETRY_S
+        while True:
+            try:
+                inbound_id = await self._store.accept_inbound(turn.fence, turn.msg)
+                break
+            except DiskFull:
+                raise  # not a blip: refused now, retried by the platform or the client later
+            except StoreError:
+                if time.monotonic() + backoff.peek() > deadline:
+                    raise
+            await asyncio.sleep(backoff.step())
+        return inbound_id if inbound_id is not None else await self._join(turn)
+
+    async def _join(self, turn: Turn) -> int | None:
+        """The open record of this very message, if the store holds one no lane is running."""
+        msg = turn.msg
+        lane = self._lanes.get(turn.key)
+        if lane is not None and any(t is not turn and t.msg.message_id == msg.message_id for t in lane.turns()):
+            return None  # a true duplicate: it is queued or running here
+        for rec in await self._store.unfinished_inbound(turn.key):
+            m = rec.message
+            if rec.status is InboundStatus.ACCEPTED and (m.platform, m.chat_id, m.message_id) == (
+                    msg.platform, msg.chat_id, msg.message_id):
+                log.info("a message stored earlier but never run is taken again", extra={"session": turn.key})
+                return rec.id
         return None
 
     async def _acknowledge(self, decision: Admission, turn: Turn, speaker: Speaker, ahead: int) -> Submitted:
