@@ -14,23 +14,56 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
-from gateway.core.messages import ChatRef
+from gateway.core.messages import Capabilities, ChatRef
 from gateway.core.ports import NoticeKind, Reply
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
-from platforms.outbox import Job, Priority, Withdrawn
+from platforms.outbox import Job, Outbox, Priority, Withdrawn
 from platforms.splitting import Part, SplitMemo, iter_parts, open_fence
-
-if TYPE_CHECKING:
-    from platforms.base import Adapter
 
 log = logging.getLogger(__name__)
 
 UNDELIVERED = "⚠️ part of this answer could not be delivered: {reason}"
+
+
+class ReplyPlatform(Protocol):
+    """What the streaming engine needs of a platform: its outbox, how it counts length, and the
+    outbound calls its outbox jobs make. `platforms.base.Adapter` is one; the engine depends on
+    this much of it only (and never imports it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    def outbox_key(self, chat: ChatRef) -> str: ...
+
+    def measure(self, text: str) -> int: ...
+
+    def measure_bound(self) -> Callable[[str], int] | None: ...
+
+    def count(self, kind: str) -> None: ...
+
+    async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str: ...
+
+    async def edit(self, chat: ChatRef, message_id: str, text: str) -> None: ...
+
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str: ...
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None: ...
+
+    async def typing(self, chat: ChatRef) -> None: ...
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -49,7 +82,7 @@ class EditStreamReply(Reply):
 
     A background pump coalesces deltas, so a slow platform skips intermediate states rather
     than slowing the agent; unchanged text is never re-sent; the final text is always sent.
-    Parts are measured as the platform counts them (`Adapter.measure`).
+    Parts are measured as the platform counts them (`ReplyPlatform.measure`).
     """
 
     TYPING_AFTER_S = 0.2
@@ -59,7 +92,7 @@ class EditStreamReply(Reply):
     MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
     MAX_LOSS_NOTICES = 3
 
-    def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None,
+    def __init__(self, adapter: ReplyPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
                  stop: str | None = None) -> None:
         self._adapter = adapter
         self._stop = stop  # while it streams, its messages show a Stop button for this token

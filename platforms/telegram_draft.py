@@ -22,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
@@ -30,10 +30,7 @@ from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Priority, Withdrawn
 from platforms.splitting import iter_parts
-from platforms.streaming import EditStreamReply
-
-if TYPE_CHECKING:
-    from platforms.telegram_bot import TelegramAdapter
+from platforms.streaming import EditStreamReply, ReplyPlatform
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +46,23 @@ class DraftsRefused(OutboundError):
         self.everywhere = everywhere
 
 
+class DraftPlatform(ReplyPlatform, Protocol):
+    """What a draft reply needs of the Telegram adapter beyond edit streaming: the draft, the
+    status message carrying the Stop button beside it, and where to report a chat refusing drafts."""
+
+    async def send_draft(self, chat: ChatRef, draft_id: int, text: str) -> None: ...
+
+    async def send_status(self, chat: ChatRef, text: str, *, stop: str) -> str: ...
+
+    async def delete_status(self, chat: ChatRef, message_id: str) -> None: ...
+
+    def drafts_refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None: ...
+
+
 class DraftStreamReply(EditStreamReply):
     """Streams a private chat's answer as a Telegram draft; falls back to edits if refused."""
 
-    def __init__(self, adapter: TelegramAdapter, chat: ChatRef, run: Run, *, reply_to: str | None,
+    def __init__(self, adapter: DraftPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
                  stop: str | None, interval_s: float, refresh_s: float) -> None:
         super().__init__(adapter, chat, run, reply_to=reply_to, stop=stop)
         self._tg = adapter
