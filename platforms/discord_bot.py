@@ -31,7 +31,7 @@ from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import DiscordConfig
 from platforms.ingress import IngressLeader
-from platforms.stop_button import PressOutcome, StopButtons
+from platforms.stop_button import PressOutcome, StopButton, StopButtons
 from platforms.streaming import EditStreamReply
 
 log = logging.getLogger(__name__)
@@ -491,8 +491,8 @@ class DiscordAdapter(Adapter):
         await super().notify(chat, text, reply_to=reply_to)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
-        token = self.stop_buttons.open(msg, run) if self._config.stop_button else None
-        reply = _DiscordReply(self, msg, run, token)
+        button = self.stop_buttons.open(msg, run) if self._config.stop_button else None
+        reply = _DiscordReply(self, msg, run, button)
         self._replies.add(reply)
         return reply
 
@@ -500,13 +500,9 @@ class DiscordAdapter(Adapter):
 class _DiscordReply(EditStreamReply):
     """EditStreamReply that tells the adapter when it has ended, so shutdown can wait for it."""
 
-    def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run, token: str | None) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token)
+    def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run, button: StopButton | None) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=button)
         self._owner = adapter
-
-    async def settled(self, problem: str | None = None) -> None:
-        self._owner.stop_buttons.close(self._stop)
-        await super().settled(problem)
 
     async def finish(self, text: str) -> None:
         try:

@@ -33,7 +33,7 @@ PREFIX = "stop:"
 PRESS_PREFIX = "stop-press:"  # message ids of the `/stop` a press submits
 LABEL = "⏹ Stop"
 MAX_LIVE = 10_000  # answers still streaming here; older ones are forgotten (their presses: forwarded)
-__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButtons"]
+__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButton", "StopButtons"]
 
 
 class PressOutcome(StrEnum):
@@ -80,6 +80,18 @@ def is_press(reply_to: str | None) -> bool:
     return reply_to is not None and reply_to.startswith(PRESS_PREFIX)
 
 
+@dataclass(frozen=True, slots=True)
+class StopButton:
+    """One answer's Stop button: the payload its messages carry, and the registry that forgets it
+    when the answer settles (a press after that stops nothing and says so)."""
+
+    data: str
+    registry: StopButtons
+
+    def close(self) -> None:
+        self.registry.close(self.data)
+
+
 class StopButtons:
     """The live Stop buttons of one adapter."""
 
@@ -88,12 +100,12 @@ class StopButtons:
         self._live: OrderedDict[str, StopTarget] = OrderedDict()
         self._absorbing: dict[str, list[str]] = {}  # press id -> notices the router sent for it
 
-    def open(self, msg: InboundMessage, run: Run) -> str:
-        """The payload of the Stop button of the answer to `msg`; the run is known here until `close`."""
+    def open(self, msg: InboundMessage, run: Run) -> StopButton:
+        """The Stop button of the answer to `msg`; the run is known here until the button is closed."""
         self._live[run.token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
         while len(self._live) > MAX_LIVE:
             self._live.popitem(last=False)
-        return custom_id(run, msg.user_id)
+        return StopButton(custom_id(run, msg.user_id), self)
 
     def close(self, data: str | None) -> None:
         parsed = parse(data)

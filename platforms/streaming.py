@@ -24,6 +24,7 @@ from gateway.core.ports import NoticeKind, Reply
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
 from platforms.outbox import Job, Outbox, Priority, Withdrawn
 from platforms.splitting import Part, SplitMemo, iter_parts, open_fence
+from platforms.stop_button import StopButton
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,10 @@ class EditStreamReply(Reply):
     MAX_LOSS_NOTICES = 3
 
     def __init__(self, adapter: ReplyPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
-                 stop: str | None = None) -> None:
+                 stop: StopButton | None = None) -> None:
         self._adapter = adapter
-        self._stop = stop  # while it streams, its messages show a Stop button for this token
+        self._button = stop
+        self._stop = stop.data if stop is not None else None  # while it streams, its messages show this button
         self._chat = chat
         self._run = run
         self._reply_to = reply_to
@@ -171,6 +173,8 @@ class EditStreamReply(Reply):
         await self._settle(self._deliver_final())
 
     async def settled(self, problem: str | None = None) -> None:
+        if self._button is not None:
+            self._button.close()  # the answer has settled: its button stops nothing any more
         if problem and await still_ours(self._run.guard):
             await self._adapter.notify(self._chat, f"⚠️ {problem}", reply_to=self._reply_to, kind=NoticeKind.ERROR)
 

@@ -61,7 +61,7 @@ from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Ref
 from platforms.config import TelegramConfig
 from platforms.ingress import IngressLeader
 from platforms.splitting import utf16_len
-from platforms.stop_button import PressOutcome, StopButtons
+from platforms.stop_button import PressOutcome, StopButton, StopButtons
 from platforms.streaming import EditStreamReply
 from platforms.telegram_draft import DraftsRefused, DraftStreamReply, draft_chat
 from platforms.telegram_format import to_html, visible_text
@@ -500,13 +500,13 @@ class TelegramAdapter(Adapter):
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
         streaming = self.config.streaming
-        token = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
+        button = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
         reply: EditStreamReply
         drafts = streaming == "draft" and not self._drafts_off and msg.chat_id not in self._no_drafts
         if drafts and draft_chat(msg.chat):
-            reply = _TelegramDraftReply(self, msg, run, token)
+            reply = _TelegramDraftReply(self, msg, run, button)
         else:
-            reply = _TelegramReply(self, msg, run, token, stream=streaming != "off")
+            reply = _TelegramReply(self, msg, run, button, stream=streaming != "off")
         return reply
 
     # --- Stop buttons ---------------------------------------------------------------------
@@ -681,27 +681,17 @@ def _kind(exc: BadRequest) -> str:
 class _TelegramReply(EditStreamReply):
     """Edit streaming (groups, topics, chats without drafts) with the Stop button on its messages."""
 
-    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None, *,
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, button: StopButton | None, *,
                  stream: bool = True) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token)
-        self._buttons = adapter.stop_buttons
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=button)
         if not stream:  # streaming = "off": typing, then the final text only
             self._caps = dataclasses.replace(self._caps, can_stream=False)
 
-    async def settled(self, problem: str | None = None) -> None:
-        self._buttons.close(self._stop)
-        await super().settled(problem)
-
 
 class _TelegramDraftReply(DraftStreamReply):
-    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, token: str | None) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=token,
+    def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, button: StopButton | None) -> None:
+        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=button,
                          interval_s=adapter.config.draft_interval_s, refresh_s=adapter.config.draft_refresh_s)
-        self._buttons = adapter.stop_buttons
-
-    async def settled(self, problem: str | None = None) -> None:
-        self._buttons.close(self._stop)
-        await super().settled(problem)
 
 
 def _stop_markup(data: str | None) -> InlineKeyboardMarkup | None:

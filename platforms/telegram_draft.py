@@ -30,6 +30,7 @@ from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Priority, Withdrawn
 from platforms.splitting import iter_parts
+from platforms.stop_button import StopButton
 from platforms.streaming import EditStreamReply, ReplyPlatform
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class DraftStreamReply(EditStreamReply):
     """Streams a private chat's answer as a Telegram draft; falls back to edits if refused."""
 
     def __init__(self, adapter: DraftPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
-                 stop: str | None, interval_s: float, refresh_s: float) -> None:
+                 stop: StopButton | None, interval_s: float, refresh_s: float) -> None:
         super().__init__(adapter, chat, run, reply_to=reply_to, stop=stop)
         self._tg = adapter
         self._drafting = True
