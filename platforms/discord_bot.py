@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -24,6 +23,8 @@ from discord import app_commands
 
 from gateway.core import commands
 from gateway.core.attachments import Attachment, mime_of
+from gateway.core.backoff import Backoff
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
@@ -40,6 +41,7 @@ PLATFORM = "discord"
 MAX_LEN = 2000
 UNKNOWN_MESSAGE = 10008  # Discord's code for a message that does not exist (deleted)
 CLOSE_FLUSH_S = 5.0
+SENT_IDS_MAX = 10_000  # our latest messages, to tell a reply to the bot (older ones: by the resolved author)
 _TRANSIENT = (aiohttp.ClientError, OSError, TimeoutError)
 _USER_MESSAGES = (discord.MessageType.default, discord.MessageType.reply)
 T = TypeVar("T")
@@ -134,7 +136,7 @@ class DiscordAdapter(Adapter):
         self._close_timer: asyncio.Task[None] | None = None
         self._replies: set[_DiscordReply] = set()
         self._interactions: dict[str, _PendingInteraction] = {}
-        self._sent_ids: OrderedDict[int, None] = OrderedDict()  # ours, to spot replies to the bot
+        self._sent_ids: BoundedMap[int, None] = BoundedMap(SENT_IDS_MAX)  # ours, to spot replies to the bot
         self.stop_buttons = StopButtons(PLATFORM)
 
     def _new_client(self) -> _Client:
@@ -180,11 +182,10 @@ class DiscordAdapter(Adapter):
             return False
 
     async def _run(self, logged_in: bool) -> None:
-        delay = self.LOGIN_RETRY_S
+        retry = Backoff(self.LOGIN_RETRY_S, self.LOGIN_RETRY_MAX_S, jitter=0.0)
         try:
             while not logged_in:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.LOGIN_RETRY_MAX_S)
+                await asyncio.sleep(retry.step())
                 logged_in = await self._login()
             if self._config.register_commands:
                 await self._sync_commands()
@@ -460,8 +461,6 @@ class DiscordAdapter(Adapter):
             options["view"] = _stop_view(stop)
         message = await self._call(lambda: channel.send(text, **options), idempotent=False)
         self._sent_ids[message.id] = None
-        if len(self._sent_ids) > 10_000:
-            self._sent_ids.popitem(last=False)
         return str(message.id)
 
     async def edit(self, chat: ChatRef, message_id: str, text: str) -> None:

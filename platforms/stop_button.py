@@ -17,11 +17,11 @@ press's own answer (a Telegram toast, a Discord interaction), and the answer's m
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run
 from gateway.core.commands import ENDED, RUN_ARG, STOPPED
 from gateway.core.messages import ChatRef, ChatType, InboundMessage
@@ -97,14 +97,12 @@ class StopButtons:
 
     def __init__(self, platform: str) -> None:
         self.platform = platform
-        self._live: OrderedDict[str, StopTarget] = OrderedDict()
+        self._live: BoundedMap[str, StopTarget] = BoundedMap(MAX_LIVE)
         self._absorbing: dict[str, list[str]] = {}  # press id -> notices the router sent for it
 
     def open(self, msg: InboundMessage, run: Run) -> StopButton:
         """The Stop button of the answer to `msg`; the run is known here until the button is closed."""
         self._live[run.token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
-        while len(self._live) > MAX_LIVE:
-            self._live.popitem(last=False)
         return StopButton(custom_id(run, msg.user_id), self)
 
     def close(self, data: str | None) -> None:

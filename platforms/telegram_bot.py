@@ -20,7 +20,6 @@ import dataclasses
 import datetime as dt
 import hmac
 import logging
-import random
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
@@ -53,8 +52,11 @@ from telegram.request import HTTPXRequest
 
 from gateway.core import commands
 from gateway.core.attachments import Attachment, mime_of
+from gateway.core.backoff import Backoff
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
+from gateway.core.outage import OutageLog
 from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
 from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
@@ -75,24 +77,12 @@ SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 UNAVAILABLE_RETRY_S = 2.0
 CLOSE_FLUSH_S = 5.0  # on close, how long queued replies and notices may still take
 ALBUM_WAIT_S = 0.5  # how long the rest of an album may take to arrive after its first part
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 60.0  # the intake loop's backoff after a failure (±10 % jitter)
+NO_DRAFTS_MAX = 100_000  # chats remembered as refusing drafts (a forgotten one tries a draft again)
 # Bad Requests about the message rather than its text: retrying with other text will not help.
 _GONE = ("message to edit not found", "message_id_invalid", "message can't be edited")
 _CHAT = ("chat not found", "not enough rights", "have no rights", "chat_write_forbidden", "bot is not a member",
          "topic_closed", "topic_deleted", "message thread not found", "peer_id_invalid", "group chat was upgraded")
-
-
-class _Backoff:
-    """Exponential backoff with a little jitter: 0.5 s, 1 s, 2 s … capped at 60 s."""
-
-    def __init__(self, first: float = 0.5, cap: float = 60.0) -> None:
-        self.first, self.cap, self.next = first, cap, first
-
-    def step(self) -> float:
-        delay, self.next = self.next, min(self.cap, self.next * 2)
-        return delay * random.uniform(0.9, 1.1)
-
-    def reset(self) -> None:
-        self.next = self.first
 
 
 class TelegramAdapter(Adapter):
@@ -114,7 +104,7 @@ class TelegramAdapter(Adapter):
                        request=self._requests[0], get_updates_request=self._requests[1])
         self.ready = asyncio.Event()  # set once connected (polling, or the webhook registered)
         self._health = Health(False, "connecting to Telegram")
-        self._problem: str | None = None  # the failure last logged, so each episode logs once
+        self._outage = OutageLog(log, PLATFORM)
         self._bot_id = 0
         self._username = ""
         self._offset: int | None = None
@@ -128,7 +118,7 @@ class TelegramAdapter(Adapter):
         # Cluster mode: only the worker holding this lease polls; the offset lives in Redis.
         self.leader = leader
         self.stop_buttons = StopButtons(PLATFORM)
-        self._no_drafts: set[str] = set()  # chats that refused a draft: they stream by edits
+        self._no_drafts: BoundedMap[str, None] = BoundedMap(NO_DRAFTS_MAX)  # refused a draft: stream by edits
         self._drafts_refusal_logged = False
         self._drafts_off = False  # the Bot API server has no sendMessageDraft
 
@@ -176,7 +166,7 @@ class TelegramAdapter(Adapter):
     # --- intake: polling ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        backoff = _Backoff()
+        backoff = Backoff(RETRY_FIRST_S, RETRY_MAX_S, jitter=0.1)
         connected = False
         while not self._closing:
             try:
@@ -261,38 +251,14 @@ class TelegramAdapter(Adapter):
             log.info("telegram: could not confirm the last updates on stop: %s", self._scrub(str(exc)))
 
     def _failed(self, exc: Exception, delay: float) -> None:
-        """Degrade health and log the cause — once per episode, not once per retry."""
-        if isinstance(exc, Conflict):
-            kind, level = "conflict", logging.ERROR
-            if "webhook" in str(exc).lower():
-                text = ("409 Conflict: a webhook is set for this bot token, so getUpdates is refused "
-                        "(another instance running in webhook mode?)")
-            else:
-                text = ("409 Conflict: another process is polling Telegram with this bot token; "
-                        "only one instance may run per token")
-        elif isinstance(exc, InvalidToken):
-            kind, level, text = "token", logging.ERROR, "Telegram rejected the bot token (check telegram.token)"
-        elif isinstance(exc, RetryAfter):
-            kind, level, text = "flood", logging.WARNING, "Telegram asked us to slow down (429)"
-        elif isinstance(exc, NetworkError) and not isinstance(exc, BadRequest):  # PTB: BadRequest is one
-            kind, level = "network", logging.WARNING
-            text = f"cannot reach Telegram: {self._scrub(str(exc)) or type(exc).__name__}"
-        elif isinstance(exc, TelegramError):
-            kind, level, text = "api", logging.WARNING, f"Telegram error: {self._scrub(str(exc))}"
-        else:
-            kind, level, text = "bug", logging.ERROR, f"unexpected {type(exc).__name__} in the Telegram loop"
+        """Degrade health and log the cause — once per outage and kind, not once per retry."""
+        kind, level, text = failure(exc, self._scrub)
         self._health = Health(False, text)
-        if kind != self._problem:
-            self._problem = kind
-            log.log(level, "telegram: %s; retrying in %.1f s (backing off up to 60 s)", text, delay,
-                    exc_info=exc if kind == "bug" else None)
-        else:
-            log.debug("telegram: still failing (%s); retrying in %.1f s", kind, delay)
+        self._outage.failed(kind, f"{text}; retrying in {delay:.1f} s (backing off up to {RETRY_MAX_S:.0f} s)",
+                            level=level, exc_info=exc if kind == "bug" else None)
 
     def _recovered(self, state: str) -> None:
-        if self._problem is not None:
-            log.info("telegram: connection restored (%s)", state)
-            self._problem = None
+        self._outage.recovered(f"connection restored ({state})")
         self._health = Health(True, state)
 
     # --- intake: webhook ------------------------------------------------------------------
@@ -490,9 +456,7 @@ class TelegramAdapter(Adapter):
         """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
         then per chat at debug level."""
         self._drafts_off = self._drafts_off or everywhere
-        self._no_drafts.add(chat.chat_id)
-        if len(self._no_drafts) > 100_000:
-            self._no_drafts.clear()
+        self._no_drafts[chat.chat_id] = None
         level = logging.DEBUG if self._drafts_refusal_logged else logging.WARNING
         self._drafts_refusal_logged = True
         log.log(level, "telegram: chat %s refused a draft (%s); its answers stream by editing a message",
@@ -613,6 +577,34 @@ class TelegramAdapter(Adapter):
     def _scrub(self, text: str) -> str:
         """Belt and braces next to the log redactor: PTB puts the token in some messages."""
         return text.replace(self._token, "***")
+
+
+def _conflict(exc: TelegramError, _scrub: Callable[[str], str]) -> str:
+    if "webhook" in str(exc).lower():
+        return ("409 Conflict: a webhook is set for this bot token, so getUpdates is refused "
+                "(another instance running in webhook mode?)")
+    return "409 Conflict: another process is polling Telegram with this bot token; only one instance may run per token"
+
+
+# What a failure of the intake loop is, first match wins: (class, kind, log level, what to say).
+# BadRequest is a NetworkError in PTB, but about the request: it goes before NetworkError.
+_FAILURES: tuple[tuple[type[TelegramError], str, int, Callable[[TelegramError, Callable[[str], str]], str]], ...] = (
+    (Conflict, "conflict", logging.ERROR, _conflict),
+    (InvalidToken, "token", logging.ERROR, lambda _e, _s: "Telegram rejected the bot token (check telegram.token)"),
+    (RetryAfter, "flood", logging.WARNING, lambda _e, _s: "Telegram asked us to slow down (429)"),
+    (BadRequest, "api", logging.WARNING, lambda e, scrub: f"Telegram error: {scrub(str(e))}"),
+    (NetworkError, "network", logging.WARNING,
+     lambda e, scrub: f"cannot reach Telegram: {scrub(str(e)) or type(e).__name__}"),
+    (TelegramError, "api", logging.WARNING, lambda e, scrub: f"Telegram error: {scrub(str(e))}"),
+)
+
+
+def failure(exc: Exception, scrub: Callable[[str], str]) -> tuple[str, int, str]:
+    """(kind, log level, text) of a failure of the intake loop: the same kind logs once per outage."""
+    for cls, kind, level, say in _FAILURES:
+        if isinstance(exc, cls):
+            return kind, level, say(exc, scrub)
+    return "bug", logging.ERROR, f"unexpected {type(exc).__name__} in the Telegram loop"
 
 
 def _album_of(update: Update) -> tuple[int, str] | None:
