@@ -22,14 +22,14 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Priority, Withdrawn
-from platforms.splitting import iter_parts
 from platforms.stop_button import StopButton
 from platforms.streaming import EditStreamReply, ReplyPlatform
 
@@ -96,7 +96,7 @@ class DraftStreamReply(EditStreamReply):
         await self._end()
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
-        shown = self._text[:self._drafted]
+        shown = self._parts.text[:self._drafted]
         self._stopped_shown = shown
         notice = stop_notice(reason)
         if self._draft_text is None:  # no draft was shown: as edit streaming with nothing to mark
@@ -106,7 +106,7 @@ class DraftStreamReply(EditStreamReply):
                                                         kind=NoticeKind.INTERRUPTED, reason=reason))
             return
         # The draft ends only when a message replaces it: what it showed, marked as stopped.
-        self._text = f"{shown}\n\n{notice}" if shown.strip() else notice
+        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else notice
         self._after_stop = True
         await self._settle(self._deliver_final())
 
@@ -118,13 +118,8 @@ class DraftStreamReply(EditStreamReply):
     def _interval(self) -> float:
         return self._interval_s if self._drafting else super()._interval()
 
-    def _start_typing(self) -> None:
-        if not self._drafting:
-            super()._start_typing()
-            return
-        self._typing_timer = None
-        if not self._ended and not self._sent_any:
-            self._typing = asyncio.get_running_loop().create_task(self._keep_draft())
+    def _indicator(self) -> Coroutine[Any, Any, None]:
+        return self._keep_draft() if self._drafting else super()._indicator()
 
     async def _keep_draft(self) -> None:
         """"Thinking…" until text arrives, and the draft kept alive while the turn runs."""
@@ -141,7 +136,7 @@ class DraftStreamReply(EditStreamReply):
                 break
             await asyncio.sleep(max(0.0, due - time.monotonic()))
         if not self._drafting and not self._ended:
-            await self._keep_typing()
+            await super()._indicator()  # refused: typing, as edit streaming shows it
 
     async def _render(self, *, final: bool) -> None:
         if final or not self._drafting:
@@ -180,11 +175,9 @@ class DraftStreamReply(EditStreamReply):
         """Queue a draft: the text so far (its last part), an empty one ("Thinking…", unless text
         was drafted meanwhile), or the last one again (a refresh)."""
         text: str | None = None
-        end = len(self._text)
+        end = len(self._parts.text)
         if not (empty or again):
-            parts = list(iter_parts(self._text, self._limit, self._adapter.measure, bound=self._bound,
-                                    memo=self._memo))
-            text = parts[-1].text if parts else ""
+            text = self._parts.tail()
             if text == self._draft_text:
                 return
         job: Job[None] = self._outbox.put(self._key, lambda: self._draft_call(text, end, empty=empty),
@@ -218,10 +211,8 @@ class DraftStreamReply(EditStreamReply):
         status, self._status = self._status, None
         if status is not None:  # edit streaming shows its Stop button on the message itself
             self._outbox.adopt(self._delete(status))
-        self._dirty.set()
-        if not self._pump_scheduled and self._text:
-            self._pump_scheduled = True
-            self._start_pump()
+        if self._parts.text:  # stream what there is by edits, now
+            self._pacer.wake(self._render_intermediate, self._interval, now=True)
 
     # --- ending ---------------------------------------------------------------------------
 
