@@ -11,7 +11,7 @@ sent before the draft (silently: no notification) and deleted when the turn ends
 
 A stopped turn ends its draft at once: what the draft showed is sent as a message, marked
 "⏹ stopped" — exactly the text the transcript keeps. If the chat refuses drafts (groups, some
-topics, an older Bot API), the reply carries on by editing a message and the adapter remembers the
+topics, an older Bot API), the reply carries on by editing a message and `DraftChats` remembers the
 chat, so its later answers start that way.
 """
 
@@ -25,6 +25,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
@@ -36,6 +37,7 @@ from platforms.streaming import EditStreamReply, ReplyPlatform
 log = logging.getLogger(__name__)
 
 STATUS_TEXT = "✍️ writing…"
+NO_DRAFTS_MAX = 100_000  # chats remembered as refusing drafts (a forgotten one tries a draft again)
 
 
 class DraftsRefused(OutboundError):
@@ -47,9 +49,10 @@ class DraftsRefused(OutboundError):
         self.everywhere = everywhere
 
 
-class DraftPlatform(ReplyPlatform, Protocol):
-    """What a draft reply needs of the Telegram adapter beyond edit streaming: the draft, the
-    status message carrying the Stop button beside it, and where to report a chat refusing drafts."""
+class DraftCalls(Protocol):
+    """The Bot API calls a draft reply makes beyond edit streaming's: the draft, and the status
+    message carrying the Stop button beside it. They raise as `ReplyPlatform.send` does, and
+    `send_draft` raises `DraftsRefused` where the chat takes no drafts."""
 
     async def send_draft(self, chat: ChatRef, draft_id: int, text: str) -> None: ...
 
@@ -57,16 +60,38 @@ class DraftPlatform(ReplyPlatform, Protocol):
 
     async def delete_status(self, chat: ChatRef, message_id: str) -> None: ...
 
-    def drafts_refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None: ...
+
+class DraftChats:
+    """Which chats an answer may stream to as a draft: private chats, except those that refused
+    one (they stream by edits), and none once the Bot API server turned out to lack drafts."""
+
+    def __init__(self, *, remember: int = NO_DRAFTS_MAX) -> None:
+        self._refused: BoundedMap[str, None] = BoundedMap(remember)
+        self._off = False  # the Bot API server has no sendMessageDraft
+        self._logged = False
+
+    def take_drafts(self, chat: ChatRef) -> bool:
+        return not self._off and chat.chat_id not in self._refused and draft_chat(chat)
+
+    def refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
+        """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
+        then per chat at debug level."""
+        self._off = self._off or everywhere
+        self._refused[chat.chat_id] = None
+        level = logging.DEBUG if self._logged else logging.WARNING
+        self._logged = True
+        log.log(level, "telegram: chat %s refused a draft (%s); its answers stream by editing a message",
+                chat.chat_id, why)
 
 
 class DraftStreamReply(EditStreamReply):
     """Streams a private chat's answer as a Telegram draft; falls back to edits if refused."""
 
-    def __init__(self, adapter: DraftPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
-                 stop: StopButton | None, interval_s: float, refresh_s: float) -> None:
+    def __init__(self, adapter: ReplyPlatform, calls: DraftCalls, chats: DraftChats, chat: ChatRef, run: Run, *,
+                 reply_to: str | None, stop: StopButton | None, interval_s: float, refresh_s: float) -> None:
         super().__init__(adapter, chat, run, reply_to=reply_to, stop=stop)
-        self._tg = adapter
+        self._calls = calls
+        self._chats = chats
         self._drafting = True
         self._draft_id = secrets.randbelow(2**31 - 2) + 1  # non-zero: 0 is refused
         self._draft_text: str | None = None  # what the draft shows; None: no draft yet
@@ -157,7 +182,7 @@ class DraftStreamReply(EditStreamReply):
             stop = self._stop
 
             async def call() -> None:  # made by the outbox worker: a cancel of this task cannot lose it
-                self._status = await self._tg.send_status(self._chat, STATUS_TEXT, stop=stop)
+                self._status = await self._calls.send_status(self._chat, STATUS_TEXT, stop=stop)
 
             # Owned by the reply: `_end` withdraws it if it has not started, or waits for it to land,
             # so a status message is never sent after the answer (nor left behind).
@@ -200,14 +225,14 @@ class DraftStreamReply(EditStreamReply):
             text, end = ("", 0) if empty else (self._draft_text or "", self._drafted)
         if not await self._run.may_send_now():
             return
-        await self._tg.send_draft(self._chat, self._draft_id, text)
+        await self._calls.send_draft(self._chat, self._draft_id, text)
         self._draft_text, self._drafted, self._drafted_at = text, max(end, self._drafted), time.monotonic()
         self._adapter.count("draft")
 
     def _fall_back(self, why: str, *, everywhere: bool) -> None:
         """Drafts refused here: edit a message instead, from now on in this chat (or every chat)."""
         self._drafting = False
-        self._tg.drafts_refused(self._chat, why, everywhere=everywhere)
+        self._chats.refused(self._chat, why, everywhere=everywhere)
         status, self._status = self._status, None
         if status is not None:  # edit streaming shows its Stop button on the message itself
             self._outbox.adopt(self._delete(status))
@@ -226,7 +251,7 @@ class DraftStreamReply(EditStreamReply):
             await self._delete(status)
 
     async def _delete(self, mid: str) -> None:
-        job: Job[None] = self._outbox.put(self._key, lambda: self._tg.delete_status(self._chat, mid),
+        job: Job[None] = self._outbox.put(self._key, lambda: self._calls.delete_status(self._chat, mid),
                                           priority=Priority.URGENT, kind="edit", attempts=self.FINAL_ATTEMPTS)
         with contextlib.suppress(Exception):
             await job.wait()

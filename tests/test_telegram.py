@@ -23,7 +23,8 @@ from gateway.core.ports import Health
 from gateway.core.router import MEDIA_ONLY as MEDIA_NOTICE
 from gateway.ops.daemon import Daemon
 from platforms.splitting import utf16_len
-from platforms.telegram_bot import TelegramAdapter, failure
+from platforms.telegram_bot import TelegramAdapter
+from platforms.telegram_transport import failure
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.fakes.telegram_api import ApiError, FakeTelegramAPI, SentRecord
