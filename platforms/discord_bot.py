@@ -27,7 +27,7 @@ from gateway.core.backoff import Backoff
 from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply, Submitted
 from platforms import stop_button
 from platforms.base import Adapter, MessageGone, OutboundError, RateLimited, Refused
 from platforms.config import DiscordConfig
@@ -337,6 +337,9 @@ class DiscordAdapter(Adapter):
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
 
+    async def _submit(self, msg: InboundMessage, key: str | None = None) -> Submitted:
+        return await self.gateway.submit(msg, self, key=key)
+
     async def attachment_url(self, att: Attachment) -> str:
         return att.ref  # the attachment's CDN URL, as the message carried it
 
@@ -409,7 +412,7 @@ class DiscordAdapter(Adapter):
 
         try:
             press = await self.stop_buttons.press(
-                self.gateway, self, self._chat_for(interaction.channel), raw, user_id=str(interaction.user.id),
+                self._submit, self._chat_for(interaction.channel), raw, user_id=str(interaction.user.id),
                 user_name=interaction.user.display_name, press_id=f"dc{interaction.id}", is_admin=is_admin)
         except Exception:
             log.exception("discord: could not handle a Stop button press")

@@ -33,7 +33,7 @@ from telegram.request import HTTPXRequest
 from gateway.core.attachments import Attachment
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, InboundMessage
-from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply
+from gateway.core.ports import Gateway, Health, NoticeKind, Outcome, Reply, Submitted
 from platforms import stop_button
 from platforms.base import Adapter
 from platforms.config import TelegramConfig
@@ -129,10 +129,13 @@ class TelegramAdapter(Adapter):
                 return True
             msg = self._intake.inbound(update, album)
             if msg is not None:
-                return (await self.gateway.submit(msg, self)).outcome is not Outcome.UNAVAILABLE
+                return (await self._submit(msg)).outcome is not Outcome.UNAVAILABLE
         except Exception:
             log.exception("telegram: could not process update %d", update.update_id)
         return True
+
+    async def _submit(self, msg: InboundMessage, key: str | None = None) -> Submitted:
+        return await self.gateway.submit(msg, self, key=key)
 
     async def _on_press(self, query: CallbackQuery) -> None:
         """A button press: a Stop button's is `/stop` for its answer; the query is always answered."""
@@ -147,7 +150,7 @@ class TelegramAdapter(Adapter):
                 async def is_admin() -> bool:
                     return chat is not None and await self._out.is_admin(int(chat.chat_id), user.id)
 
-                press = await self.stop_buttons.press(self.gateway, self, chat, query.data, user_id=str(user.id),
+                press = await self.stop_buttons.press(self._submit, chat, query.data, user_id=str(user.id),
                                                       user_name=user.full_name, press_id=f"tg{query.id}",
                                                       is_admin=is_admin)
                 text, alert = press.text, press.outcome is PressOutcome.REFUSED
