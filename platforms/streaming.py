@@ -100,11 +100,11 @@ class EditStreamReply(Reply):
         self._losses = 0
         self._jobs: list[Job[None]] = []
         self._final: asyncio.Task[None] | None = None  # delivery of the final state or stop mark
-        # Typing starts after a moment, so a quick answer costs no extra call.
-        self._pacer.after(self.TYPING_AFTER_S, self._start_indicator)
         self._ended = False
         self._notice_shown = False
         self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
+        # Typing starts after a moment, so a quick answer costs no extra call.
+        self._pacer.after(self.TYPING_AFTER_S, self._start_indicator)
 
     # --- the Reply port -------------------------------------------------------------------
 
