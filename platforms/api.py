@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -137,6 +138,26 @@ class ApiAdapter(Adapter):
         tenant = self._tenant(request)
         if tenant is None:
             return _error(401, "Invalid API key.", "invalid_api_key")
+        ask = await self._read(request, tenant)
+        if isinstance(ask, web.Response):
+            return ask
+        mid = ask.msg.message_id
+        reply = self._replies[mid] = _ApiReply(ask.stream)
+        try:
+            submitted = await self._submit(ask)
+            if submitted.outcome is Outcome.COMMAND:
+                return await self._respond_text(request, ask.stream, submitted.detail)
+            refusal = _refusal(submitted)
+            if refusal is not None:
+                return refusal
+            if submitted.run is None:
+                return _error(409, "Duplicate request.")
+            return await self._answer(request, ask.stream, submitted.run, reply)
+        finally:
+            self._replies.pop(mid, None)
+
+    async def _read(self, request: web.Request, tenant: str) -> _Ask | web.Response:
+        """The request as a message for the router, or the error response saying what is wrong."""
         body = await read_json(request, lambda status, problem: _error(status, problem))
         if isinstance(body, web.Response):
             return body
@@ -149,40 +170,31 @@ class ApiAdapter(Adapter):
         if session is not None and len(session) > MAX_SESSION_ID:
             return _error(400, f"The session id is longer than {MAX_SESSION_ID} characters.", param="user")
         mid = unique_id()
-        # The tenant's namespace: another key's "alice" is another conversation.
-        chat_id = f"{tenant}/{session or f'ephemeral-{mid}'}" if tenant else session or f"ephemeral-{mid}"
+        chat_id = _chat_id(tenant, session, mid)
         msg = InboundMessage(platform=PLATFORM, chat_id=chat_id, chat_type=ChatType.DM, user_id=chat_id,
                              user_name=chat_id, message_id=mid, text=text, tenant=tenant or None,
                              attachments=attachments)
-        reply = self._replies[mid] = _ApiReply(stream)
+        return _Ask(msg, None if session else history, stream)
+
+    async def _submit(self, ask: _Ask) -> Submitted:
         # The submission is not cancelled with the request (a half-routed message would never
         # be settled); if the client leaves meanwhile, its run is cancelled once it exists.
-        submit = asyncio.ensure_future(self.gateway.submit(msg, self) if session else
-                                        self.gateway.submit_stateless(msg, self, history))
+        submit = asyncio.ensure_future(self.gateway.submit(ask.msg, self) if ask.history is None else
+                                        self.gateway.submit_stateless(ask.msg, self, ask.history))
         try:
-            try:
-                submitted = await asyncio.shield(submit)
-            except asyncio.CancelledError:
-                submit.add_done_callback(_client_gone)
-                raise
-            if submitted.outcome is Outcome.COMMAND:
-                return await self._respond_text(request, stream, submitted.detail)
-            if submitted.outcome is Outcome.UNAVAILABLE:
-                return _error(503, submitted.detail, "service_unavailable",
-                              headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
-            if submitted.outcome is Outcome.REJECTED:
-                return _error(400, submitted.detail)
-            if submitted.run is None:
-                return _error(409, "Duplicate request.")
-            try:
-                if stream:
-                    return await self._stream(request, submitted.run, reply)
-                return await self._complete(submitted.run, reply)
-            except asyncio.CancelledError:  # the connection is gone (handler_cancellation)
-                submitted.run.cancel(CLIENT_DISCONNECTED)
-                raise
-        finally:
-            self._replies.pop(mid, None)
+            return await asyncio.shield(submit)
+        except asyncio.CancelledError:
+            submit.add_done_callback(_client_gone)
+            raise
+
+    async def _answer(self, request: web.Request, stream: bool, run: Run, reply: _ApiReply) -> web.StreamResponse:
+        try:
+            if stream:
+                return await self._stream(request, run, reply)
+            return await self._complete(run, reply)
+        except asyncio.CancelledError:  # the connection is gone (handler_cancellation)
+            run.cancel(CLIENT_DISCONNECTED)
+            raise
 
     async def _complete(self, run: Run, reply: _ApiReply) -> web.StreamResponse:
         end = await reply.outcome()
@@ -250,6 +262,30 @@ class ApiAdapter(Adapter):
         if "interrupted_by" in end:
             out["switchboard"] = {"interrupted_by": end["interrupted_by"], "reason": end["reason"]}
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    msg: InboundMessage
+    history: list[ChatMessage] | None  # the earlier messages, when the request has no session (stateless)
+    stream: bool
+
+
+def _chat_id(tenant: str, session: str | None, mid: str) -> str:
+    """The request's conversation, in the tenant's namespace (another key's "alice" is another
+    conversation); without a session, one of its own."""
+    conversation = session or f"ephemeral-{mid}"
+    return f"{tenant}/{conversation}" if tenant else conversation
+
+
+def _refusal(submitted: Submitted) -> web.Response | None:
+    """The response to a message the router did not take (storage down, or refused), else None."""
+    if submitted.outcome is Outcome.UNAVAILABLE:
+        return _error(503, submitted.detail, "service_unavailable",
+                      headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
+    if submitted.outcome is Outcome.REJECTED:
+        return _error(400, submitted.detail)
+    return None
 
 
 def _client_gone(submit: asyncio.Future[Submitted]) -> None:

@@ -72,11 +72,7 @@ def iter_parts(text: str, limit: int, measure: Measure = len, *, bound: Measure 
     m = _Fits(measure, bound, limit)
     if memo is not None:
         memo.sync(text, limit)
-    if m.whole(text):
-        yield Part(text, 0, len(text))
-        return
-    pos = 0
-    reopen = ""
+    pos, reopen = 0, ""
     while pos < len(text):
         rest = text[pos:]
         if m.whole(reopen + rest):
@@ -85,28 +81,41 @@ def iter_parts(text: str, limit: int, measure: Measure = len, *, bound: Measure 
             return
         if not m.fits(reopen + "x" + _CLOSER):
             raise ValueError("limit too small to split with code fences")
-        cut = memo.cuts.get((pos, reopen)) if memo is not None else None
-        if cut is None:
-            cut, probed = _cut(rest, m, reopen)
-            if memo is not None and probed < len(rest):  # it looked only at text that will not change
-                memo.cuts[(pos, reopen)] = cut
-        chunk = rest[:cut]
-        body = reopen + chunk
-        fence_info = _open_fence(body)
-        end = pos + cut
-        pos = end
-        if fence_info is not None:
-            body = body.rstrip("\n") + _CLOSER
-            reopen = FENCE + fence_info + "\n"
-            while pos < len(text) and text[pos] == "\n":
-                pos += 1
-        else:
-            reopen = ""
-            if chunk.endswith("\n"):
-                while pos < len(text) and text[pos] == "\n":
-                    pos += 1
-        if chunk.strip():
-            yield Part(body, end - cut, end)
+        end = pos + _cut_from(text, pos, reopen, m, memo)
+        body, after, reopen_next = _close(text, pos, end, reopen)
+        if text[pos:end].strip():
+            yield Part(body, pos, end)
+        pos, reopen = after, reopen_next
+
+
+def _cut_from(text: str, pos: int, reopen: str, m: _Fits, memo: SplitMemo | None) -> int:
+    """How much of the text from `pos` the next part takes; a cut the memo holds is reused."""
+    cut = memo.cuts.get((pos, reopen)) if memo is not None else None
+    if cut is None:
+        rest = text[pos:]
+        cut, probed = _cut(rest, m, reopen)
+        if memo is not None and probed < len(rest):  # it looked only at text that will not change
+            memo.cuts[(pos, reopen)] = cut
+    return cut
+
+
+def _close(text: str, pos: int, end: int, reopen: str) -> tuple[str, int, str]:
+    """The part carrying [pos, end) as it is sent, where the next part starts, and the fence line
+    the next part starts with. A part ending inside a code block closes it and the next reopens
+    it (the newlines after the cut are left out: the reopening fence line stands for them); a
+    part cut after a line break leaves out the blank lines that follow."""
+    chunk = text[pos:end]
+    body = reopen + chunk
+    info = _open_fence(body)
+    if info is not None:
+        return body.rstrip("\n") + _CLOSER, _past_newlines(text, end), FENCE + info + "\n"
+    return body, _past_newlines(text, end) if chunk.endswith("\n") else end, ""
+
+
+def _past_newlines(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] == "\n":
+        pos += 1
+    return pos
 
 
 def open_fence(text: str) -> str | None:

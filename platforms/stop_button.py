@@ -17,15 +17,15 @@ press's own answer (a Telegram toast, a Discord interaction), and the answer's m
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run
 from gateway.core.commands import ENDED, RUN_ARG, STOPPED
 from gateway.core.messages import ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Gateway, Outcome, Outlet
+from gateway.core.ports import Outcome, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ PREFIX = "stop:"
 PRESS_PREFIX = "stop-press:"  # message ids of the `/stop` a press submits
 LABEL = "⏹ Stop"
 MAX_LIVE = 10_000  # answers still streaming here; older ones are forgotten (their presses: forwarded)
-__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButtons"]
+# Hands a message to the router on the adapter's behalf, with its session key if known.
+Submit = Callable[[InboundMessage, str | None], Awaitable[Submitted]]
+__all__ = ["ENDED", "LABEL", "PREFIX", "Press", "PressOutcome", "StopButton", "StopButtons", "Submit"]
 
 
 class PressOutcome(StrEnum):
@@ -80,20 +82,30 @@ def is_press(reply_to: str | None) -> bool:
     return reply_to is not None and reply_to.startswith(PRESS_PREFIX)
 
 
+@dataclass(frozen=True, slots=True)
+class StopButton:
+    """One answer's Stop button: the payload its messages carry, and the registry that forgets it
+    when the answer settles (a press after that stops nothing and says so)."""
+
+    data: str
+    registry: StopButtons
+
+    def close(self) -> None:
+        self.registry.close(self.data)
+
+
 class StopButtons:
     """The live Stop buttons of one adapter."""
 
     def __init__(self, platform: str) -> None:
         self.platform = platform
-        self._live: OrderedDict[str, StopTarget] = OrderedDict()
+        self._live: BoundedMap[str, StopTarget] = BoundedMap(MAX_LIVE)
         self._absorbing: dict[str, list[str]] = {}  # press id -> notices the router sent for it
 
-    def open(self, msg: InboundMessage, run: Run) -> str:
-        """The payload of the Stop button of the answer to `msg`; the run is known here until `close`."""
+    def open(self, msg: InboundMessage, run: Run) -> StopButton:
+        """The Stop button of the answer to `msg`; the run is known here until the button is closed."""
         self._live[run.token] = StopTarget(run, msg.chat, msg.user_id, msg.user_name or "the person who asked")
-        while len(self._live) > MAX_LIVE:
-            self._live.popitem(last=False)
-        return custom_id(run, msg.user_id)
+        return StopButton(custom_id(run, msg.user_id), self)
 
     def close(self, data: str | None) -> None:
         parsed = parse(data)
@@ -110,9 +122,8 @@ class StopButtons:
             notices.append(text)
         return True
 
-    async def press(self, gateway: Gateway, outlet: Outlet, chat: ChatRef | None, data: str | None, *,
-                    user_id: str, user_name: str, press_id: str,
-                    is_admin: Callable[[], Awaitable[bool]]) -> Press:
+    async def press(self, submit: Submit, chat: ChatRef | None, data: str | None, *, user_id: str, user_name: str,
+                    press_id: str, is_admin: Callable[[], Awaitable[bool]]) -> Press:
         """Handle a press of the button with payload `data` in `chat` by `user_id`; returns once the
         cancel is issued (or handed to the worker that runs the answer)."""
         parsed = parse(data)
@@ -120,27 +131,47 @@ class StopButtons:
         if parsed is None or chat is None or (target is not None and not target.live()):
             return Press(PressOutcome.ENDED, ENDED)
         token, asker = parsed
-        if chat.chat_type is not ChatType.DM and user_id != asker and not await is_admin():
+        if not await may_press(chat, user_id, asker, is_admin):
             who = target.asker_name if target is not None else "the person who asked"
             return Press(PressOutcome.REFUSED, f"Only {who} or an admin can stop this answer.")
-        if target is not None:
-            chat = target.chat  # where the answer streams: its topic or thread included
-        msg = InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
-                             thread_id=chat.thread_id, user_id=user_id, user_name=user_name,
-                             message_id=PRESS_PREFIX + press_id, text=f"/stop {RUN_ARG}{token}")
+        # Where the answer streams (its topic or thread included), if it streams here.
+        msg = _stop_message(target.chat if target is not None else chat, token, user_id, user_name, press_id)
         notices: list[str] = []
         self._absorbing[msg.message_id] = notices
         try:
             # The session: known here if the answer streams here; else the chat's, as for a typed /stop.
-            result = await gateway.submit(msg, outlet, key=target.run.session_key if target is not None else None)
+            result = await submit(msg, target.run.session_key if target is not None else None)
         finally:
             self._absorbing.pop(msg.message_id, None)
         log.info("%s: Stop button pressed: %s %s", self.platform, result.outcome.value, result.detail)
-        if result.outcome is Outcome.COMMAND:
-            return Press(PressOutcome.STOPPED if result.detail == STOPPED else PressOutcome.ENDED,
-                         result.detail or ENDED)
-        if result.outcome is Outcome.FORWARDED:  # cluster mode: the session's owner stops it
-            return Press(PressOutcome.STOPPED, "Stopping…")
-        if result.outcome is Outcome.UNAVAILABLE:
-            return Press(PressOutcome.FAILED, "Could not stop it right now; please try /stop.")
-        return Press(PressOutcome.REFUSED, notices[0] if notices else "Sorry, you cannot use this bot.")
+        return press_answer(result, notices)
+
+
+async def may_press(chat: ChatRef, user_id: str, asker_id: str, is_admin: Callable[[], Awaitable[bool]]) -> bool:
+    """In a private chat anyone there may; in a group the asker, or an admin (asked only then)."""
+    return chat.chat_type is ChatType.DM or user_id == asker_id or await is_admin()
+
+
+def _stop_message(chat: ChatRef, token: str, user_id: str, user_name: str, press_id: str) -> InboundMessage:
+    """The `/stop` a press submits: for the button's run only."""
+    return InboundMessage(platform=chat.platform, chat_id=chat.chat_id, chat_type=chat.chat_type,
+                          thread_id=chat.thread_id, user_id=user_id, user_name=user_name,
+                          message_id=PRESS_PREFIX + press_id, text=f"/stop {RUN_ARG}{token}")
+
+
+# What a press's /stop came to, where it needs no more than its outcome.
+_ANSWERS = {
+    Outcome.FORWARDED: Press(PressOutcome.STOPPED, "Stopping…"),  # cluster mode: the session's owner stops it
+    Outcome.UNAVAILABLE: Press(PressOutcome.FAILED, "Could not stop it right now; please try /stop."),
+}
+
+
+def press_answer(result: Submitted, notices: list[str]) -> Press:
+    """What the presser is told, from what the router did with the press's `/stop` (and the
+    notices it sent about it: a refusal says why)."""
+    if result.outcome is Outcome.COMMAND:
+        return Press(PressOutcome.STOPPED if result.detail == STOPPED else PressOutcome.ENDED, result.detail or ENDED)
+    answer = _ANSWERS.get(result.outcome)
+    if answer is not None:
+        return answer
+    return Press(PressOutcome.REFUSED, notices[0] if notices else "Sorry, you cannot use this bot.")

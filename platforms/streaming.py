@@ -11,107 +11,115 @@ message is continued in a new one; a part that still cannot be sent is replaced 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
-from gateway.core.messages import ChatRef
+from gateway.core.messages import Capabilities, ChatRef
 from gateway.core.ports import NoticeKind, Reply
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
-from platforms.outbox import Job, Priority, Withdrawn
-from platforms.splitting import Part, SplitMemo, iter_parts, open_fence
-
-if TYPE_CHECKING:
-    from platforms.base import Adapter
+from platforms.outbox import Job, Outbox, Priority, Withdrawn
+from platforms.pacing import ReplyPacer
+from platforms.reply_parts import Change, ReplyParts, ShownMessage, change_for
+from platforms.splitting import Part
+from platforms.stop_button import StopButton
 
 log = logging.getLogger(__name__)
 
 UNDELIVERED = "⚠️ part of this answer could not be delivered: {reason}"
 
 
-@dataclass(slots=True)
-class _Message:
-    """One message of a reply as the chat shows it."""
+class ReplyPlatform(Protocol):
+    """What the streaming engine needs of a platform: its outbox, how it counts length, and the
+    outbound calls its outbox jobs make. `platforms.base.Adapter` is one; the engine depends on
+    this much of it only (and never imports it)."""
 
-    mid: str
-    text: str  # what it shows (a stop mark aside)
-    end: int  # it carries the reply's text up to this offset
-    gone: bool = False  # deleted on the platform
-    stop: str | None = None  # the token of the Stop button it shows, if any
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    @property
+    def outbox(self) -> Outbox: ...
+
+    def outbox_key(self, chat: ChatRef) -> str: ...
+
+    def measure(self, text: str) -> int: ...
+
+    def measure_bound(self) -> Callable[[str], int] | None: ...
+
+    def count(self, kind: str) -> None: ...
+
+    async def send(self, chat: ChatRef, text: str, *, reply_to: str | None = None) -> str: ...
+
+    async def edit(self, chat: ChatRef, message_id: str, text: str) -> None: ...
+
+    async def send_part(self, chat: ChatRef, text: str, *, reply_to: str | None, stop: str | None) -> str: ...
+
+    async def edit_part(self, chat: ChatRef, message_id: str, text: str, *, stop: str | None) -> None: ...
+
+    async def typing(self, chat: ChatRef) -> None: ...
+
+    async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
+                     kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None: ...
 
 
 class EditStreamReply(Reply):
     """Streams by editing one message at most every `edit_interval_s`; splits long answers.
 
-    A background pump coalesces deltas, so a slow platform skips intermediate states rather
-    than slowing the agent; unchanged text is never re-sent; the final text is always sent.
-    Parts are measured as the platform counts them (`Adapter.measure`).
+    Its pacer (`platforms/pacing.py`) coalesces deltas, so a slow platform skips intermediate
+    states rather than slowing the agent; unchanged text is never re-sent; the final text is
+    always sent. Its parts (`platforms/reply_parts.py`) are measured as the platform counts them
+    (`ReplyPlatform.measure`).
     """
 
     TYPING_AFTER_S = 0.2
-    TYPING_EVERY_S = 4.0
     FINAL_ATTEMPTS = 10  # a final state is retried through this many 429s
     SETTLE_S = 2.0  # how long finish/failed/interrupted wait for delivery; it carries on after
     MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
     MAX_LOSS_NOTICES = 3
 
-    def __init__(self, adapter: Adapter, chat: ChatRef, run: Run, *, reply_to: str | None,
-                 stop: str | None = None) -> None:
+    def __init__(self, adapter: ReplyPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
+                 stop: StopButton | None = None) -> None:
         self._adapter = adapter
-        self._stop = stop  # while it streams, its messages show a Stop button for this token
+        self._button = stop
+        self._stop = stop.data if stop is not None else None  # while it streams, its messages show this button
         self._chat = chat
         self._run = run
         self._reply_to = reply_to
         self._caps = adapter.capabilities
         self._outbox = adapter.outbox
         self._key = adapter.outbox_key(chat)
-        self._text = ""
-        # Messages before the window are final (or deleted); the window is edited as text grows.
-        self._base = 0  # where the window starts in `_text`
-        self._frozen: list[_Message] = []
-        self._parts: list[_Message] = []
-        top = self._caps.max_message_len
-        self._limit = top - min(48, top // 16)  # room for a stop mark on a full part
-        self._min_limit = min(self.MIN_LIMIT, self._limit)
-        self._bound = adapter.measure_bound()
-        self._memo = SplitMemo()  # streaming re-splits a growing text: measure only its new tail
+        self._parts = ReplyParts(self._caps.max_message_len, adapter.measure, adapter.measure_bound(),
+                                 min_limit=self.MIN_LIMIT)
+        self._pacer = ReplyPacer(adapter, chat, run)
         self._sent_any = False
         self._dead: str | None = None  # the chat refuses everything we send: why
         self._losses = 0
         self._jobs: list[Job[None]] = []
         self._final: asyncio.Task[None] | None = None  # delivery of the final state or stop mark
-        self._dirty = asyncio.Event()
-        self._pump: asyncio.Task[None] | None = None
-        # Typing starts after a moment, so a quick answer costs no extra call.
-        self._typing: asyncio.Task[None] | None = None
-        self._typing_timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            self.TYPING_AFTER_S, self._start_typing)
         self._ended = False
         self._notice_shown = False
-        self._pump_scheduled = False
         self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
+        # Typing starts after a moment, so a quick answer costs no extra call.
+        self._pacer.after(self.TYPING_AFTER_S, self._start_indicator)
 
     # --- the Reply port -------------------------------------------------------------------
 
     async def delta(self, text: str) -> None:
         if self._ended or not self._run.may_send():
             return
-        self._text += text
+        self._parts.text += text
         if self._caps.can_edit and self._caps.can_stream:
-            self._dirty.set()
-            if not self._pump_scheduled:  # a pump only if the answer outlives this loop iteration
-                self._pump_scheduled = True
-                asyncio.get_running_loop().call_soon(self._start_pump)
+            self._pacer.wake(self._render_intermediate, self._interval)
 
     async def finish(self, text: str) -> None:
         if self._ended or not self._run.may_send():
             return
         await self._end()
-        self._text = self._final_text(text)
+        self._parts.text = self._parts.final(text)
         await self._settle(self._deliver_final())
 
     async def interrupted(self, reason: ToolReason) -> None:
@@ -122,7 +130,7 @@ class EditStreamReply(Reply):
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
-        target = self._last_message()
+        target = self._parts.last()
         if target is not None and not target.gone and self._caps.can_edit:
             await self._settle(self._mark(target, notice, reason))
         elif reason.kind == "system":
@@ -134,16 +142,19 @@ class EditStreamReply(Reply):
         if self._ended or not await self._run.may_send_now():
             return
         await self._end()
-        self._text = f"{self._text}\n\n⚠️ {text}" if self._text.strip() else f"⚠️ {text}"
+        shown = self._parts.text
+        self._parts.text = f"{shown}\n\n⚠️ {text}" if shown.strip() else f"⚠️ {text}"
         await self._settle(self._deliver_final())
 
     async def settled(self, problem: str | None = None) -> None:
+        if self._button is not None:
+            self._button.close()  # the answer has settled: its button stops nothing any more
         if problem and await still_ours(self._run.guard):
             await self._adapter.notify(self._chat, f"⚠️ {problem}", reply_to=self._reply_to, kind=NoticeKind.ERROR)
 
     def shown_text(self) -> str | None:
         """The reply's text up to what its messages show (deleted ones included: they were seen)."""
-        return self._text[:max((m.end for m in (*self._frozen, *self._parts)), default=0)]
+        return self._parts.shown()
 
     # --- ending ---------------------------------------------------------------------------
 
@@ -151,19 +162,13 @@ class EditStreamReply(Reply):
         """Stop streaming: withdraw queued intermediate states, let a call on the wire land (so
         what the chat shows is known), and stop typing."""
         self._ended = True
-        if self._typing_timer is not None:
-            self._typing_timer.cancel()
-        tasks = [t for t in (self._pump, self._typing, self._final) if t is not None and not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            # asyncio.wait, not `await task` under suppress(CancelledError): that would also
-            # swallow a cancel aimed at *this* task (a /stop landing right now).
-            await asyncio.wait(tasks)
-        # A cancelled task keeps its CancelledError, whose traceback holds the task's frame and so
-        # this reply: let go of the tasks, or every reply ends as a reference cycle for the GC.
-        self._pump = self._typing = None
-        self._outbox.withdraw(self._key, self)  # queued edits and typing: never sent now
+        final = self._final if self._final is not None and not self._final.done() else None
+        if final is not None:
+            final.cancel()
+        await self._pacer.stop()
+        if final is not None:
+            await asyncio.wait({final})  # (not `await final`: see `ReplyPacer.stop`)
+        self._outbox.withdraw(self._key, self)  # queued edits: never sent now
         for job in self._jobs:
             if job.running:
                 await job.landed()
@@ -179,12 +184,6 @@ class EditStreamReply(Reply):
         if self._final is not None and not self._final.done():
             await asyncio.wait({self._final}, timeout=within_s)
 
-    def _final_text(self, text: str) -> str:
-        if self._base and not text.startswith(self._text[:self._base]):
-            # Part of the answer is in messages that no longer change (deleted, or given up).
-            return self._text if text and self._text.endswith(text) else self._text[:self._base] + text
-        return text if text.strip() else "(no answer)"
-
     async def _deliver_final(self) -> None:
         try:
             await self._render(final=True)
@@ -198,11 +197,11 @@ class EditStreamReply(Reply):
     async def _strip_buttons(self) -> None:
         """The turn is over: no message of it keeps a Stop button (the final render removed the
         window's; this catches messages frozen earlier, and any left by a failed edit)."""
-        for message in (*self._frozen, *self._parts):
+        for message in self._parts.messages():
             if message.stop is None or message.gone:
                 continue
 
-            async def call(m: _Message = message) -> None:
+            async def call(m: ShownMessage = message) -> None:
                 await self._adapter.edit_part(self._chat, m.mid, m.text, stop=None)
                 m.stop = None
 
@@ -216,7 +215,7 @@ class EditStreamReply(Reply):
                 log.info("%s: could not remove a Stop button in chat %s: %s", self._adapter.name,
                          self._chat.chat_id, exc)
 
-    async def _mark(self, target: _Message, notice: str, reason: ToolReason) -> None:
+    async def _mark(self, target: ShownMessage, notice: str, reason: ToolReason) -> None:
         """Mark the last message stopped (the notice goes in a message of its own if it does not
         fit, or if the message has been deleted meanwhile)."""
         marked = f"{target.text}\n\n{notice}"
@@ -247,98 +246,58 @@ class EditStreamReply(Reply):
 
     # --- streaming ------------------------------------------------------------------------
 
-    def _start_pump(self) -> None:
-        if not self._ended:
-            self._pump = asyncio.get_running_loop().create_task(self._pump_edits())
-
-    def _start_typing(self) -> None:
-        self._typing_timer = None
+    def _start_indicator(self) -> None:
         if not self._ended and not self._sent_any:
-            self._typing = asyncio.get_running_loop().create_task(self._keep_typing())
+            self._pacer.indicate(self._indicator())
 
-    async def _keep_typing(self) -> None:
-        while not self._sent_any and not self._ended and self._run.may_send():
-            if not self._outbox.busy(self._key):  # cosmetic: never queued behind output or into a 429
-                self._outbox.put(self._key, self._type, priority=Priority.TYPING, kind="typing", owner=self)
-            await asyncio.sleep(self.TYPING_EVERY_S)
-
-    async def _type(self) -> None:
-        if not self._run.may_send():  # a chat action is output too: guarded when it runs, not when queued
-            return
-        with contextlib.suppress(Exception):
-            await self._adapter.typing(self._chat)
-
-    async def _pump_edits(self) -> None:
-        last = 0.0
-        while not self._ended:
-            await self._dirty.wait()
-            wait = last + self._interval() - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            self._dirty.clear()
-            last = time.monotonic()
-            try:
-                await self._render(final=False)
-            except RateLimited as exc:  # skip intermediate states until the platform is ready
-                last = time.monotonic() + exc.retry_after
-                self._dirty.set()
-            except Exception:
-                log.exception("%s: streaming a reply failed", self._adapter.name)
-                return
+    def _indicator(self) -> Coroutine[Any, Any, None]:
+        """What shows the answer is coming until its first message: typing."""
+        return self._pacer.keep_typing(lambda: self._sent_any)
 
     def _interval(self) -> float:
         """The least time between two intermediate states."""
         return self._caps.edit_interval_s
+
+    async def _render_intermediate(self) -> None:
+        await self._render(final=False)
 
     # --- rendering ------------------------------------------------------------------------
 
     async def _render(self, *, final: bool) -> None:
         """Bring the chat up to date with the text: edit the parts that changed, send new ones."""
         while self._dead is None:
-            window, origin, prefix = self._window()
-            parts = iter_parts(window, self._limit, self._adapter.measure, bound=self._bound, memo=self._memo)
             at, part = 0, None
             try:
-                for at, part in enumerate(parts):
-                    await self._put(at, part.text, _source(part.end, origin, prefix), final=final)
+                for at, part in enumerate(self._parts.parts()):
+                    await self._put(at, part.text, part.end, final=final)
                     await asyncio.sleep(0)  # measuring a long answer's parts must not hold up the loop
                 return
             except Withdrawn:
                 return
             except MessageGone:
-                self._continue_after_deleted(at)
+                log.info("%s: a reply's message in chat %s was deleted; continuing in a new message",
+                         self._adapter.name, self._chat.chat_id)
+                self._parts.deleted(at)
             except Refused as exc:
                 assert part is not None
-                await self._refused(part, at, origin, prefix, str(exc))
+                self._refused(part, at, str(exc))
             except OutboundError as exc:  # about the chat (blocked, no rights…): nothing more will get through
                 self._dead = str(exc)
                 log.warning("%s: %s failed: %s (chat %s; the rest of this reply is not sent)", self._adapter.name,
-                            "edit" if at < len(self._parts) else "send", exc, self._chat.chat_id)
-
-    def _window(self) -> tuple[str, int, int]:
-        """The text still open to edits: (text, where it starts in `_text`, length of the fence
-        line reopening a code block it starts inside)."""
-        if self._base == 0:
-            return self._text, 0, 0
-        reopen = open_fence(self._text[:self._base]) or ""
-        rest = self._text[self._base:]
-        body = rest.lstrip("\n") if reopen else rest.lstrip()
-        return reopen + body, self._base + len(rest) - len(body), len(reopen)
+                            "edit" if self._parts.message(at) is not None else "send", exc, self._chat.chat_id)
 
     async def _put(self, index: int, text: str, end: int, *, final: bool) -> None:
         stop = None if final else self._stop
-        if index < len(self._parts):
-            message = self._parts[index]
-            if message.text == text and (message.stop == stop or message.stop is None):
-                message.end = end  # (a button still shown at the end goes in `_strip_buttons`)
-                return
-            if not self._caps.can_edit:
-                return
-            kind = "edit"
-        else:
-            kind = "send"
+        shown = self._parts.message(index)
+        change = change_for(shown, text, stop, can_edit=self._caps.can_edit)
+        if change is Change.SAME:
+            assert shown is not None
+            shown.end = end  # (a button still shown at the end goes in `_strip_buttons`)
+            return
+        if change is Change.STUCK:
+            return
         job: Job[None] = self._outbox.put(
-            self._key, lambda: self._call(index, text, end, stop), kind=kind, owner=self,
+            self._key, lambda: self._call(index, text, end, stop), kind=change.value, owner=self,
             priority=Priority.URGENT if final else Priority.STREAM, attempts=self.FINAL_ATTEMPTS if final else 1)
         self._jobs = [j for j in self._jobs if not j.done]
         self._jobs.append(job)
@@ -350,8 +309,8 @@ class EditStreamReply(Reply):
         pause just ended), the lease store decides: not sent only if the session is not ours."""
         if not (self._after_stop or await self._run.may_send_now()):
             return
-        if index < len(self._parts):
-            message = self._parts[index]
+        message = self._parts.message(index)
+        if message is not None:
             await self._adapter.edit_part(self._chat, message.mid, text, stop=stop)
             message.text, message.end, message.stop = text, end, stop
             self._adapter.count("edit")
@@ -359,25 +318,15 @@ class EditStreamReply(Reply):
             mid = await self._adapter.send_part(self._chat, text, stop=stop,
                                                 reply_to=None if self._sent_any else self._reply_to)
             self._sent_any = True
-            self._parts.append(_Message(mid, text, end, stop=stop))
+            self._parts.add(ShownMessage(mid, text, end, stop=stop))
             self._adapter.count("send")
 
-    def _continue_after_deleted(self, index: int) -> None:
-        """The message at `index` was deleted: the rest of the answer continues in a new one."""
-        gone = self._parts[index]
-        gone.gone = True
-        log.info("%s: a reply's message in chat %s was deleted; continuing in a new message",
-                 self._adapter.name, self._chat.chat_id)
-        self._rebase(index + 1, max(self._base, gone.end))
-
-    async def _refused(self, part: Part, index: int, origin: int, prefix: int, reason: str) -> None:
+    def _refused(self, part: Part, index: int, reason: str) -> None:
         """The platform refused a part even as plain text: split it smaller, and at the smallest
         size give it up — with a notice in the chat and the reason in the log."""
-        if self._limit > self._min_limit:
-            self._limit = max(self._min_limit, self._limit // 2)
+        if self._parts.split_smaller(part, index):
             log.info("%s: a part of %d was refused (%s); splitting at %d", self._adapter.name,
-                     self._adapter.measure(part.text), reason, self._limit)
-            self._rebase(index, _source(part.start, origin, prefix))
+                     self._adapter.measure(part.text), reason, self._parts.limit)
             return
         log.warning("%s: part of an answer could not be delivered to chat %s: %s", self._adapter.name,
                     self._chat.chat_id, reason)
@@ -385,22 +334,4 @@ class EditStreamReply(Reply):
             self._losses += 1
             self._outbox.adopt(self._adapter.notify(self._chat, UNDELIVERED.format(reason=reason),
                                                     kind=NoticeKind.ERROR))
-        end = _source(part.end, origin, prefix)
-        self._rebase(min(index + 1, len(self._parts)), end if end > self._base else len(self._text))
-
-    def _rebase(self, keep: int, base: int) -> None:
-        """Freeze the window's messages before `keep`; the window restarts at `base`, reusing
-        the messages from `keep` on."""
-        self._frozen += self._parts[:keep]
-        self._parts = self._parts[keep:]
-        self._base = base
-        self._memo = SplitMemo()
-
-    def _last_message(self) -> _Message | None:
-        messages = [*self._frozen, *self._parts]
-        return max(messages, key=lambda m: m.end) if messages else None
-
-
-def _source(pos: int, origin: int, prefix: int) -> int:
-    """A window offset as an offset in the reply's text."""
-    return origin + max(0, pos - prefix)
+        self._parts.give_up(part, index)

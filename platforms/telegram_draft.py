@@ -11,7 +11,7 @@ sent before the draft (silently: no notification) and deleted when the turn ends
 
 A stopped turn ends its draft at once: what the draft showed is sent as a message, marked
 "⏹ stopped" — exactly the text the transcript keeps. If the chat refuses drafts (groups, some
-topics, an older Bot API), the reply carries on by editing a message and the adapter remembers the
+topics, an older Bot API), the reply carries on by editing a message and `DraftChats` remembers the
 chat, so its later answers start that way.
 """
 
@@ -22,22 +22,22 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Priority, Withdrawn
-from platforms.splitting import iter_parts
-from platforms.streaming import EditStreamReply
-
-if TYPE_CHECKING:
-    from platforms.telegram_bot import TelegramAdapter
+from platforms.stop_button import StopButton
+from platforms.streaming import EditStreamReply, ReplyPlatform
 
 log = logging.getLogger(__name__)
 
 STATUS_TEXT = "✍️ writing…"
+NO_DRAFTS_MAX = 100_000  # chats remembered as refusing drafts (a forgotten one tries a draft again)
 
 
 class DraftsRefused(OutboundError):
@@ -49,13 +49,49 @@ class DraftsRefused(OutboundError):
         self.everywhere = everywhere
 
 
+class DraftCalls(Protocol):
+    """The Bot API calls a draft reply makes beyond edit streaming's: the draft, and the status
+    message carrying the Stop button beside it. They raise as `ReplyPlatform.send` does, and
+    `send_draft` raises `DraftsRefused` where the chat takes no drafts."""
+
+    async def send_draft(self, chat: ChatRef, draft_id: int, text: str) -> None: ...
+
+    async def send_status(self, chat: ChatRef, text: str, *, stop: str) -> str: ...
+
+    async def delete_status(self, chat: ChatRef, message_id: str) -> None: ...
+
+
+class DraftChats:
+    """Which chats an answer may stream to as a draft: private chats, except those that refused
+    one (they stream by edits), and none once the Bot API server turned out to lack drafts."""
+
+    def __init__(self, *, remember: int = NO_DRAFTS_MAX) -> None:
+        self._refused: BoundedMap[str, None] = BoundedMap(remember)
+        self._off = False  # the Bot API server has no sendMessageDraft
+        self._logged = False
+
+    def take_drafts(self, chat: ChatRef) -> bool:
+        return not self._off and chat.chat_id not in self._refused and draft_chat(chat)
+
+    def refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
+        """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
+        then per chat at debug level."""
+        self._off = self._off or everywhere
+        self._refused[chat.chat_id] = None
+        level = logging.DEBUG if self._logged else logging.WARNING
+        self._logged = True
+        log.log(level, "telegram: chat %s refused a draft (%s); its answers stream by editing a message",
+                chat.chat_id, why)
+
+
 class DraftStreamReply(EditStreamReply):
     """Streams a private chat's answer as a Telegram draft; falls back to edits if refused."""
 
-    def __init__(self, adapter: TelegramAdapter, chat: ChatRef, run: Run, *, reply_to: str | None,
-                 stop: str | None, interval_s: float, refresh_s: float) -> None:
+    def __init__(self, adapter: ReplyPlatform, calls: DraftCalls, chats: DraftChats, chat: ChatRef, run: Run, *,
+                 reply_to: str | None, stop: StopButton | None, interval_s: float, refresh_s: float) -> None:
         super().__init__(adapter, chat, run, reply_to=reply_to, stop=stop)
-        self._tg = adapter
+        self._calls = calls
+        self._chats = chats
         self._drafting = True
         self._draft_id = secrets.randbelow(2**31 - 2) + 1  # non-zero: 0 is refused
         self._draft_text: str | None = None  # what the draft shows; None: no draft yet
@@ -85,7 +121,7 @@ class DraftStreamReply(EditStreamReply):
         await self._end()
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
-        shown = self._text[:self._drafted]
+        shown = self._parts.text[:self._drafted]
         self._stopped_shown = shown
         notice = stop_notice(reason)
         if self._draft_text is None:  # no draft was shown: as edit streaming with nothing to mark
@@ -95,7 +131,7 @@ class DraftStreamReply(EditStreamReply):
                                                         kind=NoticeKind.INTERRUPTED, reason=reason))
             return
         # The draft ends only when a message replaces it: what it showed, marked as stopped.
-        self._text = f"{shown}\n\n{notice}" if shown.strip() else notice
+        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else notice
         self._after_stop = True
         await self._settle(self._deliver_final())
 
@@ -107,13 +143,8 @@ class DraftStreamReply(EditStreamReply):
     def _interval(self) -> float:
         return self._interval_s if self._drafting else super()._interval()
 
-    def _start_typing(self) -> None:
-        if not self._drafting:
-            super()._start_typing()
-            return
-        self._typing_timer = None
-        if not self._ended and not self._sent_any:
-            self._typing = asyncio.get_running_loop().create_task(self._keep_draft())
+    def _indicator(self) -> Coroutine[Any, Any, None]:
+        return self._keep_draft() if self._drafting else super()._indicator()
 
     async def _keep_draft(self) -> None:
         """"Thinking…" until text arrives, and the draft kept alive while the turn runs."""
@@ -130,7 +161,7 @@ class DraftStreamReply(EditStreamReply):
                 break
             await asyncio.sleep(max(0.0, due - time.monotonic()))
         if not self._drafting and not self._ended:
-            await self._keep_typing()
+            await super()._indicator()  # refused: typing, as edit streaming shows it
 
     async def _render(self, *, final: bool) -> None:
         if final or not self._drafting:
@@ -151,7 +182,7 @@ class DraftStreamReply(EditStreamReply):
             stop = self._stop
 
             async def call() -> None:  # made by the outbox worker: a cancel of this task cannot lose it
-                self._status = await self._tg.send_status(self._chat, STATUS_TEXT, stop=stop)
+                self._status = await self._calls.send_status(self._chat, STATUS_TEXT, stop=stop)
 
             # Owned by the reply: `_end` withdraws it if it has not started, or waits for it to land,
             # so a status message is never sent after the answer (nor left behind).
@@ -169,11 +200,9 @@ class DraftStreamReply(EditStreamReply):
         """Queue a draft: the text so far (its last part), an empty one ("Thinking…", unless text
         was drafted meanwhile), or the last one again (a refresh)."""
         text: str | None = None
-        end = len(self._text)
+        end = len(self._parts.text)
         if not (empty or again):
-            parts = list(iter_parts(self._text, self._limit, self._adapter.measure, bound=self._bound,
-                                    memo=self._memo))
-            text = parts[-1].text if parts else ""
+            text = self._parts.tail()
             if text == self._draft_text:
                 return
         job: Job[None] = self._outbox.put(self._key, lambda: self._draft_call(text, end, empty=empty),
@@ -196,21 +225,19 @@ class DraftStreamReply(EditStreamReply):
             text, end = ("", 0) if empty else (self._draft_text or "", self._drafted)
         if not await self._run.may_send_now():
             return
-        await self._tg.send_draft(self._chat, self._draft_id, text)
+        await self._calls.send_draft(self._chat, self._draft_id, text)
         self._draft_text, self._drafted, self._drafted_at = text, max(end, self._drafted), time.monotonic()
         self._adapter.count("draft")
 
     def _fall_back(self, why: str, *, everywhere: bool) -> None:
         """Drafts refused here: edit a message instead, from now on in this chat (or every chat)."""
         self._drafting = False
-        self._tg.drafts_refused(self._chat, why, everywhere=everywhere)
+        self._chats.refused(self._chat, why, everywhere=everywhere)
         status, self._status = self._status, None
         if status is not None:  # edit streaming shows its Stop button on the message itself
             self._outbox.adopt(self._delete(status))
-        self._dirty.set()
-        if not self._pump_scheduled and self._text:
-            self._pump_scheduled = True
-            self._start_pump()
+        if self._parts.text:  # stream what there is by edits, now
+            self._pacer.wake(self._render_intermediate, self._interval, now=True)
 
     # --- ending ---------------------------------------------------------------------------
 
@@ -224,7 +251,7 @@ class DraftStreamReply(EditStreamReply):
             await self._delete(status)
 
     async def _delete(self, mid: str) -> None:
-        job: Job[None] = self._outbox.put(self._key, lambda: self._tg.delete_status(self._chat, mid),
+        job: Job[None] = self._outbox.put(self._key, lambda: self._calls.delete_status(self._chat, mid),
                                           priority=Priority.URGENT, kind="edit", attempts=self.FINAL_ATTEMPTS)
         with contextlib.suppress(Exception):
             await job.wait()

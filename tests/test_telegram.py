@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from telegram.error import BadRequest, Conflict, InvalidToken, NetworkError, RetryAfter
 
 from gateway.core.logs import JsonFormatter
 from gateway.core.ports import Health
@@ -23,6 +24,7 @@ from gateway.core.router import MEDIA_ONLY as MEDIA_NOTICE
 from gateway.ops.daemon import Daemon
 from platforms.splitting import utf16_len
 from platforms.telegram_bot import TelegramAdapter
+from platforms.telegram_transport import failure
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.fakes.telegram_api import ApiError, FakeTelegramAPI, SentRecord
@@ -567,3 +569,19 @@ async def test_a_message_deleted_mid_stream_is_continued_in_a_new_one(
     assert deleted + fake.messages(11)[last] == full  # the rest, from where the deleted one ended
     assert any(c.status == 400 and c.method == "editMessageText" for c in fake.calls)
     await settled(daemon)
+
+
+def test_each_intake_failure_has_a_kind_a_level_and_a_text_without_the_token() -> None:
+    def scrub(text: str) -> str:
+        return text.replace(TOKEN, "***")
+
+    polling = failure(Conflict("Conflict: terminated by other getUpdates request"), scrub)
+    assert polling[:2] == ("conflict", logging.ERROR) and "another process is polling" in polling[2]
+    assert "a webhook is set" in failure(Conflict("can't use getUpdates method while webhook is active"), scrub)[2]
+    assert failure(InvalidToken(), scrub)[:2] == ("token", logging.ERROR)
+    assert failure(RetryAfter(3), scrub)[:2] == ("flood", logging.WARNING)
+    # PTB's BadRequest is a NetworkError, but about the request, not the connection.
+    assert failure(BadRequest("chat not found"), scrub) == ("api", logging.WARNING, "Telegram error: chat not found")
+    assert failure(NetworkError(f"bad gateway at /bot{TOKEN}/getUpdates"), scrub) == (
+        "network", logging.WARNING, "cannot reach Telegram: bad gateway at /bot***/getUpdates")
+    assert failure(KeyError("x"), scrub) == ("bug", logging.ERROR, "unexpected KeyError in the Telegram loop")

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from platforms.splitting import split_text, utf16_len
-from platforms.telegram_bot import _strip_spans
 from platforms.telegram_format import to_html, visible_text
+from platforms.telegram_intake import strip_spans as _strip_spans
 from tests.fakes.telegram_html import parse_html
 
 

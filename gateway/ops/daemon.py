@@ -88,7 +88,8 @@ def core_settings(config: Config, agent: Agent) -> CoreSettings:
 def build_store(config: Config, *, retention: bool = False) -> Store:
     """PostgreSQL when `[store] url` is set (in cluster mode with Redis for de-duplication and
     pairing codes), else the shared Redis store in cluster mode, else SQLite in the data dir.
-    `retention`: the daemon's own store (the `keep_days` pruning, the disk reserve); CLI commands' stores have neither."""
+    `retention`: the daemon's own store (the `keep_days` pruning, the disk reserve); the stores of
+    CLI commands have neither."""
     if config.store.url is not None:
         from gateway.store.postgres import PostgresStore
 
