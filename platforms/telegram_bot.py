@@ -78,7 +78,7 @@ class TelegramAdapter(Adapter):
                                             scrub=self._scrub)
         self.ready = self._transport.ready  # set once connected (polling, or the webhook registered)
         self.stop_buttons = StopButtons(PLATFORM)
-        self._drafts = DraftChats()
+        self._drafts = DraftChats(interval_s=config.draft_interval_s, refresh_s=config.draft_refresh_s)
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -200,8 +200,7 @@ class TelegramAdapter(Adapter):
         button = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
         if streaming == "draft" and self._drafts.take_drafts(msg.chat):
             return DraftStreamReply(self, self._out, self._drafts, msg.chat, run, reply_to=msg.message_id,
-                                    stop=button, interval_s=self.config.draft_interval_s,
-                                    refresh_s=self.config.draft_refresh_s)
+                                    stop=button)
         return _TelegramReply(self, msg, run, button, stream=streaming != "off")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -65,7 +65,9 @@ class DraftChats:
     """Which chats an answer may stream to as a draft: private chats, except those that refused
     one (they stream by edits), and none once the Bot API server turned out to lack drafts."""
 
-    def __init__(self, *, remember: int = NO_DRAFTS_MAX) -> None:
+    def __init__(self, *, interval_s: float = 0.3, refresh_s: float = 20.0, remember: int = NO_DRAFTS_MAX) -> None:
+        self.interval_s = interval_s  # at most one draft this often
+        self.refresh_s = refresh_s  # an unchanged draft is sent again this often (it would expire)
         self._refused: BoundedMap[str, None] = BoundedMap(remember)
         self._off = False  # the Bot API server has no sendMessageDraft
         self._logged = False
@@ -88,7 +90,7 @@ class DraftStreamReply(EditStreamReply):
     """Streams a private chat's answer as a Telegram draft; falls back to edits if refused."""
 
     def __init__(self, adapter: ReplyPlatform, calls: DraftCalls, chats: DraftChats, chat: ChatRef, run: Run, *,
-                 reply_to: str | None, stop: StopButton | None, interval_s: float, refresh_s: float) -> None:
+                 reply_to: str | None, stop: StopButton | None) -> None:
         super().__init__(adapter, chat, run, reply_to=reply_to, stop=stop)
         self._calls = calls
         self._chats = chats
@@ -97,8 +99,8 @@ class DraftStreamReply(EditStreamReply):
         self._draft_text: str | None = None  # what the draft shows; None: no draft yet
         self._drafted = 0  # the draft has shown the reply's text up to this offset
         self._drafted_at = 0.0  # monotonic time of the last accepted draft
-        self._interval_s = interval_s
-        self._refresh_s = refresh_s
+        self._interval_s = chats.interval_s
+        self._refresh_s = chats.refresh_s
         self._status: str | None = None  # the status message carrying the Stop button
         self._opened = False
         self._open_lock = asyncio.Lock()

@@ -21,3 +21,20 @@ def test_ruff_is_clean() -> None:
 def test_mypy_is_clean() -> None:
     result = _run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+MAX_METHODS = 25  # a class with more has more than one job: split it into owners it composes
+
+
+def test_no_class_in_the_product_code_has_more_than_25_methods() -> None:
+    import ast
+
+    big = []
+    for package in ("gateway", "platforms", "agent_cache"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    methods = [n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+                    if len(methods) > MAX_METHODS:
+                        big.append(f"{path.relative_to(ROOT)}: {node.name} has {len(methods)} methods")
+    assert big == []

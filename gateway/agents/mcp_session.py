@@ -160,48 +160,9 @@ async def stdio_streams(reaper: ProcessReaper, argv: Sequence[str], env: Mapping
     read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
 
-    async def read_messages() -> None:
-        buffer = b""
-        try:
-            async with read_writer:
-                while chunk := await stdout.read(65536):
-                    lines = (buffer + chunk).split(b"\n")
-                    buffer = lines.pop()
-                    if len(buffer) > MAX_LINE:
-                        pipes.end_reason = f"sent a message over {MAX_LINE >> 20} MiB"
-                        return
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        try:
-                            message = types.JSONRPCMessage.model_validate_json(line)
-                        except ValueError as exc:
-                            await read_writer.send(exc)
-                            continue
-                        await read_writer.send(SessionMessage(message))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass
-        finally:
-            pipes.ended.set()
-
-    async def write_messages() -> None:
-        try:
-            async with write_reader:
-                async for message in write_reader:
-                    data = message.message.model_dump_json(by_alias=True, exclude_none=True)
-                    stdin.write(data.encode() + b"\n")
-                    await stdin.drain()
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError):
-            pass
-
-    async def read_stderr() -> None:
-        while line := await stderr.readline():
-            text = line.decode("utf-8", "replace").rstrip()
-            if text:
-                pipes.stderr_tail.append(text)
-                log.debug("mcp server %s: %s", name, redactor(text)[:500])
-
-    tasks = [asyncio.ensure_future(f()) for f in (read_messages, write_messages, read_stderr)]
+    tasks = [asyncio.ensure_future(_read_messages(stdout, read_writer, pipes)),
+             asyncio.ensure_future(_write_messages(stdin, write_reader)),
+             asyncio.ensure_future(_read_stderr(stderr, pipes, name))]
     try:
         yield read_stream, write_stream, pipes
     finally:
@@ -231,3 +192,51 @@ def is_transport_error(exc: BaseException) -> bool:
     return isinstance(exc, (httpx.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                             ConnectionError, ServerGone))
 
+
+async def _read_messages(stdout: asyncio.StreamReader,
+                         out: MemoryObjectSendStream[SessionMessage | Exception], pipes: ProcessPipes) -> None:
+    """The server's stdout, one JSON-RPC message per line, to the session (a bad line as its error)."""
+    buffer = b""
+    try:
+        async with out:
+            while chunk := await stdout.read(65536):
+                lines = (buffer + chunk).split(b"\n")
+                buffer = lines.pop()
+                if len(buffer) > MAX_LINE:
+                    pipes.end_reason = f"sent a message over {MAX_LINE >> 20} MiB"
+                    return
+                for line in lines:
+                    if line.strip():
+                        await out.send(_message(line))
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
+    finally:
+        pipes.ended.set()
+
+
+def _message(line: bytes) -> SessionMessage | Exception:
+    try:
+        return SessionMessage(types.JSONRPCMessage.model_validate_json(line))
+    except ValueError as exc:
+        return exc
+
+
+async def _write_messages(stdin: asyncio.StreamWriter, messages: MemoryObjectReceiveStream[SessionMessage]) -> None:
+    """The session's messages to the server's stdin, one line each."""
+    try:
+        async with messages:
+            async for message in messages:
+                data = message.message.model_dump_json(by_alias=True, exclude_none=True)
+                stdin.write(data.encode() + b"\n")
+                await stdin.drain()
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError):
+        pass
+
+
+async def _read_stderr(stderr: asyncio.StreamReader, pipes: ProcessPipes, name: str) -> None:
+    """The server's stderr: its last lines kept (for the log when it dies), each at debug level."""
+    while line := await stderr.readline():
+        text = line.decode("utf-8", "replace").rstrip()
+        if text:
+            pipes.stderr_tail.append(text)
+            log.debug("mcp server %s: %s", name, redactor(text)[:500])

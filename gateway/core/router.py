@@ -85,7 +85,7 @@ class Router:
         busy = BusyPolicies(settings)
         self._rate_limit = UserRateLimit(settings.view(lambda s: s.router.messages_per_minute))
         self._commands = SessionCommands(lanes=self._lanes, store=p.store, owners=self._owners, cache=self.cache,
-                                         busy=busy, settings=settings, answers=answers, jobs=p.jobs,
+                                         busy=busy, settings=settings, jobs=p.jobs,
                                          status_lines=p.status_lines)
         queue = TurnQueue(lanes=self._lanes, owners=self._owners, store=p.store, busy=busy, origins=origins,
                           recent=recent, answers=answers, jobs=p.jobs)

@@ -289,7 +289,15 @@ class TurnRunner:
             return None
         recorder = TurnRecorder()
         task = await self._run_agent(turn, agent, user, reply, recorder)
-        rows, status, detail = await self._outcome(task, run, recorder, reply, turn.notes)
+        return await self._conclude(turn, task, (agent, conversation, user), recorder, reply)
+
+    async def _conclude(self, turn: Turn, task: asyncio.Task[None],
+                        where: tuple[LiveConversation | None, int, ChatMessage], recorder: TurnRecorder,
+                        reply: SettlingReply) -> str | None:
+        """Record the outcome in the conversation the turn started in (`where`: a /new meanwhile
+        does not move it), then show the answer's end — or, if it could not be recorded, say so."""
+        agent, conversation, user = where
+        rows, status, detail = await self._outcome(task, turn.run, recorder, reply, turn.notes)
         self._metrics.turns.labels(status.value).inc()
         if turn.usage[0] and log.isEnabledFor(logging.DEBUG):  # per tenant in metrics; a line per turn costs
             log.debug("turn used %d prompt and %d completion tokens", *turn.usage, extra={"session": turn.key})

@@ -40,99 +40,112 @@ _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps,
 def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
                     extra_stats: Callable[[], dict[str, Any]] | None = None,
                     hosts: HostPolicy | None = None) -> web.Application:
-    def valid(given: str) -> bool:
+    console = AdminConsole(router, metrics, store, readiness, token=token, extra_stats=extra_stats)
+    # Host and Origin first (another site's page must not drive a loopback console through the
+    # operator's browser, by rebinding its name or by posting across sites), then client faults.
+    app = web.Application(middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults, console.auth])
+    app.router.add_get("/metrics", console.prometheus)
+    app.router.add_get("/admin/api/sessions", console.sessions)
+    app.router.add_post("/admin/api/sessions/stop", console.stop)
+    app.router.add_get("/admin/api/stats", console.stats)
+    app.router.add_get("/admin", console.page)
+    app.router.add_post("/admin/login", console.login)
+    app.router.add_get("/admin/static/{name}", console.asset)
+    return app
+
+
+class AdminConsole:
+    """The admin listener's handlers, and who may call them."""
+
+    def __init__(self, router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *,
+                 token: str | None, extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._store = store
+        self._readiness = readiness
+        self._token = token
+        self._extra_stats = extra_stats
+
+    def _valid(self, given: str) -> bool:
         # as_bytes: a header that is not UTF-8, or a lone surrogate in JSON, is a wrong token, not a 500.
-        return token is not None and hmac.compare_digest(as_bytes(given), as_bytes(token))
+        return self._token is not None and hmac.compare_digest(as_bytes(given), as_bytes(self._token))
 
     @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         public = (request.method, request.path) in _PUBLIC or request.path.startswith("/admin/static/")
-        if token is not None and not public:
+        if self._token is not None and not public:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else request.cookies.get(COOKIE, "")
-            if not valid(given):
+            if not self._valid(given):
                 return web.json_response({"error": "admin token required"}, status=401)
         return await handler(request)
 
-    # Host and Origin first (another site's page must not drive a loopback console through the
-    # operator's browser, by rebinding its name or by posting across sites), then client faults.
-    app = web.Application(middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults, auth])
-
-    def signed_in(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
-        assert token is not None
-        response.set_cookie(COOKIE, token, httponly=True, samesite="Strict", path="/",
+    def _signed_in(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        assert self._token is not None
+        response.set_cookie(COOKIE, self._token, httponly=True, samesite="Strict", path="/",
                             secure=served_over_https(request))
         return response
 
-    async def console(request: web.Request) -> web.StreamResponse:
+    async def page(self, request: web.Request) -> web.StreamResponse:
         given = request.query.get("token")
         if given is not None:  # a link with the token: set the cookie, then drop the token from the URL
-            if valid(given):
-                return signed_in(request, web.Response(status=303, headers={"Location": request.path}))
+            if self._valid(given):
+                return self._signed_in(request, web.Response(status=303, headers={"Location": request.path}))
             await asyncio.sleep(0.5)  # slows guessing
         return static_response(request, "admin.html", page=True)
 
-    async def login(request: web.Request) -> web.StreamResponse:
+    async def login(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         if isinstance(body, web.Response):
             return body
         given = body.get("token") if isinstance(body, dict) else None
         if not isinstance(given, str):
             return web.json_response({"error": 'body must be {"token": "..."}'}, status=400)
-        if token is None:
+        if self._token is None:
             return web.json_response({"ok": True, "auth": "none"})
-        if not valid(given):
+        if not self._valid(given):
             await asyncio.sleep(0.5)
             return web.json_response({"error": "wrong token"}, status=401)
-        return signed_in(request, web.json_response({"ok": True, "auth": "token"}))
+        return self._signed_in(request, web.json_response({"ok": True, "auth": "token"}))
 
-    async def asset(request: web.Request) -> web.StreamResponse:
+    async def asset(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         if not name.startswith("admin"):
             raise web.HTTPNotFound()
         return static_response(request, name)
 
-    async def prometheus(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    async def sessions(_request: web.Request) -> web.Response:
-        return _json({"sessions": await session_table(router, store)})
+    async def sessions(self, _request: web.Request) -> web.Response:
+        return _json({"sessions": await session_table(self._router, self._store)})
 
-    async def stop(request: web.Request) -> web.Response:
+    async def stop(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         if isinstance(body, web.Response):
             return body
         key = body.get("key") if isinstance(body, dict) else None
         if not isinstance(key, str):
             return web.json_response({"error": "body must be {\"key\": \"<session key>\"}"}, status=400)
-        run = router.hard_cancel(key, STOPPED_BY_OPERATOR)
+        run = self._router.hard_cancel(key, STOPPED_BY_OPERATOR)
         return web.json_response({"key": key, "stopped": run is not None})
 
-    async def stats(_request: web.Request) -> web.Response:
-        cache = router.cache
-        checks = await readiness()
+    async def stats(self, _request: web.Request) -> web.Response:
+        cache = self._router.cache
+        checks = await self._readiness()
         body: dict[str, Any] = {
             "agent_cache": {"size": len(cache), "max": cache.max_agents, "hits": cache.hits,
                             "misses": cache.misses, "evictions": cache.evictions},
             # The last bucket's bound is +Inf, sent as null (JSON has no infinity).
             "stop_latency_buckets": [(le if math.isfinite(le) else None, n)
-                                     for le, n in metrics.stop_histogram()],
+                                     for le, n in self._metrics.stop_histogram()],
             "health": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()},
-            "agent": router.agent.description,
+            "agent": self._router.agent.description,
         }
-        if extra_stats is not None:
-            body.update(extra_stats())
+        if self._extra_stats is not None:
+            body.update(self._extra_stats())
         return _json(body)
-
-    app.router.add_get("/metrics", prometheus)
-    app.router.add_get("/admin/api/sessions", sessions)
-    app.router.add_post("/admin/api/sessions/stop", stop)
-    app.router.add_get("/admin/api/stats", stats)
-    app.router.add_get("/admin", console)
-    app.router.add_post("/admin/login", login)
-    app.router.add_get("/admin/static/{name}", asset)
-    return app
 
 
 async def session_table(router: Router, store: Store) -> list[dict[str, Any]]:

@@ -14,20 +14,24 @@ log = logging.getLogger(__name__)
 UNAVAILABLE_NOTICE_EVERY_S = 60.0
 
 
+async def reject(outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
+                 kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
+    """Tell the user why (unless `text` is None: already told recently) and say so in the log.
+    Said by whichever worker received the message: it answers the message, not the session (so it
+    goes straight to the outlet, not through a session's speaker)."""
+    log.info("rejected a message: %s", text or detail, extra={"session": key})
+    if text:
+        await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
+    return Submitted(Outcome.REJECTED, text or detail)
+
+
 class Answers:
-    """Said by whichever worker received the message: it answers the message, not the session
-    (so it goes straight to the outlet, not through a session's speaker)."""
+    """Answers that keep state: "unavailable" is told to a chat once a minute at most."""
 
     def __init__(self) -> None:
         self._unavailable_told: BoundedMap[ChatRef, float] = BoundedMap(10_000)
 
-    async def reject(self, outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
-                     kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
-        """Tell the user why (unless `text` is None: already told recently) and say so in the log."""
-        log.info("rejected a message: %s", text or detail, extra={"session": key})
-        if text:
-            await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
-        return Submitted(Outcome.REJECTED, text or detail)
+    reject = staticmethod(reject)
 
     async def unavailable(self, outlet: Outlet, msg: InboundMessage, key: str, text: str) -> Submitted:
         """Not taken because storage or Redis is down. The platform may deliver it again (a webhook

@@ -12,7 +12,7 @@ from gateway.core.background import KILLED_BY_USER, BackgroundJobs
 from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import SESSION_RESET, STOPPED_BY_USER
 from gateway.core.commands import Command
-from gateway.core.intake.answers import Answers
+from gateway.core.intake.answers import reject
 from gateway.core.intake.ownership import Owners
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage
@@ -48,7 +48,7 @@ class SessionCommands:
     """Implements `SessionControl` over the lanes, the store and the jobs."""
 
     def __init__(self, *, lanes: Lanes, store: Store, owners: Owners, cache: AgentCache[LiveConversation],
-                 busy: BusyPolicies, settings: Reads[CoreSettings], answers: Answers,
+                 busy: BusyPolicies, settings: Reads[CoreSettings],
                  jobs: BackgroundJobs | None = None, status_lines: Sequence[StatusLine] = ()) -> None:
         self._lanes = lanes
         self._store = store
@@ -56,13 +56,12 @@ class SessionCommands:
         self._cache = cache
         self._busy = busy
         self._settings = settings
-        self._answers = answers
         self._jobs = jobs
         self._status_lines = tuple(status_lines)
 
     async def dispatch(self, cmd: Command, key: str, msg: InboundMessage, speaker: Speaker) -> Submitted:
         if cmd.spec is None:
-            return await self._answers.reject(speaker.outlet, msg, key, f"Unknown command /{cmd.name} — try /help.")
+            return await reject(speaker.outlet, msg, key, f"Unknown command /{cmd.name} — try /help.")
         result = await cmd.spec.handler(self, key, cmd.args)
         await speaker.notify(msg.chat, result.text, reply_to=msg.message_id, kind=result.kind)
         return Submitted(Outcome.COMMAND, result.text)
