@@ -103,6 +103,7 @@ class ApiAdapter(Adapter):
     name = PLATFORM
     capabilities = Capabilities(max_message_len=1 << 20, can_edit=False, can_stream=True)
     can_steer = False  # each request waits for an answer of its own
+    answers_later = False  # ...on its own connection: a replay elsewhere or later reaches nobody
 
     def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
                  model_name: str = "switchboard", max_attachment_bytes: int = 10 * MB) -> None:

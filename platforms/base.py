@@ -37,6 +37,7 @@ class Adapter(ABC):
     capabilities: Capabilities
     pushes_anywhere: bool = False  # see `Outlet.pushes_anywhere`
     can_steer: bool = True  # see `Outlet.can_steer`
+    answers_later: bool = True  # see `Outlet.answers_later`
     _gateway: Gateway | None = None
     _outbox: Outbox | None = None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.agents.echo import EchoAgent
+from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import Tool, ToolRegistry
 from gateway.core import turns
 from gateway.core.cancellation import GATEWAY_RESTART, NOT_RECORDED
@@ -157,4 +158,35 @@ async def test_a_message_stored_although_the_store_said_otherwise_is_answered_on
         assert await store.unfinished_inbound() == []
     finally:
         await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await store.close()
+
+
+class _WaitingClient(MemoryChat):
+    """An outlet whose clients wait on their own connection, as the HTTP API's do."""
+
+    name = "waiting"
+    answers_later = False
+
+
+async def test_a_message_whose_client_was_answered_by_a_process_now_gone_is_recorded_cut_off_not_answered(
+        tmp_path: Path, provider: FakeProvider) -> None:
+    client = _WaitingClient()
+    store = SqliteStore(tmp_path / "s.db")
+    await store.open()
+    msg = client.message("c1", "taken, then the process went away")
+    key = session_key(msg)
+    assert await store.accept_inbound(Fence.local(key), msg) is not None  # accepted, never started
+    agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=0), ToolRegistry())
+    router = build_router(store, agent, client)
+    await client.start(router)
+    await router.start()  # recovery
+    try:
+        _, rows = await store.conversation(key)
+        assert [(r.role, r.interrupted_by) for r in rows] == [("user", None), ("assistant", "system")]
+        assert await store.unfinished_inbound() == []
+        await asyncio.sleep(0.1)
+        assert provider.connections == []  # nobody could hear an answer: none was asked for
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await agent.close()
         await store.close()

@@ -243,6 +243,12 @@ class Outlet(Protocol):
         """May a message join the answer already being written (a chat), or does each need an
         answer of its own (an HTTP request)?"""
 
+    @property
+    def answers_later(self) -> bool:
+        """Can a message still be answered after the process that took it is gone (a chat), or
+        did its client wait on that process's connection and hear how it ended (an HTTP request)?
+        Decides whether a restart or a takeover replays and resumes its turns."""
+
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply: ...
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from gateway.core.attachments import with_placeholders
 from gateway.core.cancellation import GATEWAY_RESTART, PROCESS_DIED, TAKEN_OVER, ToolReason, stop_notice
 from gateway.core.fencing import Fence
 from gateway.core.intake.dedupe import RecentMessages
@@ -15,7 +16,7 @@ from gateway.core.messages import InboundMessage
 from gateway.core.ports import InboundRecord, InboundStatus, NoticeKind, Outlet, Outlets, Store, StoreError
 from gateway.core.sessions.queue import TurnQueue
 from gateway.core.settings import CoreSettings
-from gateway.core.transcript import RESUME_PREFIX, TurnRecorder, resume_prompt
+from gateway.core.transcript import RESUME_PREFIX, ChatMessage, TurnRecorder, resume_prompt
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,7 @@ class Recovery:
             self._recent.remember(rec.message)
             outlet = self._outlets.get(rec.message.platform)
             if rec.status is InboundStatus.ACCEPTED:
-                if outlet is None:
-                    await self._store.finish_inbound(fence, rec.id, InboundStatus.REJECTED,
-                                                     "platform no longer configured")
-                    continue
-                log.info("replaying a message accepted but never answered", extra={"session": rec.session_key})
-                await self._queue.resume(rec.message, outlet, rec.session_key, inbound_id=rec.id)
+                await self._replay(rec, fence, outlet, cut_off)
                 continue
             if rec.status is InboundStatus.RUNNING:  # the process died mid-turn: nobody told the user
                 await self._close_transcript(fence, cut_off)
@@ -80,10 +76,29 @@ class Recovery:
                         kind=NoticeKind.INTERRUPTED, reason=cut_off)
             await self._resume(rec, fence, outlet, cut_off)
 
+    async def _replay(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> None:
+        """A message accepted but never started: run it now — unless nobody can hear the answer."""
+        if outlet is None:
+            await self._store.finish_inbound(fence, rec.id, InboundStatus.REJECTED, "platform no longer configured")
+            return
+        if not outlet.answers_later:
+            # Its client waited on the connection of the process that took it, and heard how it
+            # ended (interrupted) when that process let go or went away. An answer now would
+            # reach nobody and put into the history an answer that client never saw: it is
+            # recorded as cut off instead, where the history shows it.
+            conversation, _ = await self._store.conversation(rec.session_key)
+            m = rec.message
+            user = ChatMessage("user", with_placeholders(m.text, m.attachments), created_at=m.timestamp)
+            await self._store.append(fence, conversation, [user, *TurnRecorder().interrupted(cut_off)],
+                                     inbound=(rec.id, InboundStatus.CANCELLED, "not replayed: its client had gone"))
+            return
+        log.info("replaying a message accepted but never answered", extra={"session": rec.session_key})
+        await self._queue.resume(rec.message, outlet, rec.session_key, inbound_id=rec.id)
+
     async def _resume(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> None:
         fresh = time.time() - rec.received_at <= self._settings.value.resume_max_age_s
         # At most one automatic resume per user message: a resume that is itself cut off stays so.
-        resumable = (outlet is not None and rec.message.platform != "api" and fresh
+        resumable = (outlet is not None and outlet.answers_later and fresh
                      and not rec.message.message_id.startswith(RESUME_PREFIX))
         await self._store.finish_inbound(fence, rec.id, InboundStatus.RESUMED if resumable else InboundStatus.CANCELLED,
                                          "resumed after restart" if resumable else "not resumed")
