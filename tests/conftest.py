@@ -20,10 +20,10 @@ from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
-from tests.pg_server import PgServer, PgServerMissing
-from tests.ports import free_port as free_port  # re-exported: the tests import it from here
-from tests.redis_server import RedisServer, RedisServerMissing
-from tests.routers import start_router
+from tests.support.pg_server import PgServer, PgServerMissing
+from tests.support.ports import free_port as free_port  # re-exported: the tests import it from here
+from tests.support.redis_server import RedisServer, RedisServerMissing
+from tests.support.routers import start_router
 
 if TYPE_CHECKING:
     from gateway.ops.daemon import Daemon

@@ -20,9 +20,9 @@ from agent_cache import keys
 from gateway.store.redis import RedisStore
 from platforms.telegram_draft import STATUS_TEXT
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import child_running, running, until
-from tests.redis_server import RedisServer
-from tests.workers import Worker, content
+from tests.support.procs import child_running, running, until
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker, content
 
 TTL = 3.0
 WEBHOOK = {"MODE": "webhook", "WEBHOOK_URL": "https://example.test/tg", "SECRET_TOKEN": "hook-secret-1"}

@@ -19,9 +19,9 @@ from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider
-from tests.pg_server import PgServer, PgServerMissing
-from tests.redis_server import RedisServer
-from tests.workers import Worker, content
+from tests.support.pg_server import PgServer, PgServerMissing
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker, content
 
 TTL = 3.0
 

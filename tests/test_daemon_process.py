@@ -18,7 +18,7 @@ import pytest
 from gateway.agents.processes import GroupLedger
 from tests.conftest import DaemonFactory, console_script, free_port
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import Proc, argv, child_running, children, pids_from, running, running_in_group, stat, until
+from tests.support.procs import Proc, argv, child_running, children, pids_from, running, running_in_group, stat, until
 
 SENTINEL = ["-m", "gateway.agents.sentinel"]
 

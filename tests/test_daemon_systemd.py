@@ -17,7 +17,7 @@ from gateway.ops.config import load_config
 from tests.conftest import free_port
 from tests.fakes.notify_socket import FakeSystemd
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
 
 
 def _daemon(tmp_path: Path, config: Path, notify: str, **env: str) -> subprocess.Popen[bytes]:

@@ -19,7 +19,7 @@ import aiohttp
 
 from tests.conftest import free_port
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
 from tests.test_exposure import NESTED, _post, _raw
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from gateway.ops.config import ConfigError, load_config, render
 from gateway.ops.daemon import Daemon
 from tests.conftest import DaemonFactory, free_port
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import running, stat, until
+from tests.support.procs import running, stat, until
 
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = "[interrupted by user: stopped by user (/stop)]"

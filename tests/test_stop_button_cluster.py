@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tests.fakes.openai_provider import FakeProvider
 from tests.fakes.telegram_api import FakeTelegramAPI
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker
 from tests.test_cluster import TTL, WEBHOOK, _telegram_env
-from tests.workers import Worker
 
 
 def _stop_button(fake: FakeTelegramAPI, chat: int) -> tuple[int, str] | None:

@@ -30,7 +30,7 @@ from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
-from tests.redis_server import RedisServer, RedisServerMissing
+from tests.support.redis_server import RedisServer, RedisServerMissing
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
 

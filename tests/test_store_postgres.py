@@ -2,7 +2,7 @@
 Redis store into it, retention, export, retries that apply a write once, and outages (errors, then
 recovery by itself after the server restarts). The shared behaviour is in test_store_contract.py.
 
-Every test runs against a PostgreSQL server of the test run's own (tests/pg_server.py): a fresh
+Every test runs against a PostgreSQL server of the test run's own (tests/support/pg_server.py): a fresh
 database on the shared one (`pg_url`), or a server of its own when it stops or kills it."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from gateway.store.postgres import MIGRATIONS, SCHEMA_VERSION, Migration, Postgr
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.store.transfer import TransferError, copy
-from tests.pg_server import PgServer, PgServerMissing
-from tests.redis_server import RedisServer
+from tests.support.pg_server import PgServer, PgServerMissing
+from tests.support.redis_server import RedisServer
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
 _fences = itertools.count(int(time.time() * 1000))

@@ -25,9 +25,9 @@ import aiohttp
 from tests.chaos.records import END, Incarnation, answer_tag, message_tag
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
-from tests.pg_server import PgServer
-from tests.redis_server import RedisServer
-from tests.workers import Worker
+from tests.support.pg_server import PgServer
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker
 
 WEBHOOK_PATH = "/telegram/webhook"
 SECRET = "chaos-hook-secret"
@@ -51,7 +51,7 @@ runpy.run_module("gateway", run_name="__main__", alter_sys=True)
 
 
 class WorkerProcess(Worker):
-    """tests.workers.Worker, started from a standby process (see STANDBY)."""
+    """tests.support.workers.Worker, started from a standby process (see STANDBY)."""
 
     def prepare(self) -> None:
         if self.proc is None:

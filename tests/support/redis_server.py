@@ -17,7 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 BINARY = "redis-server"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 
 class Worker:

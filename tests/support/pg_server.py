@@ -27,7 +27,7 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.procs import children
+from tests.support.procs import children
 
 
 class PgServerMissing(RuntimeError):
