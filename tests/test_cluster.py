@@ -19,10 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_cache import keys
 from gateway.store.redis import RedisStore
 from platforms.telegram_draft import STATUS_TEXT
+from tests.conftest import RedisFactory
 from tests.fakes.openai_provider import FakeProvider, Script
 from tests.support.procs import child_running, running, until
 from tests.support.redis_server import RedisServer
-from tests.support.workers import Worker, content
+from tests.support.workers import Worker, content, end_all, start_all
 
 TTL = 3.0
 WEBHOOK = {"MODE": "webhook", "WEBHOOK_URL": "https://example.test/tg", "SECRET_TOKEN": "hook-secret-1"}
@@ -42,22 +43,23 @@ async def workers(redis_server: RedisServer, provider: FakeProvider, tmp_path: P
     async def make(n: int, redis: RedisServer = redis_server) -> list[Worker]:
         new = [Worker(f"w{len(started) + i + 1}", redis.url, provider.base_url, tmp_path, ttl_s=TTL)
                for i in range(n)]
-        await asyncio.gather(*(w.start() for w in new))
-        started.extend(new)
+        started.extend(new)  # before the start: ended at teardown whatever happens
+        await start_all(*new)
         return new
 
-    yield make  # type: ignore[misc]
-    for w in started:
-        w.kill()
+    try:
+        yield make  # type: ignore[misc]
+    finally:
+        end_all(*started)
 
 
 async def _transcript(redis_server: RedisServer, session: str, rows: int) -> list[tuple[str, str, str | None]]:
     """The session's transcript once it has `rows` rows (an HTTP answer goes out just before the
-    turn's rows are written), or as it is after 5 s."""
+    turn's rows are written), or as it is after 30 s."""
     store = RedisStore(redis_server.url)
     await store.open()
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while True:
             _, found = await store.conversation(session)
             if len(found) >= rows or time.monotonic() > deadline:
@@ -69,11 +71,10 @@ async def _transcript(redis_server: RedisServer, session: str, rows: int) -> lis
 
 @pytest.mark.parametrize("redis_kind", ["single", "cluster"])
 async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any, provider: FakeProvider,
-                                                                  tmp_path: Path, redis_kind: str) -> None:
+                                                                  start_redis: RedisFactory, redis_kind: str) -> None:
     provider.delay_s, provider.words = 0.05, 200
     if redis_kind == "cluster":  # the same code on Redis Cluster (a one-node cluster owning every slot)
-        server = RedisServer(tmp_path / "redis-cluster", cluster=True).start()
-        a, b = await workers(2, server)
+        a, b = await workers(2, start_redis("redis-cluster", cluster=True))
     else:
         a, b = await workers(2)
     async with aiohttp.ClientSession() as http:
@@ -86,10 +87,6 @@ async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any,
     conn = provider.requests_for("long answer")[0]
     await provider.wait_closed(conn)
     assert not conn.completed
-    if redis_kind == "cluster":
-        a.kill()
-        b.kill()
-        server.stop()
 
 
 async def test_a_killed_owner_is_taken_over_within_the_ttl_and_nothing_is_lost(
@@ -184,9 +181,9 @@ async def test_a_paused_owner_whose_tool_ended_meanwhile_takes_no_further_step(
 
 
 async def test_redis_restarting_mid_run_runs_no_session_twice_and_service_resumes(
-        workers: Any, provider: FakeProvider, tmp_path: Path) -> None:
+        workers: Any, provider: FakeProvider, start_redis: RedisFactory) -> None:
     provider.delay_s, provider.words = 0.02, 20
-    redis_server = RedisServer(tmp_path / "redis", persistence=True).start()
+    redis_server = start_redis("redis", persistence=True)
     a, b = await workers(2, redis_server)
     async with aiohttp.ClientSession() as http:
         first = [asyncio.create_task(w.ask(http, f"r{i}", f"before {i}")) for i, w in enumerate([a, b] * 5)]
@@ -216,8 +213,8 @@ async def test_telegram_poller_fails_over_without_losing_or_repeating_an_update(
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, POLL_TIMEOUT_S="1")
         pair = [Worker(f"t{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for i in (1, 2)]
-        await asyncio.gather(*(w.start() for w in pair))
         try:
+            await start_all(*pair)
             def answered(chat: int) -> bool:
                 return any(t.startswith(f"reply to: update {chat} ") and t.rstrip().endswith("w1")
                            for t in fake.messages(chat).values())
@@ -245,8 +242,7 @@ async def test_telegram_poller_fails_over_without_losing_or_repeating_an_update(
                 fake.push_text(chat, f"update {chat}", user_id=chat)
             await settle(range(11, 21), TTL + 10)
         finally:
-            for w in pair:
-                w.kill()
+            end_all(*pair)
         # (the draft's "writing…" status message, which carries the Stop button, is not an answer)
         sends = [r for r in fake.sent if r.method == "sendMessage" and r.text != STATUS_TEXT]
         for chat in range(1, 21):  # each update answered, by exactly one message
@@ -263,10 +259,10 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **{**WEBHOOK, "EDIT_INTERVAL_S": "0.5"})  # keeps the test process (fakes) unloaded
         trio = [Worker(f"x{i}", redis_server.url, provider.base_url, tmp_path, ttl_s=10, **env) for i in (1, 2, 3)]
-        await asyncio.gather(*(w.start() for w in trio))
         sent: dict[int, list[str]] = {}  # chat -> texts in the order they were sent
         statuses: list[int] = []
         try:
+            await start_all(*trio)
             async def say(chat: int, text: str) -> None:
                 sent.setdefault(chat, []).append(text)
                 entities = [{"type": "bot_command", "offset": 0, "length": len(text)}] if text == "/stop" else None
@@ -328,8 +324,7 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
                                              if x.name == "switchboard_messages_in_total"
                                              and x.labels.get("outcome") == "forwarded")
         finally:
-            for w in trio:
-                w.kill()
+            end_all(*trio)
     assert forwarded > 50  # many messages reached a worker that did not own their session
     outcomes = {"answered": 0, "user sent a new message": 0, "stopped by user (/stop)": 0}
     requests: dict[str, int] = {}
@@ -356,11 +351,11 @@ async def test_three_workers_300_sessions_random_stops_and_follow_ups_account_ex
     assert min(outcomes.values()) >= 5, outcomes  # the mix really happened
 
 
-async def _webhook_pair(fake: Any, redis: RedisServer, provider: FakeProvider, tmp: Path) -> tuple[Worker, Worker]:
-    """Workers a and b taking Telegram webhooks from the fake, sharing `redis`."""
+def _webhook_pair(fake: Any, redis: RedisServer, provider: FakeProvider, tmp: Path) -> tuple[Worker, Worker]:
+    """Workers a and b taking Telegram webhooks from the fake, sharing `redis` (not started yet:
+    the caller starts them inside the `try` whose `finally` ends them)."""
     env = _telegram_env(fake, **WEBHOOK)
     a, b = (Worker(name, redis.url, provider.base_url, tmp, ttl_s=TTL, **env) for name in "ab")
-    await asyncio.gather(a.start(), b.start())
     return a, b
 
 
@@ -382,8 +377,9 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
 
     provider.delay_s, provider.words = 0.0, 2
     async with FakeTelegramAPI() as fake:
-        a, b = await _webhook_pair(fake, redis_server, provider, tmp_path)
+        a, b = _webhook_pair(fake, redis_server, provider, tmp_path)
         try:
+            await start_all(a, b)
             async def say(worker: Worker, text: str) -> None:
                 await _post(fake, worker, 42, text)
 
@@ -402,8 +398,7 @@ async def test_messages_forwarded_to_a_worker_that_died_are_reclaimed_and_answer
             with redis_server.client() as r:  # the dead worker's inbox does not keep the entry
                 assert r.xlen(keys.worker_inbox("a")) == 0
         finally:
-            a.kill()
-            b.kill()
+            end_all(a, b)
     answers = [t for t in fake.messages(42).values() if t.startswith("reply to: second")]
     assert len(answers) == 1 and len(provider.requests_for("second")) == 1
 
@@ -414,8 +409,9 @@ async def test_a_turn_running_on_a_worker_that_dies_is_resumed_without_waiting_f
 
     provider.delay_s, provider.words = 0.05, 400
     async with FakeTelegramAPI() as fake:
-        a, b = await _webhook_pair(fake, redis_server, provider, tmp_path)
+        a, b = _webhook_pair(fake, redis_server, provider, tmp_path)
         try:
+            await start_all(a, b)
             await _post(fake, a, 43, "tell me a long story")
             await until(lambda: bool(fake.messages(43)), 10, "the story never started", every=0.05)
             provider.delay_s, provider.words = 0.0, 2
@@ -426,8 +422,7 @@ async def test_a_turn_running_on_a_worker_that_dies_is_resumed_without_waiting_f
                 assert time.monotonic() - died < TTL + 2, fake.messages(43)
                 await asyncio.sleep(0.05)
         finally:
-            a.kill()
-            b.kill()
+            end_all(a, b)
     texts = list(fake.messages(43).values())
     assert "⏹ interrupted: worker stopped responding; session taken over" in texts
     resumed = provider.connections[-1].body["messages"]
@@ -467,9 +462,10 @@ async def test_a_worker_restarted_with_the_same_id_takes_its_sessions_over_at_on
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **WEBHOOK)
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env) for name in "ab")
-        await asyncio.gather(a.start(), b.start())
+        again = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env)
         raw = redis_server.client()
         try:
+            await start_all(a, b)
             await _post(fake, a, 51, "tell me a long story")
             while not fake.messages(51):
                 await asyncio.sleep(0.05)
@@ -477,7 +473,6 @@ async def test_a_worker_restarted_with_the_same_id_takes_its_sessions_over_at_on
             provider.delay_s, provider.words = 0.0, 2
             a.kill()
             killed = time.monotonic()
-            again = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env)
             await again.start()
             while not any("Your answer was cut off" in t for t in fake.messages(51).values()):
                 assert time.monotonic() - killed < ttl - 2, fake.messages(51)
@@ -491,10 +486,7 @@ async def test_a_worker_restarted_with_the_same_id_takes_its_sessions_over_at_on
                 await asyncio.sleep(0.05)
             await asyncio.sleep(ttl - (time.monotonic() - killed) + 1)  # past the old lease's TTL
         finally:
-            for w in (a, b):
-                w.kill()
-            if "again" in locals():
-                again.kill()
+            end_all(a, b, again)
     print(f"taken over {took_over:.2f} s after the kill (TTL {ttl:g} s)")
     texts = list(fake.messages(51).values())
     assert texts.count("⏹ interrupted: worker stopped responding; session taken over") == 1
@@ -519,8 +511,8 @@ async def test_an_owner_paused_for_less_than_the_ttl_leaves_no_turn_stalled(
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **WEBHOOK)
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **env) for name in "ab")
-        await asyncio.gather(a.start(), b.start())
         try:
+            await start_all(a, b)
             await _post(fake, a, 52, "a long answer please")
             while not fake.messages(52):
                 await asyncio.sleep(0.05)
@@ -542,8 +534,7 @@ async def test_an_owner_paused_for_less_than_the_ttl_leaves_no_turn_stalled(
             finally:
                 await store.close()
         finally:
-            for w in (a, b):
-                w.kill()
+            end_all(a, b)
     texts = list(fake.messages(52).values())
     assert len([t for t in texts if t.startswith("⏹ interrupted:")]) == 1, texts
     assert len([t for t in texts if t.startswith("reply to: [interrupted by system")]) == 1, texts
@@ -560,8 +551,8 @@ async def test_an_answer_that_ends_while_redis_is_down_is_shown_whole_only_once_
     async with FakeTelegramAPI() as fake:
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL,
                        **_telegram_env(fake, BASE_URL=fake.base_url_via(name), **WEBHOOK)) for name in "ab")
-        await asyncio.gather(a.start(), b.start())
         try:
+            await start_all(a, b)
             await _post(fake, a, 62, "answer while redis sleeps")
             await until(lambda: any("w30" in str(c.params.get("text")) for c in fake.calls), 10,
                         "the answer never streamed", every=0.01)
@@ -573,8 +564,7 @@ async def test_an_answer_that_ends_while_redis_is_down_is_shown_whole_only_once_
                                     for t in fake.messages(62).values()),
                         TTL + 5, "the cut-off turn was never resumed", every=0.05)
         finally:
-            for w in (a, b):
-                w.kill()
+            end_all(a, b)
     whole = [c.params.get("text") for c in fake.calls
              if c.via == "a" and str(c.params.get("text", "")).rstrip().endswith("w39")]
     assert whole == [], "the first owner showed the whole answer, which was then taken over"
@@ -595,8 +585,8 @@ async def test_an_answer_recorded_after_an_outage_that_outlasted_the_workers_clo
     provider.delay_s, provider.words = 0.05, 40
     async with FakeTelegramAPI() as fake:
         a = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=ttl, **_telegram_env(fake, **WEBHOOK))
-        await a.start()
         try:
+            await a.start()
             await _post(fake, a, 63, "answer across the outage")
             await until(lambda: any("w30" in str(c.params.get("text")) for c in fake.calls), 10,
                         "the answer never streamed", every=0.01)
@@ -608,25 +598,25 @@ async def test_an_answer_recorded_after_an_outage_that_outlasted_the_workers_clo
             await until(lambda: any(t.rstrip().endswith("w39") for t in fake.messages(63).values()), 10,
                         "the recorded answer was never shown whole", every=0.05)
         finally:
-            a.kill()
+            a.end()
     texts = list(fake.messages(63).values())
     assert not any(t.startswith("⏹") for t in texts), texts
     assert len(provider.requests_for("answer across the outage")) == 1
 
 
 async def test_while_redis_is_down_clients_are_told_to_retry_and_nothing_is_lost(
-        provider: FakeProvider, tmp_path: Path) -> None:
+        provider: FakeProvider, tmp_path: Path, start_redis: RedisFactory) -> None:
     """The API answers 503 with Retry-After (not 400), the Telegram webhook answers non-2xx so
     Telegram delivers the update again, and the redelivery is answered once Redis is back."""
     from tests.fakes.telegram_api import FakeTelegramAPI
 
     provider.delay_s, provider.words = 0.0, 2
-    redis_server = RedisServer(tmp_path / "redis", persistence=True).start()
+    redis_server = start_redis("redis", persistence=True)
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **WEBHOOK)
         a = Worker("a", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env)
-        await a.start()
         try:
+            await a.start()
             redis_server.stop()
             async with aiohttp.ClientSession() as http:
                 body = {"messages": [{"role": "user", "content": "anyone there?"}]}
@@ -650,7 +640,7 @@ async def test_while_redis_is_down_clients_are_told_to_retry_and_nothing_is_lost
                 assert await fake.post_webhook(a.url + "/telegram/webhook", update, WEBHOOK["SECRET_TOKEN"]) == 200
                 await asyncio.sleep(0.5)
         finally:
-            a.kill()
+            a.end()
             redis_server.stop()
     assert len([t for t in fake.messages(53).values() if t.startswith("reply to: hello while down")]) == 1
     assert len(provider.requests_for("hello while down")) == 1

@@ -30,7 +30,8 @@ from gateway.store.postgres import MIGRATIONS, SCHEMA_VERSION, Migration, Postgr
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.store.transfer import TransferError, copy
-from tests.support.pg_server import PgServer, PgServerMissing
+from tests.conftest import RedisFactory
+from tests.support.pg_server import PgServer, pg_server_of_our_own
 from tests.support.redis_server import RedisServer
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
@@ -394,13 +395,10 @@ async def test_copy_sqlite_into_postgres_verified_and_rerun(tmp_path: Path, pg_u
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
-def any_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
+def any_redis(request: pytest.FixtureRequest, start_redis: RedisFactory) -> RedisServer:
     if request.param == "redis":
-        yield request.getfixturevalue("redis_server")
-        return
-    server = RedisServer(tmp_path / "redis-cluster", cluster=True).start()
-    yield server
-    server.stop()
+        return start_redis("redis")
+    return start_redis("redis-cluster", cluster=True)
 
 
 async def test_copy_redis_into_postgres_keeps_fences(any_redis: RedisServer, pg_url: str) -> None:
@@ -558,12 +556,8 @@ def test_cli_export_of_one_session_as_json_lines(pg_url: str, tmp_path: Path, mo
 @pytest.fixture
 def own_server() -> Iterator[PgServer]:
     """A server of this test's own, to stop, kill and restart."""
-    try:
-        server = PgServer().start()
-    except PgServerMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.destroy()
+    with pg_server_of_our_own() as server:
+        yield server
 
 
 async def test_errors_are_store_errors_and_it_recovers_after_a_restart(own_server: PgServer) -> None:
