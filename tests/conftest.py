@@ -28,6 +28,9 @@ from tests.support.routers import start_router
 if TYPE_CHECKING:
     from gateway.ops.daemon import Daemon
 
+# Every test fails if it leaves a process running, and so does the run (see the module).
+pytest_plugins = ("tests.support.leaks",)
+
 
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
