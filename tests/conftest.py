@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,13 +20,16 @@ from gateway.core.router import Router
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
-from tests.pg_server import PgServer, PgServerMissing
-from tests.ports import free_port as free_port  # re-exported: the tests import it from here
-from tests.redis_server import RedisServer, RedisServerMissing
-from tests.routers import start_router
+from tests.support.pg_server import PgServer, pg_server_of_our_own
+from tests.support.ports import free_port as free_port  # re-exported: the tests import it from here
+from tests.support.redis_server import RedisServer, RedisServerMissing
+from tests.support.routers import start_router
 
 if TYPE_CHECKING:
     from gateway.ops.daemon import Daemon
+
+# Every test fails if it leaves a process running, and so does the run (see the module).
+pytest_plugins = ("tests.support.leaks",)
 
 
 @pytest.fixture
@@ -125,19 +128,37 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
         await daemon.stop()
 
 
+RedisFactory = Callable[..., RedisServer]
+
+
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A real redis-server on a free loopback port (no persistence), stopped at teardown.
+def start_redis(tmp_path: Path) -> Iterator[RedisFactory]:
+    """Start a real redis-server (`RedisServer`'s arguments; its directory under the test's tmp
+    dir), stopped at teardown whatever the test did: `start_redis("redis", persistence=True)`.
 
     Fails (never skips) when the binary is missing and cannot be installed.
     """
-    server = RedisServer(tmp_path / "redis")
+    servers: list[RedisServer] = []
+
+    def start(name: str = "redis", **kwargs: Any) -> RedisServer:
+        server = RedisServer(tmp_path / name, **kwargs)
+        servers.append(server)  # before the start: a failed start is cleaned up too
+        try:
+            return server.start()
+        except RedisServerMissing as exc:
+            pytest.fail(str(exc), pytrace=False)
+
     try:
-        server.start()
-    except RedisServerMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.stop()
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_server(start_redis: RedisFactory) -> RedisServer:
+    """A real redis-server on a free loopback port (no persistence), stopped at teardown."""
+    return start_redis("redis")
 
 
 @pytest.fixture(scope="session")
@@ -147,12 +168,8 @@ def pg_server() -> Iterator[PgServer]:
 
     Fails (never skips) when the binaries are missing and cannot be installed.
     """
-    try:
-        server = PgServer().start()
-    except PgServerMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.destroy()
+    with pg_server_of_our_own() as server:
+        yield server
 
 
 _databases = itertools.count(1)

@@ -18,7 +18,7 @@ from gateway.core.cancellation import CLIENT_DISCONNECTED
 from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import until
+from tests.support.procs import until
 
 KEY = "sk-test-0123456789"
 

@@ -19,21 +19,17 @@ from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider
-from tests.pg_server import PgServer, PgServerMissing
-from tests.redis_server import RedisServer
-from tests.workers import Worker, content
+from tests.support.pg_server import PgServer, pg_server_of_our_own
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker, content, end_all, start_all
 
 TTL = 3.0
 
 
 @pytest.fixture
 def own_pg() -> Iterator[PgServer]:
-    try:
-        server = PgServer().start()
-    except PgServerMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.destroy()
+    with pg_server_of_our_own() as server:
+        yield server
 
 
 def test_build_store_picks_the_backend(tmp_path: Path) -> None:
@@ -76,7 +72,7 @@ async def readyz(http: aiohttp.ClientSession, worker: Worker) -> tuple[int, dict
         return resp.status, await resp.json()
 
 
-async def until(what: str, check: Any, timeout_s: float = 20.0) -> Any:
+async def until(what: str, check: Any, timeout_s: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         got = await check()
@@ -104,9 +100,9 @@ async def test_a_cluster_on_postgres_rides_out_a_postgres_restart_and_a_dead_wor
     url = own_pg.create_database("cluster")
     a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, SWITCHBOARD_STORE__URL=url)
             for name in ("a", "b"))
-    await asyncio.gather(a.start(), b.start())
     pinned = {f"x{i}": a for i in range(4)} | {f"y{i}": b for i in range(4)}  # as a load balancer would
     try:
+        await start_all(a, b)
         async with aiohttp.ClientSession() as http:
             status, body = await readyz(http, a)
             assert status == 200 and body["checks"]["store"]["detail"] == "postgres+redis"
@@ -136,8 +132,7 @@ async def test_a_cluster_on_postgres_rides_out_a_postgres_restart_and_a_dead_wor
                     return status == 200
                 await until(f"b answering in {session}", answered, timeout_s=TTL * 5)
     finally:
-        a.kill()
-        b.kill()
+        end_all(a, b)
 
     conn = await asyncpg.connect(url)
     try:

@@ -3,14 +3,13 @@ and no message a platform was told is taken gets lost."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
+from tests.conftest import RedisFactory
 from tests.fakes.openai_provider import FakeProvider
 from tests.fakes.telegram_api import FakeTelegramAPI
-from tests.procs import until
-from tests.redis_server import RedisServer
-from tests.workers import Worker
+from tests.support.procs import until
+from tests.support.workers import Worker, end_all, start_all
 
 TTL = 3.0
 SECRET = "hook-secret-1"
@@ -28,15 +27,15 @@ def _answers(fake: FakeTelegramAPI, chat: int, text: str) -> list[str]:
 
 
 async def test_redis_restarted_empty_gets_its_inboxes_back_and_loses_no_forwarded_message(
-        provider: FakeProvider, tmp_path: Path) -> None:
+        provider: FakeProvider, start_redis: RedisFactory, tmp_path: Path) -> None:
     provider.delay_s, provider.words = 0.0, 2
-    redis = RedisServer(tmp_path / "redis").start()  # no persistence: a restart comes back empty
+    redis = start_redis()  # no persistence: a restart comes back empty
     workers: list[Worker] = []
     try:
         async with FakeTelegramAPI() as fake:
             a, b = (Worker(name, redis.url, provider.base_url, tmp_path, ttl_s=TTL, **_env(fake)) for name in "ab")
             workers += [a, b]
-            await asyncio.gather(a.start(), b.start())
+            await start_all(a, b)
 
             async def post(worker: Worker, text: str) -> int:
                 update = {"message": fake.user_message(42, user_id=42, text=text)}
@@ -58,6 +57,4 @@ async def test_redis_restarted_empty_gets_its_inboxes_back_and_loses_no_forwarde
             assert status == 200  # acknowledged only once the owner had it
             assert len(_answers(fake, 42, "third")) == 1
     finally:
-        for w in workers:
-            w.kill()
-        redis.stop()
+        end_all(*workers)

@@ -18,7 +18,8 @@ import pytest
 from gateway.agents.processes import GroupLedger
 from tests.conftest import DaemonFactory, console_script, free_port
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import Proc, argv, child_running, children, pids_from, running, running_in_group, stat, until
+from tests.support.procs import Proc, argv, child_running, children, pids_from, running, running_in_group, stat, until
+from tests.support.spawn import Group, wait_ready
 
 SENTINEL = ["-m", "gateway.agents.sentinel"]
 
@@ -33,8 +34,7 @@ class Daemon:
         env = {**os.environ, "SWITCHBOARD_HTTP__PORT": str(self.port), "SWITCHBOARD_ADMIN__PORT": str(free_port()),
                "SWITCHBOARD_API__ENABLED": "true", "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "1", **dict(extra_env)}
         command = [sys.executable, "-m", "gateway", "run"] if module else [console_script("switchboard"), "run"]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=out)
+        self.proc = Group(command, cwd=cwd, env=env, log=self.log)
 
     @property
     def pid(self) -> int:
@@ -48,19 +48,14 @@ class Daemon:
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
 
-    async def ready(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"the daemon exited:\n{self.logs()[-3000:]}"
-                try:
-                    async with http.get(self.base + "/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"the daemon never became ready:\n{self.logs()[-3000:]}")
+    async def ready(self) -> None:
+        """Until /readyz answers 200; a daemon that exits or is not ready in time is ended, and the
+        failure shows its log."""
+        try:
+            await wait_ready(self.base + "/readyz", self.proc, "the daemon", self.log)
+        except BaseException:
+            self.end()
+            raise
 
     async def logged(self, text: str, timeout: float = 10) -> None:
         await until(lambda: text in self.logs(), timeout, f"the daemon never logged {text!r}")
@@ -69,9 +64,14 @@ class Daemon:
         return await asyncio.to_thread(self.proc.wait, timeout)
 
     def kill(self) -> None:
+        """`kill -9` of the daemon process alone: the scenario (the clean-up is `end()`)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def end(self) -> None:
+        """Kill the daemon's process group and reap it: the clean-up every path ends with."""
+        self.proc.end()
 
     async def sentinel(self) -> Proc:
         """The daemon's tool sentinel (started with its first tool)."""
@@ -100,7 +100,7 @@ async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchbo
         daemon.proc.send_signal(signal.SIGINT)
         assert await daemon.exited() == 0
     finally:
-        daemon.kill()
+        daemon.end()
 
 
 @pytest.mark.parametrize(("choice", "expected"), [(None, "uvloop"), ("asyncio", "asyncio"), ("uvloop", "uvloop")])
@@ -116,7 +116,7 @@ async def test_the_event_loop_is_chosen_by_config_and_named_in_the_startup_log(t
         daemon.proc.send_signal(signal.SIGTERM)
         assert await daemon.exited() == 0
     finally:
-        daemon.kill()
+        daemon.end()
 
 
 async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orphans(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
             answer = await resp.json()
             assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
     finally:
-        daemon.kill()
+        daemon.end()
     db = sqlite3.connect(tmp_path / ".switchboard" / "switchboard.db")
     rows = db.execute("SELECT role, content, interrupted_by, reason FROM messages ORDER BY id").fetchall()
     assert rows[-1] == ("tool", "[interrupted by system: gateway restart]", "system", "gateway restart")
@@ -168,7 +168,7 @@ async def test_a_second_sigterm_during_the_drain_exits_at_once_without_orphans(
             await until(lambda: not running_in_group(pgid), 5, "the tool outlived the daemon")
             request.cancel()
     finally:
-        daemon.kill()
+        daemon.end()
 
 
 async def test_kill_9_of_the_daemon_takes_its_tool_with_it(tmp_path: Path) -> None:
@@ -185,7 +185,7 @@ async def test_kill_9_of_the_daemon_takes_its_tool_with_it(tmp_path: Path) -> No
             await until(lambda: not running(sentinel), 10, "the sentinel did not exit after the daemon died")
             request.cancel()
     finally:
-        daemon.kill()
+        daemon.end()
     assert not list((tmp_path / ".switchboard" / "tool-groups").glob("*/*")), "the sentinel cleared the records"
 
 
@@ -211,7 +211,7 @@ async def test_kill_9_of_the_daemon_takes_the_tools_children_too(tmp_path: Path,
                         "the tool outlived the daemon")
             request.cancel()
     finally:
-        daemon.kill()
+        daemon.end()
     await daemon.logged("the daemon is gone; killed its tool process group(s)")  # the sentinel's word
 
 
@@ -242,9 +242,9 @@ async def test_tools_of_a_daemon_that_died_with_its_sentinel_are_killed_at_the_n
         await until(lambda: not running(child), 5, "the next start did not kill the orphaned tool")
         assert "tool process group(s) or process(es) left running by a daemon that died" in second.logs()
     finally:
-        first.kill()
+        first.end()
         if second is not None:
-            second.kill()
+            second.end()
         for p in tool:
             if running(p):
                 os.kill(p.pid, signal.SIGKILL)
@@ -254,34 +254,37 @@ async def test_the_start_sweep_kills_recorded_groups_and_never_a_reused_pid(tmp_
                                                                            make_daemon: DaemonFactory) -> None:
     """Records left by a daemon that is gone: a group still alive is killed (its leader, or what is
     left of it once the leader is gone); a PID whose start time differs is someone else's."""
-    def own_session(command: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(["/bin/sh", "-c", command], start_new_session=True, stdout=subprocess.PIPE)
+    started: list[Group] = []
+    ledger: GroupLedger | None = None
 
-    ours, stranger = own_session("exec sleep 50"), own_session("exec sleep 50")
-    leaderless = own_session("sleep 50 & echo $!")  # the leader exits; its child stays in the group
-    assert leaderless.stdout is not None
-    member_pid = int(leaderless.stdout.readline())
-    procs = {name: stat(p.pid) for name, p in (("ours", ours), ("stranger", stranger), ("leaderless", leaderless))}
-    leaderless.wait()  # (its stat was read while it was still a zombie of ours)
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # a daemon that no longer exists
-    member = stat(member_pid)
-    assert procs["ours"] and procs["stranger"] and procs["leaderless"] and member
-    assert member.pgid == leaderless.pid and stat(leaderless.pid) is None
-    ledger = GroupLedger(tmp_path / "data" / "tool-groups", owner=(dead.pid, 12345))
-    ledger.add(ours.pid, procs["ours"].start)
-    ledger.add(stranger.pid, procs["stranger"].start + 1)  # the PID was reused since it was recorded
-    ledger.add(leaderless.pid, procs["leaderless"].start)
+    def own_session(command: str) -> Group:
+        started.append(Group(["/bin/sh", "-c", command], stdout=subprocess.PIPE))
+        return started[-1]
+
     try:
+        ours, stranger = own_session("exec sleep 50"), own_session("exec sleep 50")
+        leaderless = own_session("sleep 50 & echo $!")  # the leader exits; its child stays in the group
+        assert leaderless.stdout is not None
+        member_pid = int(leaderless.stdout.readline())
+        procs = {name: stat(p.pid) for name, p in (("ours", ours), ("stranger", stranger),
+                                                   ("leaderless", leaderless))}
+        leaderless.wait()  # (its stat was read while it was still a zombie of ours)
+        dead = subprocess.Popen(["true"])
+        dead.wait()  # a daemon that no longer exists
+        member = stat(member_pid)
+        assert procs["ours"] and procs["stranger"] and procs["leaderless"] and member
+        assert member.pgid == leaderless.pid and stat(leaderless.pid) is None
+        ledger = GroupLedger(tmp_path / "data" / "tool-groups", owner=(dead.pid, 12345))
+        ledger.add(ours.pid, procs["ours"].start)
+        ledger.add(stranger.pid, procs["stranger"].start + 1)  # the PID was reused since it was recorded
+        ledger.add(leaderless.pid, procs["leaderless"].start)
         await make_daemon()
         assert ours.wait(5) == -signal.SIGKILL
         await until(lambda: not running(member), 5, "the leaderless group's member was not killed")
         assert running(procs["stranger"]), "a process that merely reused a recorded PID was killed"
         assert not ledger.dir.exists()
     finally:
-        for p in (ours, stranger):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if running(member):
-            os.kill(member.pid, signal.SIGKILL)
+        for p in started:
+            p.end()  # its group: the leaderless group's member too, if it is still there
+        if ledger is not None:
+            await ledger.close()  # its sentinel (started by `add`) waits for this, or for pytest's end

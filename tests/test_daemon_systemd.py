@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sqlite3
@@ -17,23 +18,33 @@ from gateway.ops.config import load_config
 from tests.conftest import free_port
 from tests.fakes.notify_socket import FakeSystemd
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
+from tests.support.spawn import READY_DEADLINE_S, Group
 
 
-def _daemon(tmp_path: Path, config: Path, notify: str, **env: str) -> subprocess.Popen[bytes]:
+def _daemon(tmp_path: Path, config: Path, notify: str, **env: str) -> Group:
+    """`python -m gateway run` under the fake systemd, in a process group of its own, logging to
+    tmp_path/daemon.log (a file: a pipe nobody reads until the end could fill and block it)."""
     full = {**os.environ, "NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "1000000", **env}
-    return subprocess.Popen([sys.executable, "-m", "gateway", "run", "--config", str(config)], cwd=tmp_path,
-                            env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return Group([sys.executable, "-m", "gateway", "run", "--config", str(config)], cwd=tmp_path, env=full,
+                 log=tmp_path / "daemon.log")
 
 
-def _wait(systemd: FakeSystemd, needle: str, timeout: float = 15) -> str:
+def _wait(systemd: FakeSystemd, needle: str, proc: Group, timeout: float = READY_DEADLINE_S) -> str:
+    """The first notification holding `needle`, once it came. The deadline only keeps a daemon that
+    never says it from hanging the test (a start takes tens of seconds on a busy machine)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         for message in systemd.messages():
             if needle in message:
                 return message
+        if proc.poll() is not None:
+            raise AssertionError(f"the daemon exited ({proc.returncode}) before it sent {needle!r}; "
+                                 f"log tail:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {needle!r} within {timeout:.0f} s in {systemd.messages()}; "
+                                 f"log tail:\n{proc.log_tail()}")
         time.sleep(0.02)
-    raise AssertionError(f"no {needle!r} in {systemd.messages()}")
 
 
 async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provider: FakeProvider) -> None:
@@ -46,13 +57,13 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
     systemd = FakeSystemd(str(tmp_path / "notify.sock"))
     proc = _daemon(tmp_path, config, systemd.notify_socket)
     try:
-        ready = await asyncio.to_thread(_wait, systemd, "READY=1")
+        ready = await asyncio.to_thread(_wait, systemd, "READY=1", proc)
         assert "STATUS=ready: webchat, api" in ready
-        await asyncio.to_thread(_wait, systemd, "WATCHDOG=1")  # pings follow once ready
+        await asyncio.to_thread(_wait, systemd, "WATCHDOG=1", proc)  # pings follow once ready
 
         config.write_text(base + '[router]\nbusy = "queue"\n[log]\nlevel = "debug"\n[http]\n')  # a bad config
         proc.send_signal(signal.SIGHUP)
-        rejected = await asyncio.to_thread(_wait, systemd, "reload rejected")
+        rejected = await asyncio.to_thread(_wait, systemd, "reload rejected", proc)
         assert "http: must be a table" in rejected or "duplicate" in rejected.lower() or "TOML" in rejected
         reloading = [m for m in systemd.messages() if "RELOADING=1" in m]
         assert reloading and "MONOTONIC_USEC=" in reloading[0]
@@ -60,7 +71,7 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
         config.write_text(base + '[router]\nbusy = "queue"\n[log]\nlevel = "debug"\n')
         systemd.clear()
         proc.send_signal(signal.SIGHUP)
-        reloaded = await asyncio.to_thread(_wait, systemd, "ready (reloaded")
+        reloaded = await asyncio.to_thread(_wait, systemd, "ready (reloaded", proc)
         assert "restart needed" not in reloaded
 
         async with aiohttp.ClientSession() as http:
@@ -79,10 +90,9 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
         await provider.wait_closed(conn)
         assert not conn.completed
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.end()
         systemd.close()
-    logs = proc.stderr.read().decode() if proc.stderr else ""
+    logs = proc.log_tail(1_000_000)
     assert "config reloaded: applied router, log" in logs
     db = sqlite3.connect(tmp_path / ".switchboard" / "switchboard.db")
     assert db.execute("SELECT reason FROM messages ORDER BY id DESC LIMIT 1").fetchone() == ("gateway restart",)
@@ -97,9 +107,10 @@ async def test_the_restarted_daemon_resumes_the_interrupted_turn_with_the_system
                       f'[agent]\nkind = "openai"\nbase_url = "{provider.base_url}"\nretries = 0\n')
     systemd = FakeSystemd(str(tmp_path / "notify.sock"))
     proc = _daemon(tmp_path, config, systemd.notify_socket)
+    first = proc
     base = f"http://127.0.0.1:{port}"
     try:
-        await asyncio.to_thread(_wait, systemd, "READY=1")
+        await asyncio.to_thread(_wait, systemd, "READY=1", proc)
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
             async with http.get(base + "/"):
                 pass
@@ -107,7 +118,7 @@ async def test_the_restarted_daemon_resumes_the_interrupted_turn_with_the_system
             await ws.receive_json()
             await ws.send_json({"type": "message", "id": "m1", "text": "write an essay"})
             while True:
-                frame = await asyncio.wait_for(ws.receive_json(), 5)
+                frame = await asyncio.wait_for(ws.receive_json(), 30)  # (a deadline, not a pace)
                 if frame["type"] == "edit":
                     break
             proc.send_signal(signal.SIGTERM)
@@ -120,11 +131,9 @@ async def test_the_restarted_daemon_resumes_the_interrupted_turn_with_the_system
             provider.delay_s, provider.words = 0.0, 3
             systemd.clear()
             proc = _daemon(tmp_path, config, systemd.notify_socket)
-            await asyncio.to_thread(_wait, systemd, "READY=1")
-            for _ in range(300):
-                if len(provider.connections) == 2 and provider.connections[1].completed:
-                    break
-                await asyncio.sleep(0.02)
+            await asyncio.to_thread(_wait, systemd, "READY=1", proc)
+            await until(lambda: len(provider.connections) == 2 and provider.connections[1].completed, 30,
+                        "the restarted daemon never resumed the interrupted turn")
             resumed = provider.connections[1].body["messages"]
             assert resumed[0] == {"role": "user", "content": "write an essay"}
             assert resumed[1]["content"].endswith("[interrupted by system: gateway restart]")
@@ -134,8 +143,12 @@ async def test_the_restarted_daemon_resumes_the_interrupted_turn_with_the_system
             assert hello["history"][-1]["text"].startswith("reply to: [interrupted by system: gateway restart]")
             await ws.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+        for each in (first, proc):
+            each.end()
         systemd.close()
 
 

@@ -21,8 +21,8 @@ from gateway.core.ports import InboundStatus, Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import until
-from tests.routers import start_router
+from tests.support.procs import until
+from tests.support.routers import start_router
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.routers import build_router
+from tests.support.routers import build_router
 
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

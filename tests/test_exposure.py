@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.ops import client_faults
 from tests.conftest import DaemonFactory, free_port
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
 
 KEY = "sk-exposure-0123456789"
 ADMIN_TOKEN = "admin-exposure-0123456789"

@@ -9,9 +9,7 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,8 @@ import aiohttp
 
 from tests.conftest import free_port
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
+from tests.support.spawn import Group, wait_ready
 from tests.test_exposure import NESTED, _post, _raw
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,35 +38,28 @@ class _Daemon:
                "SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": provider.base_url,
                "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_LOG__LEVEL": "debug",
                "SWITCHBOARD_LOG__FORMAT": "json"}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway", "run"], cwd=cwd, env=env,
-                                         stdout=out, stderr=out)
+        self.proc = Group([sys.executable, "-m", "gateway", "run"], cwd=cwd, env=env, log=self.log)
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
 
     async def ready(self) -> None:
-        deadline = time.monotonic() + 30
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"the daemon exited:\n{self.logs()[-3000:]}"
-                try:
-                    async with http.get(f"http://127.0.0.1:{self.port}/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"the daemon never became ready:\n{self.logs()[-3000:]}")
+        try:
+            await wait_ready(f"http://127.0.0.1:{self.port}/readyz", self.proc, "the daemon", self.log)
+        except BaseException:
+            self.proc.end()
+            raise
 
     async def stop(self) -> int:
+        """SIGTERM; its exit status (ended as a group, and the failure showing its log, if it has
+        not exited within 60 s)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return await asyncio.to_thread(self.proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+            return await asyncio.to_thread(self.proc.wait, 60)
+        except BaseException:
+            self.proc.end()
+            raise AssertionError(f"the daemon did not exit after SIGTERM; log tail:\n{self.proc.log_tail()}") from None
 
 
 async def _ask(http: aiohttp.ClientSession, port: int, key: str, text: str) -> tuple[int, dict[str, Any]]:

@@ -15,7 +15,7 @@ from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import until
+from tests.support.procs import until
 
 
 async def test_stopping_50_of_200_sessions_cancels_exactly_those(

@@ -1,7 +1,7 @@
 """Background jobs with real subprocesses: a long shell command moves to the background when the
 user writes (busy "steer" and "interrupt"), the model reads and kills it, its end is reported to
 the chat once, `/new` and the daemon's end (even `kill -9`) take it down, and the limits hold.
-Processes are found by PID and start time (tests/procs.py), never by name."""
+Processes are found by PID and start time (tests/support/procs.py), never by name."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from gateway.store.sqlite import SqliteStore
 from tests.conftest import DaemonFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import Proc, pids_from, running, stat, until
-from tests.routers import build_router
+from tests.support.procs import Proc, pids_from, running, stat, until
+from tests.support.routers import build_router
 from tests.test_daemon_process import Daemon, _shell_agent
 
 KEY = "memory:dm:c1"

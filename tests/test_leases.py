@@ -16,8 +16,8 @@ from agent_cache import keys
 from agent_cache.leases import RENEW_SLICE, Lease, LeaseManager, now
 from gateway.cluster.coordinator import Cluster
 from gateway.core.metrics import Metrics
-from tests.cluster_events import Working
-from tests.redis_server import RedisServer, RedisServerMissing
+from tests.support.cluster_events import Working
+from tests.support.redis_server import RedisServer, RedisServerMissing
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,8 @@ from gateway.ops.config import ConfigError, load_config, render
 from gateway.ops.daemon import Daemon
 from tests.conftest import DaemonFactory, free_port
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import running, stat, until
+from tests.support.procs import running, stat, until
+from tests.support.spawn import READY_DEADLINE_S, Group
 
 ROOT = Path(__file__).resolve().parent.parent
 STOPPED = "[interrupted by user: stopped by user (/stop)]"
@@ -71,7 +71,7 @@ class HttpServer:
     def __init__(self, record: Record) -> None:
         self.port = free_port()
         self.record = record
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Group | None = None
 
     @property
     def url(self) -> str:
@@ -82,8 +82,9 @@ class HttpServer:
         return await self.start()
 
     async def start(self) -> HttpServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.mcp_server", "--record", str(self.record.path),
-                                      "--http", str(self.port)], cwd=ROOT)
+        """Start the server and wait until it listens; a start that fails ends what it started."""
+        self.proc = Group([sys.executable, "-m", "tests.fakes.mcp_server", "--record", str(self.record.path),
+                           "--http", str(self.port)], cwd=ROOT)
 
         def listening() -> bool:
             assert self.proc is not None and self.proc.poll() is None, "the HTTP MCP server exited"
@@ -93,13 +94,17 @@ class HttpServer:
             except OSError:
                 return False
 
-        await until(listening, 30, "the HTTP MCP server never listened", every=0.05)
+        try:
+            await until(listening, READY_DEADLINE_S, "the HTTP MCP server never listened", every=0.05)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """Kill its process group and reap it (safe to call again, or before a start)."""
+        if self.proc is not None:
+            self.proc.end()
 
 
 async def mcp_up(daemon: Daemon, name: str = "fake", timeout: float = 30) -> None:
@@ -133,8 +138,9 @@ async def test_tools_are_offered_namespaced_with_the_servers_schemas_and_a_call_
         make_daemon: DaemonFactory, provider: FakeProvider, record: Record, transport: str,
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if transport == "http":
-        server = await HttpServer(record).start()
-        request.addfinalizer(server.stop)
+        server = HttpServer(record)
+        request.addfinalizer(server.stop)  # before the start: a failed start is cleaned up too
+        await server.start()
         headers = tmp_path / "headers"
         headers.write_text("# a comment\nX-Api-Key: hdr-secret-7781\n")
         entry: dict[str, Any] = {"name": "fake", "url": server.url, "headers_file": str(headers)}
@@ -202,25 +208,29 @@ async def test_a_stdio_server_gets_a_minimal_environment_plus_its_own(
 
 
 async def test_an_http_server_that_goes_away_is_reconnected_when_it_is_back(record: Record) -> None:
-    http_server = await HttpServer(record).start()
-    reaper = ProcessReaper(grace_s=0.5)
-    settings = McpServerConfig(name="web", url=http_server.url, ping_interval_s=0.2, connect_timeout_s=2,
-                               max_backoff_s=0.5)
-    hub = McpHub.build([settings], reaper, max_output=1000)
-    hub.start()
-    server = hub.servers[0]
+    first, again = HttpServer(record), HttpServer(record)
+    hub: McpHub | None = None
     try:
+        await first.start()
+        reaper = ProcessReaper(grace_s=0.5)
+        settings = McpServerConfig(name="web", url=first.url, ping_interval_s=0.2, connect_timeout_s=2,
+                                   max_backoff_s=0.5)
+        hub = McpHub.build([settings], reaper, max_output=1000)
+        hub.start()
+        server = hub.servers[0]
         await until(lambda: server.up, 30, f"never up: {server.detail}")
-        http_server.stop()  # gone without a word
+        first.stop()  # gone without a word
         await until(lambda: server.state == "down", 15, "the outage was never noticed")
         assert hub.tools() == []
         assert await server.call("echo", {"text": "x"}) == f"error: MCP server web is not available ({server.detail})"
-        http_server = await HttpServer(record).start_on(http_server.port)
+        await again.start_on(first.port)
         await until(lambda: server.up, 30, f"never back: {server.detail}")
         assert await server.call("echo", {"text": "again"}) == "again"
     finally:
-        await hub.close()
-        http_server.stop()
+        if hub is not None:
+            await hub.close()
+        first.stop()
+        again.stop()
 
 
 def test_tool_names_fit_what_providers_accept() -> None:
@@ -241,8 +251,10 @@ def test_tool_names_fit_what_providers_accept() -> None:
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_stop_during_a_slow_call_tells_the_server_and_marks_the_transcript(
         make_daemon: DaemonFactory, provider: FakeProvider, record: Record, transport: str) -> None:
-    server = await HttpServer(record).start() if transport == "http" else None
+    server = HttpServer(record) if transport == "http" else None
     try:
+        if server is not None:
+            await server.start()
         entry = {"name": "fake", "url": server.url} if server is not None else stdio_server(record)
         daemon = await make_daemon(api={"enabled": True}, mcp={"servers": [entry]})
         await mcp_up(daemon)

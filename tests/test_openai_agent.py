@@ -16,7 +16,7 @@ from gateway.agents.openai_stream import Round, StreamDecoder
 from gateway.agents.tools import ToolRegistry
 from gateway.core.ports import AgentError
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, Usage
-from tests.ports import free_port
+from tests.support.ports import free_port
 
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "fine"}}]}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import aiohttp
 
 from tests.conftest import free_port
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.support.spawn import Group, wait_ready
 
 AGENT_KEY = "sk-agent-SECRET-0a1b2c3d"
 TG_TOKEN = "123456:TG-SECRET-abcdefghijklmnop"
@@ -39,18 +41,11 @@ async def test_secrets_stay_out_of_logs_errors_and_replies(tmp_path: Path, provi
            "SWITCHBOARD_TELEGRAM__BASE_URL": f"http://127.0.0.1:{dead}/bot",  # nothing listens: errors
            "SWITCHBOARD_TELEGRAM__BASE_FILE_URL": f"http://127.0.0.1:{dead}/file/bot",
            "SWITCHBOARD_WEBCHAT__ENABLED": "true", "SWITCHBOARD_LOG__LEVEL": "debug"}
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "run"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = Group([sys.executable, "-m", "gateway", "run"], cwd=tmp_path, env=env, log=tmp_path / "daemon.log")
     base = f"http://127.0.0.1:{port}"
     try:
+        await wait_ready(base + "/healthz", proc, "the daemon", proc.log)
         async with aiohttp.ClientSession() as http:
-            for _ in range(200):
-                try:
-                    async with http.get(base + "/healthz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
             async with http.get(base + "/readyz") as resp:  # Telegram unreachable: health says why
                 _clean(await resp.text())
             provider.then(Script(echo_key=True))  # the provider quotes our key back in its error
@@ -68,10 +63,12 @@ async def test_secrets_stay_out_of_logs_errors_and_replies(tmp_path: Path, provi
                 _clean(await resp.text())
             await asyncio.sleep(2.0)  # let the Telegram poller fail and back off a few times
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
-    out, err = proc.communicate()
-    logs = err.decode() + out.decode()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+        proc.end()
+    logs = proc.log_tail(10_000_000)
     assert "telegram" in logs.lower() and "***" in logs  # the errors were logged, masked
     _clean(logs)
     check = subprocess.run([sys.executable, "-m", "gateway", "check"], env=env, capture_output=True, text=True,

@@ -12,7 +12,7 @@ from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
-from tests.routers import start_router
+from tests.support.routers import start_router
 
 MARKER = "[interrupted by system: gateway restart]"
 

@@ -23,7 +23,7 @@ from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory, free_port
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.routers import start_router
+from tests.support.routers import start_router
 
 
 @pytest.mark.parametrize(("text", "needle"), [

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.ops.sdnotify import Notifier, Watchdog, monotonic_usec, socket_address, watchdog_interval
 from tests.fakes.notify_socket import FakeSystemd
-from tests.procs import until
+from tests.support.procs import until
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.routers import start_router
+from tests.support.routers import start_router
 
 KEY = "sk-settle-0123456789"
 SETTLE_S = 2.0  # far below the 5 s tool a late answer would have waited for

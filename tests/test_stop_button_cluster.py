@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tests.fakes.openai_provider import FakeProvider
 from tests.fakes.telegram_api import FakeTelegramAPI
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker, end_all, start_all
 from tests.test_cluster import TTL, WEBHOOK, _telegram_env
-from tests.workers import Worker
 
 
 def _stop_button(fake: FakeTelegramAPI, chat: int) -> tuple[int, str] | None:
@@ -28,8 +28,8 @@ async def test_a_press_reaching_another_worker_stops_the_answer_on_its_owner(
     async with FakeTelegramAPI() as fake:
         env = _telegram_env(fake, **WEBHOOK, STREAMING="edit")
         a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, **env) for name in "ab")
-        await asyncio.gather(a.start(), b.start())
         try:
+            await start_all(a, b)
             chat, secret = 7001, WEBHOOK["SECRET_TOKEN"]
             update = {"message": fake.user_message(chat, user_id=chat, text="go on")}
             assert await fake.post_webhook(a.url + "/telegram/webhook", update, secret) == 200  # a owns it
@@ -63,5 +63,4 @@ async def test_a_press_reaching_another_worker_stops_the_answer_on_its_owner(
             assert following.closed_at is None, "a stale press on another worker stopped the next answer"
             assert "This answer has already ended." not in fake.messages(chat).values()
         finally:
-            a.kill()
-            b.kill()
+            end_all(a, b)

@@ -30,7 +30,8 @@ from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
-from tests.redis_server import RedisServer, RedisServerMissing
+from tests.conftest import RedisFactory
+from tests.support.redis_server import RedisServer, RedisServerMissing
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
 
@@ -59,9 +60,11 @@ def _started(server: RedisServer) -> RedisServer:
 @pytest.fixture(scope="module")
 def cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """Shared by the module: a new cluster node only reports itself ready after two seconds."""
-    server = _started(RedisServer(tmp_path_factory.mktemp("redis-cluster"), cluster=True))
-    yield server
-    server.stop()
+    server = RedisServer(tmp_path_factory.mktemp("redis-cluster"), cluster=True)
+    try:
+        yield _started(server)
+    finally:
+        server.stop()
 
 
 @pytest.fixture(params=["sqlite", "redis", "redis-cluster", "postgres", "postgres+redis"])
@@ -379,8 +382,8 @@ async def test_all_keys_of_a_session_share_one_slot(redis_store: RedisStore, red
     assert len({key_slot(k.encode()) for k in (keys.pairing_codes("x"), keys.paired_users("x"))}) == 1
 
 
-async def test_errors_are_store_errors_and_it_recovers_after_a_restart(tmp_path: Path) -> None:
-    server = _started(RedisServer(tmp_path / "redis", persistence=True))
+async def test_errors_are_store_errors_and_it_recovers_after_a_restart(start_redis: RedisFactory) -> None:
+    server = start_redis("redis", persistence=True)
     store = RedisStore(server.url)
     try:
         await store.open()
@@ -444,8 +447,8 @@ async def test_dedup_expires(redis_server: RedisServer) -> None:
         await store.close()
 
 
-def test_redis_server_helper_restarts_on_the_same_port(tmp_path: Path) -> None:
-    server = _started(RedisServer(tmp_path / "r", persistence=True))
+def test_redis_server_helper_restarts_on_the_same_port(start_redis: RedisFactory) -> None:
+    server = start_redis("r", persistence=True)
     port = server.port
     try:
         server.client().set("k", "v")

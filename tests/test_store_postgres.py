@@ -2,7 +2,7 @@
 Redis store into it, retention, export, retries that apply a write once, and outages (errors, then
 recovery by itself after the server restarts). The shared behaviour is in test_store_contract.py.
 
-Every test runs against a PostgreSQL server of the test run's own (tests/pg_server.py): a fresh
+Every test runs against a PostgreSQL server of the test run's own (tests/support/pg_server.py): a fresh
 database on the shared one (`pg_url`), or a server of its own when it stops or kills it."""
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from gateway.store.postgres import (
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
 from gateway.store.transfer import TransferError, copy
-from tests.pg_server import PgServer, PgServerMissing
-from tests.redis_server import RedisServer
+from tests.conftest import RedisFactory
+from tests.support.pg_server import PgServer, pg_server_of_our_own
+from tests.support.redis_server import RedisServer
 
 S1, S2 = "webchat:dm:alice", "telegram:group:-100:7"
 _fences = itertools.count(int(time.time() * 1000))
@@ -401,13 +402,10 @@ async def test_copy_sqlite_into_postgres_verified_and_rerun(tmp_path: Path, pg_u
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])
-def any_redis(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RedisServer]:
+def any_redis(request: pytest.FixtureRequest, start_redis: RedisFactory) -> RedisServer:
     if request.param == "redis":
-        yield request.getfixturevalue("redis_server")
-        return
-    server = RedisServer(tmp_path / "redis-cluster", cluster=True).start()
-    yield server
-    server.stop()
+        return start_redis("redis")
+    return start_redis("redis-cluster", cluster=True)
 
 
 async def test_copy_redis_into_postgres_keeps_fences(any_redis: RedisServer, pg_url: str) -> None:
@@ -566,12 +564,8 @@ def test_cli_export_of_one_session_as_json_lines(pg_url: str, tmp_path: Path, mo
 @pytest.fixture
 def own_server() -> Iterator[PgServer]:
     """A server of this test's own, to stop, kill and restart."""
-    try:
-        server = PgServer().start()
-    except PgServerMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.destroy()
+    with pg_server_of_our_own() as server:
+        yield server
 
 
 async def test_errors_are_store_errors_and_it_recovers_after_a_restart(own_server: PgServer) -> None:

@@ -22,7 +22,7 @@ from platforms.tenants import ApiKeys, key_id
 from platforms.webchat_sessions import SECRET_FILE
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider
-from tests.procs import until
+from tests.support.procs import until
 
 K1, K2 = "sk-tenant-one-0123456789", "sk-tenant-two-9876543210"
 API = {"enabled": True, "tenants": {"team-a": K1}, "keys": [K2]}  # one named key, one plain one

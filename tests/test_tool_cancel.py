@@ -31,7 +31,7 @@ from gateway.core.cancellation import (
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.procs import Proc, argv, pids_from, running, running_in_group, stat, until
+from tests.support.procs import Proc, argv, pids_from, running, running_in_group, stat, until
 
 
 async def _gone(pgid: int, timeout: float) -> float:

@@ -26,10 +26,10 @@ import aiohttp
 from gateway.ops.config import load_config
 from gateway.ops.daemon import Daemon
 from tests.bench.stop_latency import row
-from tests.conftest import free_port
 from tests.fakes.discord_api import FakeDiscord, patch_discord
 from tests.fakes.discord_models import FakeUser
 from tests.fakes.telegram_api import FakeTelegramAPI
+from tests.support.ports import free_port
 
 
 def _env(provider: str, data: Path, **extra: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from gateway.core.transcript import ChatMessage, ToolCall
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider
-from tests.routers import start_router
+from tests.support.routers import start_router
 
 
 async def steer_latency(trials: int, data: Path) -> str:

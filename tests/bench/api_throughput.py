@@ -40,8 +40,8 @@ import aiohttp
 from gateway.core.fencing import Fence
 from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
-from tests.conftest import free_port
-from tests.redis_server import RedisServer
+from tests.support.ports import free_port
+from tests.support.redis_server import RedisServer
 
 KEY = "bench-key"
 ANSWER = "one two three four five"

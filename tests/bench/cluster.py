@@ -27,9 +27,9 @@ from pathlib import Path
 import aiohttp
 
 from tests.bench.stop_latency import row
-from tests.conftest import free_port
-from tests.redis_server import RedisServer
-from tests.workers import Worker
+from tests.support.ports import free_port
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker
 
 TTL = 3.0
 _chats = itertools.count(1000)

@@ -20,7 +20,7 @@ from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
-from tests.routers import build_router
+from tests.support.routers import build_router
 
 
 async def measure(busy: str, trials: int, data: Path) -> list[str]:

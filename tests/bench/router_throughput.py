@@ -31,7 +31,7 @@ from gateway.ops.daemon import tune_gc
 from gateway.ops.loop import loop_factory, loop_name
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
-from tests.routers import start_router
+from tests.support.routers import start_router
 
 
 class GcClock:

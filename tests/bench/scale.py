@@ -23,8 +23,8 @@ from gateway.core.metrics import Metrics
 from gateway.core.transcript import ChatMessage
 from gateway.ops.daemon import tune_gc
 from gateway.store.redis import RedisStore, blocking_pool
-from tests.cluster_events import Working
-from tests.redis_server import RedisServer
+from tests.support.cluster_events import Working
+from tests.support.redis_server import RedisServer
 
 TTL = 30.0
 ENGLISH = ("The quick brown fox jumps over the lazy dog while the gateway keeps every session "

@@ -31,9 +31,9 @@ from gateway.core.cancellation import GATEWAY_RESTART, Run
 from gateway.core.router import Router
 from gateway.ops.daemon import tune_gc
 from gateway.store.sqlite import SqliteStore
-from tests.conftest import free_port
 from tests.fakes.memory_chat import MemoryChat
-from tests.routers import start_router
+from tests.support.ports import free_port
+from tests.support.routers import start_router
 
 
 def pct(values: list[float], p: float) -> float:

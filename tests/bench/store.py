@@ -43,8 +43,8 @@ from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from gateway.store.redis import RedisStore
 from gateway.store.sqlite import SqliteStore
-from tests.pg_server import PgServer
-from tests.redis_server import RedisServer
+from tests.support.pg_server import PgServer
+from tests.support.redis_server import RedisServer
 
 SENTENCE = ("the quick brown fox jumps over a lazy dog while the model explains what it found in the logs "
             "and which of the three options fits the question best given the constraints")

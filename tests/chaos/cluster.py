@@ -20,14 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 from tests.chaos.records import END, Incarnation, answer_tag, message_tag
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
-from tests.pg_server import PgServer
-from tests.redis_server import RedisServer
-from tests.workers import Worker
+from tests.support.pg_server import PgServer
+from tests.support.redis_server import RedisServer
+from tests.support.spawn import Group
+from tests.support.workers import Worker
 
 WEBHOOK_PATH = "/telegram/webhook"
 SECRET = "chaos-hook-secret"
@@ -51,13 +50,11 @@ runpy.run_module("gateway", run_name="__main__", alter_sys=True)
 
 
 class WorkerProcess(Worker):
-    """tests.workers.Worker, started from a standby process (see STANDBY)."""
+    """tests.support.workers.Worker, started from a standby process (see STANDBY)."""
 
     def prepare(self) -> None:
         if self.proc is None:
-            with self.log.open("ab") as log:
-                self.proc = subprocess.Popen([sys.executable, "-c", STANDBY], env=self.env, stdin=subprocess.PIPE,
-                                             stdout=log, stderr=log)
+            self.proc = Group([sys.executable, "-c", STANDBY], env=self.env, stdin=subprocess.PIPE, log=self.log)
 
     async def start(self) -> Worker:
         self.prepare()
@@ -67,19 +64,8 @@ class WorkerProcess(Worker):
             self.proc.stdin.close()
         except OSError:
             pass  # it died already: reported below
-        deadline = time.monotonic() + 20
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"worker {self.worker_id} exited:\n{self.log.read_text()[-3000:]}")
-                try:
-                    async with http.get(self.url + "/readyz") as resp:
-                        if resp.status == 200:
-                            return self
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(0.05)
-        raise AssertionError(f"worker {self.worker_id} never became ready:\n{self.log.read_text()[-3000:]}")
+        await self.until_ready()  # (ends the process if it fails)
+        return self
 
 
 def process_alive(pid: int) -> bool:
@@ -137,15 +123,15 @@ class ChaosCluster:
         self.provider.script_for = self._script
         self.tool_dir.mkdir(parents=True, exist_ok=True)
         await self.telegram.start()
-        await asyncio.gather(*(self.spawn(w) for w in self.worker_ids))
+        # Every start runs to its end (a failed one ends its process) before a failure is raised.
+        started = await asyncio.gather(*(self.spawn(w) for w in self.worker_ids), return_exceptions=True)
+        for result in started:
+            if isinstance(result, BaseException):
+                raise result
 
     async def close(self) -> None:
         for worker in self._processes:  # every process started here, standbys included
-            proc = worker.proc
-            if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGCONT)
-                worker.kill()
+            worker.end()  # SIGKILL to its process group (ends a stopped one too)
         now = time.monotonic()
         for inc in self.incarnations.values():
             self._cont(inc, now)
@@ -154,11 +140,15 @@ class ChaosCluster:
         for pid in self.tool_pids():  # tools our workers started and left behind (see faults.run_one)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        await self.telegram.stop()
-        await self.provider.stop()
-        await asyncio.to_thread(self.redis.stop)
-        if self.pg is not None:
-            await asyncio.to_thread(self.pg.destroy)
+        try:
+            await self.telegram.stop()
+            await self.provider.stop()
+        finally:  # the servers' processes end even if a fake failed to stop
+            try:
+                await asyncio.to_thread(self.redis.stop)
+            finally:
+                if self.pg is not None:
+                    await asyncio.to_thread(self.pg.destroy)
 
     def _process(self, worker_id: str) -> tuple[WorkerProcess, str]:
         """The next incarnation of `worker_id`, not started yet."""
@@ -197,7 +187,7 @@ class ChaosCluster:
             await worker.start()
         except AssertionError as exc:
             self.errors.append(f"{name} did not start: {str(exc)[:300]}")
-            worker.kill()
+            worker.end()
             inc.ended_at = time.monotonic()
             raise
         finally:

@@ -38,7 +38,7 @@ from tests.chaos.records import (
     message_tag,
 )
 from tests.chaos.traffic import Traffic
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 OPEN_STATUSES = ("accepted", "running", "restart")
 

@@ -26,6 +26,7 @@ SEEDS = [1]  # the bounded run uses these; CHAOS_SEED overrides
 
 
 @pytest.mark.chaos
+@pytest.mark.timeout(300)  # about 70 s; more beside CPU hogs (worker starts alone may take 90 s: see spawn.py)
 @pytest.mark.parametrize("store", ["redis", "postgres"])
 @pytest.mark.parametrize("seed", [seed_from_env(s) for s in SEEDS])
 async def test_cluster_keeps_its_invariants_under_chaos(seed: int, store: str, tmp_path: Path) -> None:

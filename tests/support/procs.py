@@ -69,7 +69,7 @@ async def until(predicate: Callable[[], bool], timeout: float, what: str, every:
     return time.monotonic() - start
 
 
-async def child_running(ppid: int, command: list[str], timeout: float = 10) -> Proc:
+async def child_running(ppid: int, command: list[str], timeout: float = 30) -> Proc:
     """The child of `ppid` running exactly `command`, once it has started."""
     found: list[Proc] = []
 
@@ -81,7 +81,7 @@ async def child_running(ppid: int, command: list[str], timeout: float = 10) -> P
     return found[0]
 
 
-async def pids_from(path: Path, count: int, timeout: float = 10) -> list[int]:
+async def pids_from(path: Path, count: int, timeout: float = 30) -> list[int]:
     """The first `count` PIDs a tool wrote to `path`, one a line, once it has written them."""
     pids: list[int] = []
 

@@ -6,6 +6,7 @@ Tests that need Redis must never be skipped silently: if the binary is missing i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,7 +18,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.ports import free_port
+from tests.support.ports import free_port
+from tests.support.spawn import READY_DEADLINE_S, Group
 
 BINARY = "redis-server"
 
@@ -59,13 +61,13 @@ class RedisServer:
     """
 
     def __init__(self, directory: Path, *, persistence: bool = False, cluster: bool = False,
-                 startup_timeout_s: float = 10.0) -> None:
+                 startup_timeout_s: float = READY_DEADLINE_S) -> None:
         self.dir = directory
         self.persistence = persistence
         self.cluster = cluster
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Group | None = None
 
     @property
     def url(self) -> str:
@@ -84,21 +86,29 @@ class RedisServer:
                            retry=Retry(NoBackoff(), 0))
 
     def start(self) -> RedisServer:
+        """Start the server and wait until it answers (a cluster node: until it owns every slot).
+        A start that fails ends the process it started before it raises."""
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("redis-server is already running")
         binary = redis_server_binary()
         self.dir.mkdir(parents=True, exist_ok=True)
         fixed = self.port != 0
-        for _attempt in range(1 if fixed else 5):
-            if not fixed:
-                self.port = free_port()
-            self.proc = subprocess.Popen([binary, *self._args()], cwd=self.dir,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if self._wait_ready():
-                return self
-            # Another process may have taken the port between free_port() and the bind.
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            for _attempt in range(1 if fixed else 5):
+                if not fixed:
+                    self.port = free_port()
+                self.proc = Group([binary, *self._args()], cwd=self.dir, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+                if self._wait_ready(deadline):
+                    return self
+                # Another process may have taken the port between free_port() and the bind.
+                self._reap(signal.SIGKILL)
+        except BaseException:
             self._reap(signal.SIGKILL)
-        raise RuntimeError(f"redis-server did not start on port {self.port}; log tail:\n{self._log_tail()}")
+            raise
+        raise RuntimeError(f"redis-server did not start on port {self.port} within {self.startup_timeout_s:.0f} s; "
+                           f"log tail:\n{self._log_tail()}")
 
     def stop(self) -> None:
         """Graceful shutdown (SIGTERM): with persistence the append-only file is complete."""
@@ -128,9 +138,8 @@ class RedisServer:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         return args
 
-    def _wait_ready(self) -> bool:
+    def _wait_ready(self, deadline: float) -> bool:
         assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -151,15 +160,14 @@ class RedisServer:
 
     def _reap(self, sig: signal.Signals) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        proc.end()  # whatever is left of its process group (a SIGTERM not acted on; a forked child)
 
     def _log_tail(self) -> str:
         try:

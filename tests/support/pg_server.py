@@ -23,11 +23,15 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import pytest
 
-from tests.procs import children
+from tests.support.procs import argv, children
+from tests.support.spawn import READY_DEADLINE_S
 
 
 class PgServerMissing(RuntimeError):
@@ -101,7 +105,7 @@ class PgServer:
     what a restart test needs. `synchronous_commit` stays on either way.
     """
 
-    def __init__(self, *, durable: bool = False, startup_timeout_s: float = 30.0) -> None:
+    def __init__(self, *, durable: bool = False, startup_timeout_s: float = READY_DEADLINE_S) -> None:
         self.durable = durable
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
@@ -139,8 +143,17 @@ class PgServer:
         self._initialised = True
 
     def start(self) -> PgServer:
+        """Start the server (`pg_ctl -w`: until it accepts connections). A start that fails ends
+        whatever it started (a postmaster still starting up when pg_ctl gave up) before it raises."""
         if self.running():
             raise RuntimeError("postgres is already running")
+        try:
+            return self._start()
+        except BaseException:
+            self.kill()
+            raise
+
+    def _start(self) -> PgServer:
         if not self._initialised:
             self._init()
         fixed = self.port != 0
@@ -159,6 +172,7 @@ class PgServer:
                              "-o", opts, "start", timeout=left + 10)
             if done.returncode == 0:
                 return self
+            self.kill()  # a postmaster pg_ctl stopped waiting for, if any
             # Another process may have taken the port between _free_port() and the bind; after a
             # kill, the old server's processes may still be letting go of its shared memory.
             if time.monotonic() > deadline or (not fixed and attempt >= 5):
@@ -177,14 +191,21 @@ class PgServer:
         return self._initialised and pid is not None and _alive(pid)
 
     def stop(self) -> None:
-        """Fast shutdown: sessions are ended, the server exits cleanly."""
+        """Fast shutdown: sessions are ended, the server exits cleanly (killed if it has not
+        within 60 s)."""
         if self.running():
-            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "30", "stop", timeout=40)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop", timeout=70)
+        if self.running():
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL to the postmaster and every backend: what a crash looks like to clients."""
         pid = self.pid()
         if pid is None or not _alive(pid):
+            return
+        if str(self.data) not in " ".join(argv(pid)):  # a stale pid file, its PID since reused by another
+            self._remove_stale_files()
             return
         pids = [pid, *(p.pid for p in children(pid))]  # its backends, by parent PID from /proc
         for p in pids:
@@ -195,14 +216,21 @@ class PgServer:
             time.sleep(0.02)
         # Nobody may have reaped the dead postmaster yet (it is not our child), and a zombie still
         # "exists" to the next server's check of the lock files: they are stale, remove them.
+        self._remove_stale_files()
+
+    def _remove_stale_files(self) -> None:
         for stale in (self.data / "postmaster.pid", self.dir / f".s.PGSQL.{self.port}.lock"):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 
     def destroy(self) -> None:
         """Stop the server and delete its directory."""
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.stop()
+        finally:
+            if self.running():
+                self.kill()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def execute(self, sql: str, database: str = "postgres") -> None:
         """Run one statement as the superuser (synchronous: usable from any fixture or thread)."""
@@ -231,3 +259,20 @@ class PgServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
         except OSError:
             return "(no log)"
+
+
+@contextlib.contextmanager
+def pg_server_of_our_own(**kwargs: Any) -> Iterator[PgServer]:
+    """A started `PgServer(**kwargs)`, destroyed on leaving, on every path (a failed start included).
+    Fails the test (never skips it) when the binaries are missing and cannot be installed."""
+    server: PgServer | None = None
+    try:
+        try:
+            server = PgServer(**kwargs)
+            server.start()
+        except PgServerMissing as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield server
+    finally:
+        if server is not None:
+            server.destroy()
