@@ -114,6 +114,12 @@ def worker_inbox(worker_id: str) -> str:
     return f"{PREFIX}:inbox:{{{worker_id}}}"
 
 
+def relay(worker_id: str) -> str:
+    """Stream of the turns other workers run for clients connected to this worker (the HTTP API,
+    the web chat): each entry is one event of one relayed turn (its text, its end, a notice)."""
+    return f"{PREFIX}:relay:{{{worker_id}}}"
+
+
 def forward_reply(request_id: str) -> str:
     """List the owner pushes a forwarded command's result to (the sender BLPOPs it)."""
     return f"{PREFIX}:reply:{request_id}"

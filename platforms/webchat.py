@@ -263,7 +263,7 @@ class WebchatAdapter(Adapter):
 
     async def _submit(self, ws: web.WebSocketResponse, msg: InboundMessage, *, is_command: bool) -> None:
         result = await self.gateway.submit(msg, self)
-        if result.outcome is Outcome.REJECTED and self._closing:
+        if result.outcome in (Outcome.REJECTED, Outcome.UNAVAILABLE) and self._closing:
             return  # rejected because we are going down: unacked, so the page sends it again
         with contextlib.suppress(ConnectionError, RuntimeError):
             await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)

@@ -6,7 +6,7 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.fencing import Fence
-from gateway.core.ports import InboundStatus
+from gateway.core.ports import InboundStatus, Outcome
 from gateway.core.router import Router
 from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
@@ -98,6 +98,8 @@ async def test_stop_still_works_while_running_turns_drain(store: SqliteStore, ch
     await asyncio.sleep(0)  # the shutdown's first step closes intake
     refused = await router.submit(chat.message("c2", "new work"), chat)
     assert "restarting" in refused.detail
+    # Not the message's fault: "not now, come back" (503 and Retry-After on the HTTP API), never a rejection.
+    assert refused.outcome is Outcome.UNAVAILABLE and refused.retry_after_s
     assert (await router.submit(chat.message("c1", "/stop"), chat)).detail == "Stopped."
     await asyncio.wait_for(draining, 5)
     assert run is not None and run.reason is not None and run.reason.text == "stopped by user (/stop)"

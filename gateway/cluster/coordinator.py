@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import Awaitable
 from typing import Any, cast
 
@@ -27,13 +29,15 @@ from agent_cache.leases import AnyRedis, Lease, LeaseManager
 from agent_cache.leases import now as lease_clock
 from gateway.cluster.adoption import Adopter
 from gateway.cluster.forwarding import Forwarder, Inbox
+from gateway.cluster.relay import RelayPublisher, RelayReader
 from gateway.cluster.watchlist import SLICE, Watchlist
+from gateway.core.cancellation import Run
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Route
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.outage import OutageLog
-from gateway.core.ports import Health, Submitted
+from gateway.core.ports import UNAVAILABLE_RETRY_S, Health, Outcome, Outlet, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class Cluster:
         self._acquiring: dict[str, asyncio.Future[Route]] = {}
         self.watchlist = Watchlist(redis, self.leases, ttl_s=ttl_s)
         self.forwarder = Forwarder(redis, worker_id)
+        self.relays = RelayPublisher(redis)
+        self.relayed = RelayReader(redis, worker_id, ttl_s=ttl_s, send_cancel=self.forwarder.cancel)
         self.adopter = Adopter(redis, self.leases, route=self.route, acquiring=self._acquiring, ttl_s=ttl_s)
         self._events: ClusterEvents | None = None  # the core's, from `start` (which makes the Inbox with them)
         self._tasks: list[asyncio.Task[None]] = []
@@ -80,8 +86,8 @@ class Cluster:
         """Join: heartbeat, renewals, the inbox. Adoption starts with `adopt()`, once the rest of
         the daemon can take what it adopts."""
         self._events = events
-        inbox = Inbox(self.redis, self.worker_id, ttl_s=self.ttl_s, events=events,
-                                    forwarder=self.forwarder)
+        inbox = Inbox(self.redis, self.worker_id, ttl_s=self.ttl_s, events=events, forwarder=self.forwarder,
+                      relays=self.relays)
         try:
             await inbox.create()
             await self._heartbeat()
@@ -89,9 +95,10 @@ class Cluster:
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"cannot reach Redis ({type(exc).__name__})") from None
         self.leases.start()
+        self.relays.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inbox.consume()), loop.create_task(self._background(inbox)),
-                       loop.create_task(self._expire_own(events))]
+                       loop.create_task(self._expire_own(events)), *await self.relayed.start()]
         log.info("cluster: worker %s, incarnation %s", self.worker_id, self.incarnation)
 
     async def adopt(self) -> None:
@@ -110,6 +117,8 @@ class Cluster:
             task.cancel()
         if self._tasks or self._chores:
             await asyncio.wait([*self._tasks, *self._chores])
+        self.relayed.close()
+        await self.relays.stop()
         open_work, done = await self.watchlist.stop()
         held = list(self.leases.held)
         await self.leases.stop(release=True)
@@ -203,7 +212,30 @@ class Cluster:
     async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
                       want_reply: bool) -> Submitted | None:
         """Hand a message to its owner's inbox; with `want_reply`, wait for the command's result."""
-        return await self.forwarder.forward(owner, msg, session, hops=hops, want_reply=want_reply)
+        answer = await self.forwarder.forward(owner, msg, session, hops=hops, want_reply=want_reply)
+        return answer.result if answer is not None else None
+
+    async def relay(self, owner: str, msg: InboundMessage, session: str, *, hops: int, outlet: Outlet) -> Submitted:
+        """The owner runs the turn; its events come back on this worker's relay stream and are
+        played into `outlet`'s reply here. The local run stands for the owner's: a cancel of it
+        (the client went away) is sent to the owner."""
+        run = Run(session, tenant=msg.tenant)
+        link = self.relayed.open(uuid.uuid4().hex, owner, msg, outlet, run)
+        try:
+            answer = await self.forwarder.forward(owner, msg, session, hops=hops, want_reply=True,
+                                                  relay=link.relay_id)
+        except BaseException:
+            self.relayed.drop(link)
+            raise
+        if answer is None:
+            self.relayed.drop(link)
+            return Submitted(Outcome.UNAVAILABLE, "the worker running this conversation did not answer in time",
+                             retry_after_s=UNAVAILABLE_RETRY_S)
+        if answer.token is None:  # not a turn (refused, a duplicate, a command): nothing to play
+            self.relayed.drop(link)
+            return answer.result
+        self.relayed.accepted(link, answer.token)
+        return dataclasses.replace(answer.result, run=run)
 
     def _lost(self, name: str, lease: Lease, *, expired: bool) -> None:
         session = name

@@ -14,22 +14,34 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis
+from gateway.cluster.relay import RelayOutlet, RelayPublisher
+from gateway.core.cancellation import ToolReason
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable
 from gateway.core.messages import InboundMessage
 from gateway.core.outage import OutageLog
-from gateway.core.ports import Outcome, Submitted
+from gateway.core.ports import Outcome, Outlet, Submitted
 
 log = logging.getLogger(__name__)
 
 REPLY_WAIT_S = 10.0
 READ_COUNT = 100  # inbox entries read or claimed per call
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the owner made of a forwarded message, and the run it started (if it did)."""
+
+    result: Submitted
+    token: str | None = None
 
 
 class Forwarder:
@@ -40,12 +52,13 @@ class Forwarder:
         self.worker_id = worker_id
 
     async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
-                      want_reply: bool) -> Submitted | None:
-        """Hand a message to its owner's inbox; with `want_reply`, wait for the command's result
-        (None: no answer in time). Raises ClusterUnavailable."""
+                      want_reply: bool, relay: str | None = None) -> Answer | None:
+        """Hand a message to its owner's inbox; with `want_reply`, wait for what the owner made of it
+        (None: no answer in time). `relay`: the owner relays the turn's events to this worker
+        under that id. Raises ClusterUnavailable."""
         request = uuid.uuid4().hex if want_reply else ""
         entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
-                 "from": self.worker_id}
+                 "from": self.worker_id, "relay": relay}
         try:
             await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
             if not want_reply:
@@ -56,13 +69,22 @@ class Forwarder:
         if not got:
             return None
         result = json.loads(got[1])
-        return Submitted(Outcome(result["outcome"]), result["detail"])
+        return Answer(Submitted(Outcome(result["outcome"]), result["detail"]), result.get("token"))
+
+    async def cancel(self, owner: str, session: str, token: str, reason: ToolReason) -> None:
+        """Ask `owner` to cancel its run `token` of `session` for `reason` (a relayed turn whose
+        client went away). Best effort: an owner that is gone has nothing left to cancel."""
+        entry = {"cancel": token, "session": session, "kind": reason.kind, "text": reason.text}
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
 
     async def reply(self, request: str, result: Submitted) -> None:
-        """The answer to a forwarded command, for the worker waiting in `forward`."""
+        """What the owner made of a forwarded message, for the worker waiting in `forward`."""
         key = keys.forward_reply(request)
+        token = result.run.token if result.run is not None else None
+        answer = {"outcome": result.outcome.value, "detail": result.detail, "token": token}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lpush(key, json.dumps({"outcome": result.outcome.value, "detail": result.detail}, ensure_ascii=False))
+            pipe.lpush(key, json.dumps(answer, ensure_ascii=False))
             pipe.expire(key, REPLY_TTL_S)
             await pipe.execute()
 
@@ -72,12 +94,13 @@ class Inbox:
     acknowledged first), and the entries nobody handled — ours or a dead worker's — claimed."""
 
     def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, events: ClusterEvents,
-                 forwarder: Forwarder) -> None:
+                 forwarder: Forwarder, relays: RelayPublisher) -> None:
         self.redis = redis
         self.worker_id = worker_id
         self.ttl_s = ttl_s
         self.events = events
         self.forwarder = forwarder
+        self.relays = relays
         self.stream = keys.worker_inbox(worker_id)
         self._outage = OutageLog(log, "inbox")
 
@@ -173,13 +196,23 @@ class Inbox:
                 pipe.xdel(stream, entry_id)
                 await pipe.execute()
 
+    def _via(self, entry: dict[str, Any]) -> Callable[[Outlet], Outlet] | None:
+        """For a relayed message: its outlet, publishing to the worker its client is connected to."""
+        relay, sender = entry.get("relay"), entry.get("from")
+        if not relay or not sender:
+            return None
+        return lambda outlet: RelayOutlet(outlet, self.relays, sender, relay)
+
     async def _deliver(self, entry_id: str, fields: dict[str, str], *, again: bool) -> bool:
         """Deliver one entry (and its reply, if one is wanted); False if it stays pending."""
         try:
             entry = json.loads(fields["data"])
+            if "cancel" in entry:  # a relayed turn's client went away: stop that run, nothing else
+                self.events.cancel_run(entry["session"], entry["cancel"], ToolReason(entry["kind"], entry["text"]))
+                return True
             msg = InboundMessage.from_dict(entry["msg"])
             hops = 1 if again else int(entry["hops"])  # (1: still a forwarded message, the store de-duplicates)
-            result = await self.events.deliver(msg, entry["session"], hops)
+            result = await self.events.deliver(msg, entry["session"], hops, via=self._via(entry))
             if result is not None and result.outcome is Outcome.UNAVAILABLE and not entry.get("reply"):
                 # Acknowledged by the worker that forwarded it, so it must not be lost here:
                 # it stays pending and is handled again once idle for a TTL.

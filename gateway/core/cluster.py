@@ -7,12 +7,14 @@ session itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.core.cancellation import ToolReason
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Health, Submitted
+from gateway.core.ports import Health, Outlet, Submitted
 
 
 class ClusterUnavailable(Exception):
@@ -42,8 +44,15 @@ class ClusterEvents(ABC):
         it is only being recorded: its writes are fenced and its last words wait for the record."""
 
     @abstractmethod
-    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
-        """A message or command forwarded to us by another worker."""
+    async def deliver(self, msg: InboundMessage, session: str, hops: int, *,
+                      via: Callable[[Outlet], Outlet] | None = None) -> Submitted | None:
+        """A message or command forwarded to us by another worker. `via` wraps the platform's
+        outlet when the client waits on the sender's connection (a relayed turn)."""
+
+    @abstractmethod
+    def cancel_run(self, session: str, token: str, reason: ToolReason) -> bool:
+        """Cancel the run `token` of `session` (a relayed turn whose client went away); False if
+        it is not running or queued here."""
 
     @abstractmethod
     async def adopted(self, session: str) -> None:
@@ -67,6 +76,11 @@ class Ownership(Protocol):
                       want_reply: bool) -> Submitted | None:
         """Hand a message to its owner; with `want_reply`, the owner's result (None: no answer in
         time). Raises ClusterUnavailable."""
+
+    async def relay(self, owner: str, msg: InboundMessage, session: str, *, hops: int, outlet: Outlet) -> Submitted:
+        """Have `owner` run `msg` as a turn whose reply and notices come back to `outlet` here
+        (its client is connected to this worker). The result carries a local run: cancelling it
+        cancels the owner's. Raises ClusterUnavailable."""
 
     def fence_of(self, session: str) -> Fence | None:
         """The fence of a lease this worker provably holds now; no I/O, no state change."""

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from agent_cache import AgentCache
 from gateway.core.background import BackgroundJobs
-from gateway.core.cancellation import LEASE_LOST
+from gateway.core.cancellation import LEASE_LOST, ToolReason
 from gateway.core.cluster import ClusterEvents
 from gateway.core.intake.intake import Intake
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Outlets, Submitted
+from gateway.core.ports import Outlet, Outlets, Submitted
 from gateway.core.recovery import Recovery
 from gateway.core.sessions.lanes import Lanes, Scope
 from gateway.core.turns import LiveConversation
@@ -42,12 +43,16 @@ class SessionEvents(ClusterEvents):
     def running(self, session: str) -> bool:
         return self._lanes.running(session)
 
-    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
+    async def deliver(self, msg: InboundMessage, session: str, hops: int, *,
+                      via: Callable[[Outlet], Outlet] | None = None) -> Submitted | None:
         outlet = self._outlets.get(msg.platform)
         if outlet is None:
             log.error("forwarded message for platform %s, which this worker does not run", msg.platform)
             return None
-        return await self._intake.submit(msg, outlet, key=session, hops=hops)
+        return await self._intake.submit(msg, via(outlet) if via is not None else outlet, key=session, hops=hops)
+
+    def cancel_run(self, session: str, token: str, reason: ToolReason) -> bool:
+        return self._lanes.cancel_run(session, token, reason)
 
     async def adopted(self, session: str) -> None:
         await self._recovery.recover_taken_over(session)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from agent_cache.leases import now
+from gateway.core.cancellation import ToolReason
 from gateway.core.cluster import ClusterEvents
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Submitted
+from gateway.core.ports import Outlet, Submitted
 
 
 class Working(ClusterEvents):
@@ -24,8 +27,12 @@ class Working(ClusterEvents):
     def running(self, session: str) -> bool:
         return True
 
-    async def deliver(self, msg: InboundMessage, session: str, hops: int) -> Submitted | None:
+    async def deliver(self, msg: InboundMessage, session: str, hops: int, *,
+                      via: Callable[[Outlet], Outlet] | None = None) -> Submitted | None:
         return None
+
+    def cancel_run(self, session: str, token: str, reason: ToolReason) -> bool:
+        return False
 
     async def adopted(self, session: str) -> None:
         pass

@@ -6,6 +6,7 @@ import logging
 import time
 
 from gateway.core.bounded import BoundedMap
+from gateway.core.intake.gates import Refusal
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outcome, Outlet, Submitted
 
@@ -32,6 +33,16 @@ class Answers:
         self._unavailable_told: BoundedMap[ChatRef, float] = BoundedMap(10_000)
 
     reject = staticmethod(reject)
+
+    async def refuse(self, outlet: Outlet, msg: InboundMessage, key: str, refusal: Refusal) -> Submitted:
+        """A gate's refusal: retryable ones (the gateway restarting) are "not now", with a time to
+        come back — never a rejection of the message itself."""
+        if refusal.retry_after_s is None:
+            return await reject(outlet, msg, key, refusal.text, kind=refusal.kind, detail=refusal.detail)
+        log.info("not taken now: %s", refusal.text or refusal.detail, extra={"session": key})
+        if refusal.text:
+            await outlet.notify(msg.chat, refusal.text, reply_to=msg.message_id, kind=refusal.kind)
+        return Submitted(Outcome.UNAVAILABLE, refusal.text or refusal.detail, retry_after_s=refusal.retry_after_s)
 
     async def unavailable(self, outlet: Outlet, msg: InboundMessage, key: str, text: str) -> Submitted:
         """Not taken because storage or Redis is down. The platform may deliver it again (a webhook

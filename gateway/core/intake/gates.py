@@ -20,7 +20,7 @@ from gateway.core.attachments import refusal_sentence, screen
 from gateway.core.commands import Command, parse_command
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import NoticeKind, Outlet
+from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outlet
 from gateway.core.ratelimit import UserRateLimit
 from gateway.core.settings import CoreSettings
 
@@ -62,6 +62,7 @@ class Refusal:
     text: str | None  # what the user is told (None: they were told recently)
     kind: NoticeKind = NoticeKind.ERROR
     detail: str = ""  # for the log when nothing is said
+    retry_after_s: float | None = None  # set: not the message's fault — the same message may come again
 
 
 Gate = Callable[[Arrival], Awaitable[Refusal | None]]
@@ -127,7 +128,7 @@ class Gates:
 
     async def _open(self, a: Arrival) -> Refusal | None:
         if self._closing.is_set() and a.cmd is None:  # commands still work while turns drain: /stop must stop
-            return Refusal(RESTARTING, NoticeKind.RESTART)
+            return Refusal(RESTARTING, NoticeKind.RESTART, retry_after_s=UNAVAILABLE_RETRY_S)
         return None
 
     async def _allowed(self, a: Arrival) -> Refusal | None:

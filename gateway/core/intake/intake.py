@@ -50,8 +50,7 @@ class Intake:
         arrival = self._gates.arrive(msg, self.key(msg), outlet)
         refusal = await self._gates.screen(arrival, stateless=True)
         if refusal is not None:
-            result = await self._answers.reject(outlet, arrival.msg, arrival.key, refusal.text, kind=refusal.kind,
-                                                detail=refusal.detail)
+            result = await self._answers.refuse(outlet, arrival.msg, arrival.key, refusal)
         elif arrival.cmd is not None:
             result = (Submitted(Outcome.DUPLICATE) if self._recent.seen(arrival.msg, 0) else
                       await self._commands.dispatch(arrival.cmd, arrival.key, arrival.msg, Speaker(outlet)))
@@ -62,8 +61,7 @@ class Intake:
     async def _take(self, a: Arrival) -> Submitted:
         refusal = await self._gates.screen(a)
         if refusal is not None:
-            return await self._answers.reject(a.outlet, a.msg, a.key, refusal.text, kind=refusal.kind,
-                                              detail=refusal.detail)
+            return await self._answers.refuse(a.outlet, a.msg, a.key, refusal)
         placed = await self._owners.place(a)
         if isinstance(placed, Submitted):  # not ours: forwarded, or refused with a reason
             return placed

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 MAX_HOPS = 3  # forwards between cluster workers before a message is refused
 UNAVAILABLE = "I can't take messages right now (shared storage is unavailable). Please try again shortly."
 NOT_PASSED_ON = "I could not pass that on (shared storage is unavailable). Please try again shortly."
-BUSY_ELSEWHERE = "This conversation is busy on another worker right now; please try again in a moment."
+OWNERSHIP_MOVING = "This conversation is moving between workers right now; please try again in a moment."
 NO_ANSWER = "The worker running this conversation did not answer in time; please try again."
 
 
@@ -118,10 +118,12 @@ class ClusterNode:
             # the message stays in this worker's inbox and is handled again once idle for a TTL.
             log.info("ownership moving; the message waits in the inbox", extra={"session": a.key})
             return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
-        if a.hops >= MAX_HOPS or (a.cmd is None and not a.outlet.pushes_anywhere):
-            # A web chat or API client waits on this worker's connection, and only the owner may
-            # answer: say so rather than answer twice or not at all.
-            return await self._answers.reject(a.outlet, a.msg, a.key, BUSY_ELSEWHERE)
+        if a.hops >= MAX_HOPS:
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, OWNERSHIP_MOVING)
+        if a.cmd is None and not a.outlet.pushes_anywhere:
+            # A web chat or API client waits on this worker's connection: the owner runs the turn
+            # and its events are relayed here, to the reply the client waits on.
+            return await self._relay(owner, a)
         log.debug("forwarding to %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
         # Acknowledged means stored: the platform hears "taken" only once the owner has taken the
         # message (stored it, or answered a command). A forward the owner never confirms — Redis
@@ -134,6 +136,18 @@ class ClusterNode:
             log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": a.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
         return await self._confirmed(a, owner, result)
+
+    async def _relay(self, owner: str, a: Arrival) -> Submitted:
+        log.debug("relaying from %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
+        try:
+            result = await self._ownership.relay(owner, a.msg, a.key, hops=a.hops, outlet=a.outlet)
+        except ClusterUnavailable as exc:
+            self._recent.forget(a.msg)
+            log.warning("relaying from %s failed: %s", owner, exc, extra={"session": a.key})
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
+        if result.outcome is Outcome.UNAVAILABLE:
+            self._recent.forget(a.msg)
+        return result
 
     async def _confirmed(self, a: Arrival, owner: str, result: Submitted | None) -> Submitted:
         """What the owner said of a forwarded message (None: nothing, in time)."""

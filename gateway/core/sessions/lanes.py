@@ -113,6 +113,15 @@ class Lanes:
                      extra={"session": key, "run": runs[0].run_id})
         return runs
 
+    def cancel_run(self, key: str, token: str, reason: ToolReason) -> bool:
+        """Cancel the one turn of `key` whose run is `token` (running, steered in or queued)."""
+        lane = self._lanes.get(key)
+        turn = next((t for t in lane.turns() if t.run.token == token), None) if lane is not None else None
+        if turn is None or not turn.run.cancel(reason):
+            return False
+        log.info("cancelled a turn: %s", reason.marker, extra={"session": key, "run": turn.run.run_id})
+        return True
+
     def cancel_running(self, reason: ToolReason) -> None:
         """Stop every running turn now (a forced exit); queued ones stay for the next start."""
         for lane in self:

@@ -1,0 +1,99 @@
+"""Any worker takes any message: a client connected to one worker, its session owned by another,
+gets the owner's turn relayed — its text, its end, its stop — as if it were talking to the owner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.fakes.openai_provider import FakeProvider
+from tests.support.procs import until
+from tests.support.redis_server import RedisServer
+from tests.support.workers import Worker, content, end_all, start_all
+
+TTL = 3.0
+
+
+@pytest.fixture
+async def workers(redis_server: RedisServer, provider: FakeProvider, tmp_path: Path) -> AsyncIterator[Any]:
+    started: list[Worker] = []
+
+    async def make(n: int) -> list[Worker]:
+        new = [Worker(f"w{len(started) + i + 1}", redis_server.url, provider.base_url, tmp_path, ttl_s=TTL)
+               for i in range(n)]
+        started.extend(new)  # before the start: ended at teardown whatever happens
+        await start_all(*new)
+        return new
+
+    try:
+        yield make
+    finally:
+        end_all(*started)
+
+
+async def _stream(http: aiohttp.ClientSession, worker: Worker, session: str, text: str) -> tuple[int, str, dict]:
+    """A streamed completion: (status, the text streamed, the last chunk with a finish_reason)."""
+    body = {"messages": [{"role": "user", "content": text}], "stream": True}
+    async with http.post(worker.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session},
+                         timeout=aiohttp.ClientTimeout(60)) as resp:
+        if resp.status != 200:
+            return resp.status, await resp.text(), {}
+        streamed, final = "", {}
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                streamed += chunk["choices"][0]["delta"].get("content") or ""
+                if chunk["choices"][0]["finish_reason"]:
+                    final = chunk
+        return resp.status, streamed, final
+
+
+async def test_an_api_request_to_a_worker_that_does_not_own_the_session_is_answered_through_the_owner(
+        workers: Any, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.0, 5
+    a, b = await workers(2)
+    async with aiohttp.ClientSession() as http:
+        status, body = await a.ask(http, "s1", "first")  # a owns s1 now
+        assert status == 200 and content(body).startswith("reply to: first")
+        status, body = await b.ask(http, "s1", "second")  # b does not: the turn runs on a, relayed
+        assert status == 200, body
+        assert content(body).startswith("reply to: second")
+        status, streamed, final = await _stream(http, b, "s1", "third")
+        assert status == 200 and streamed.startswith("reply to: third"), streamed
+        assert final["choices"][0]["finish_reason"] == "stop"
+    # One session, one owner: every turn ran on a, in order, with the whole history.
+    requests = [provider.requests_for(t)[0] for t in ("first", "second", "third")]
+    users = [m["content"] for m in requests[-1].body["messages"] if m["role"] == "user"]
+    assert users == ["first", "second", "third"]
+
+
+async def test_stop_and_disconnect_through_the_relaying_worker_reach_the_owners_run(
+        workers: Any, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.05, 400
+    a, b = await workers(2)
+    async with aiohttp.ClientSession() as http:
+        assert (await a.ask(http, "s2", "hello"))[0] == 200  # a owns s2
+        # A streamed request through b, stopped through b.
+        streaming = asyncio.create_task(_stream(http, b, "s2", "long one"))
+        await until(lambda: bool(provider.requests_for("long one")), 10, "the owner never asked the provider")
+        status, body = await b.ask(http, "s2", "/stop")
+        assert (status, content(body)) == (200, "Stopped.")
+        status, streamed, final = await asyncio.wait_for(streaming, 10)
+        assert status == 200 and final["switchboard"]["interrupted_by"] == "user", final
+        assert streamed.startswith("reply to: long one")  # what the owner streamed before the stop came through
+        conn = provider.requests_for("long one")[0]
+        await provider.wait_closed(conn)
+        assert not conn.completed
+        # A request through b whose client hangs up: the owner's provider connection is closed.
+        gone = asyncio.create_task(b.ask(http, "s2", "left behind"))
+        await until(lambda: bool(provider.requests_for("left behind")), 10, "the owner never asked the provider")
+        gone.cancel()
+        conn = provider.requests_for("left behind")[0]
+        await asyncio.wait_for(provider.wait_closed(conn), 10)
+        assert not conn.completed
