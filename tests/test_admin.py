@@ -59,7 +59,7 @@ async def test_operator_stop_metrics_and_the_session_table(make_daemon: DaemonFa
         assert isinstance(webchat, WebchatAdapter)
         victim = "webchat:dm:" + webchat.session_id(cookie)
         async with op.post(admin + "/admin/api/sessions/stop", json={"key": victim}) as resp:
-            assert await resp.json() == {"key": victim, "stopped": True}
+            assert await resp.json() == {"key": victim, "stopped": True, "worker": None}  # one node: no worker id
         frames = await _until(wa, lambda f: f == {"type": "state", "running": False})
         assert any(f.get("text", "").endswith("⏹ interrupted: stopped by operator") for f in frames)
         frames = await _until(wb, lambda f: f == {"type": "state", "running": False})

@@ -37,7 +37,8 @@ async def workers(redis_server: RedisServer, provider: FakeProvider, tmp_path: P
         end_all(*started)
 
 
-async def _stream(http: aiohttp.ClientSession, worker: Worker, session: str, text: str) -> tuple[int, str, dict]:
+async def _stream(http: aiohttp.ClientSession, worker: Worker, session: str,
+                  text: str) -> tuple[int, str, dict[str, Any]]:
     """A streamed completion: (status, the text streamed, the last chunk with a finish_reason)."""
     body = {"messages": [{"role": "user", "content": text}], "stream": True}
     async with http.post(worker.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session},
@@ -81,12 +82,13 @@ async def test_stop_and_disconnect_through_the_relaying_worker_reach_the_owners_
         assert (await a.ask(http, "s2", "hello"))[0] == 200  # a owns s2
         # A streamed request through b, stopped through b.
         streaming = asyncio.create_task(_stream(http, b, "s2", "long one"))
-        await until(lambda: bool(provider.requests_for("long one")), 10, "the owner never asked the provider")
+        await until(lambda: any(c.words >= 3 for c in provider.requests_for("long one")), 10,
+                    "the owner never streamed")
         status, body = await b.ask(http, "s2", "/stop")
         assert (status, content(body)) == (200, "Stopped.")
         status, streamed, final = await asyncio.wait_for(streaming, 10)
         assert status == 200 and final["switchboard"]["interrupted_by"] == "user", final
-        assert streamed.startswith("reply to: long one")  # what the owner streamed before the stop came through
+        assert streamed.startswith("reply to:")  # what the owner streamed before the stop came through
         conn = provider.requests_for("long one")[0]
         await provider.wait_closed(conn)
         assert not conn.completed
@@ -97,3 +99,26 @@ async def test_stop_and_disconnect_through_the_relaying_worker_reach_the_owners_
         conn = provider.requests_for("left behind")[0]
         await asyncio.wait_for(provider.wait_closed(conn), 10)
         assert not conn.completed
+
+
+async def test_every_workers_console_shows_the_real_owner_and_stops_the_turn_where_it_runs(
+        workers: Any, provider: FakeProvider) -> None:
+    provider.delay_s, provider.words = 0.05, 400
+    a, b = await workers(2)
+    key = "api:dm:s3"
+
+    async def table(w: Worker) -> dict[str, Any]:
+        async with http.get(f"http://127.0.0.1:{w.admin_port}/admin/api/sessions") as resp:
+            assert resp.status == 200
+            return {row["key"]: row for row in (await resp.json())["sessions"]}
+
+    async with aiohttp.ClientSession() as http:
+        asking = asyncio.create_task(a.ask(http, "s3", "a long answer"))
+        await until(lambda: bool(provider.requests_for("a long answer")), 10, "the owner never asked the provider")
+        for w in (a, b):  # the same truth from either console
+            row = (await table(w))[key]
+            assert (row["state"], row["worker"]) == ("running", a.worker_id), (w.worker_id, row)
+        async with http.post(f"http://127.0.0.1:{b.admin_port}/admin/api/sessions/stop", json={"key": key}) as resp:
+            assert await resp.json() == {"key": key, "stopped": True, "worker": a.worker_id}
+        status, body = await asyncio.wait_for(asking, 10)
+    assert status == 200 and body["switchboard"]["reason"] == "stopped by operator", body

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 REPLY_WAIT_S = 10.0
 READ_COUNT = 100  # inbox entries read or claimed per call
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
+ASK_WAIT_S = 2.0  # a console's question to another worker: answered in milliseconds, or left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,25 @@ class Forwarder:
         entry = {"cancel": token, "session": session, "kind": reason.kind, "text": reason.text}
         with contextlib.suppress(RedisError, OSError):
             await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
+
+    async def ask(self, worker: str, question: dict[str, Any], *, wait_s: float = ASK_WAIT_S) -> Any:
+        """A question for another worker's core (its sessions, a stop); its answer, or None if it
+        gave none in time. Raises ClusterUnavailable."""
+        request = uuid.uuid4().hex
+        try:
+            await self.redis.xadd(keys.worker_inbox(worker),
+                                  {"data": json.dumps({**question, "reply": request}, ensure_ascii=False)})
+            got = await self.redis.blpop([keys.forward_reply(request)], timeout=wait_s)
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        return json.loads(got[1]) if got else None
+
+    async def answer(self, request: str, value: Any) -> None:
+        key = keys.forward_reply(request)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.lpush(key, json.dumps(value, ensure_ascii=False))
+            pipe.expire(key, REPLY_TTL_S)
+            await pipe.execute()
 
     async def reply(self, request: str, result: Submitted) -> None:
         """What the owner made of a forwarded message, for the worker waiting in `forward`."""
@@ -196,6 +217,13 @@ class Inbox:
                 pipe.xdel(stream, entry_id)
                 await pipe.execute()
 
+    def _answer(self, entry: dict[str, Any]) -> Any:
+        if entry["ask"] == "sessions":
+            return [dataclasses.asdict(s) for s in self.events.snapshot()]
+        if entry["ask"] == "stop":
+            return self.events.stop_next(entry["session"], ToolReason(entry["kind"], entry["text"]))
+        return None
+
     def _via(self, entry: dict[str, Any]) -> Callable[[Outlet], Outlet] | None:
         """For a relayed message: its outlet, publishing to the worker its client is connected to."""
         relay, sender = entry.get("relay"), entry.get("from")
@@ -209,6 +237,9 @@ class Inbox:
             entry = json.loads(fields["data"])
             if "cancel" in entry:  # a relayed turn's client went away: stop that run, nothing else
                 self.events.cancel_run(entry["session"], entry["cancel"], ToolReason(entry["kind"], entry["text"]))
+                return True
+            if "ask" in entry:  # a console on another worker
+                await self.forwarder.answer(entry["reply"], self._answer(entry))
                 return True
             msg = InboundMessage.from_dict(entry["msg"])
             hops = 1 if again else int(entry["hops"])  # (1: still a forwarded message, the store de-duplicates)

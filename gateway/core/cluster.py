@@ -14,7 +14,7 @@ from typing import Protocol
 from gateway.core.cancellation import ToolReason
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Health, Outlet, Submitted
+from gateway.core.ports import Health, Outlet, SessionStatus, Submitted
 
 
 class ClusterUnavailable(Exception):
@@ -55,6 +55,14 @@ class ClusterEvents(ABC):
         it is not running or queued here."""
 
     @abstractmethod
+    def snapshot(self) -> list[SessionStatus]:
+        """The sessions with a turn running or queued here (for a console on another worker)."""
+
+    @abstractmethod
+    def stop_next(self, session: str, reason: ToolReason) -> bool:
+        """An operator's stop from another worker: the turn running (or next) in `session`."""
+
+    @abstractmethod
     async def adopted(self, session: str) -> None:
         """We just took `session` over: finish what its previous owner left open."""
 
@@ -81,6 +89,16 @@ class Ownership(Protocol):
         """Have `owner` run `msg` as a turn whose reply and notices come back to `outlet` here
         (its client is connected to this worker). The result carries a local run: cancelling it
         cancels the owner's. Raises ClusterUnavailable."""
+
+    async def sessions_elsewhere(self) -> list[tuple[str, list[SessionStatus]]]:
+        """(worker, the sessions it has work in) for every other live worker; one that does not
+        answer in time is left out. Raises ClusterUnavailable."""
+
+    async def owners(self, sessions: list[str]) -> dict[str, str | None]:
+        """The worker holding each session's lease (None: nobody). Raises ClusterUnavailable."""
+
+    async def stop_elsewhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
+        """Ask the session's owner, if another worker, to stop its turn: (owner, stopped)."""
 
     def fence_of(self, session: str) -> Fence | None:
         """The fence of a lease this worker provably holds now; no I/O, no state change."""

@@ -11,7 +11,7 @@ from gateway.core.cancellation import LEASE_LOST, ToolReason
 from gateway.core.cluster import ClusterEvents
 from gateway.core.intake.intake import Intake
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Outlet, Outlets, Submitted
+from gateway.core.ports import Outlet, Outlets, SessionStatus, Submitted
 from gateway.core.recovery import Recovery
 from gateway.core.sessions.lanes import Lanes, Scope
 from gateway.core.turns import LiveConversation
@@ -53,6 +53,12 @@ class SessionEvents(ClusterEvents):
 
     def cancel_run(self, session: str, token: str, reason: ToolReason) -> bool:
         return self._lanes.cancel_run(session, token, reason)
+
+    def snapshot(self) -> list[SessionStatus]:
+        return [self._lanes.status(key, "") for key in self._lanes.session_keys()]
+
+    def stop_next(self, session: str, reason: ToolReason) -> bool:
+        return bool(self._lanes.cancel(session, reason, Scope.NEXT))
 
     async def adopted(self, session: str) -> None:
         await self._recovery.recover_taken_over(session)

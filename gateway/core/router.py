@@ -146,6 +146,27 @@ class Router:
         runs = self._lanes.cancel(session, tool_reason, Scope.NEXT)
         return runs[0] if runs else None
 
+    async def everywhere(self) -> list[tuple[str | None, SessionStatus]]:
+        """Every session with work, on this worker and — in cluster mode — on every other live
+        one, each with the worker it runs on (what an operator's console shows)."""
+        here = [(self.worker_id, status) for status in self.sessions()]
+        cluster = self._parts.cluster
+        if cluster is None:
+            return here
+        return here + [(worker, s) for worker, statuses in await cluster.sessions_elsewhere() for s in statuses]
+
+    async def stop_anywhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
+        """An operator's stop, wherever the session runs: (the worker it ran on, stopped)."""
+        if self.hard_cancel(session, reason) is not None:
+            return self.worker_id, True
+        cluster = self._parts.cluster
+        return await cluster.stop_elsewhere(session, reason) if cluster is not None else (None, False)
+
+    async def owners(self, sessions: list[str]) -> dict[str, str | None]:
+        """Who holds each session (this process alone, single node)."""
+        cluster = self._parts.cluster
+        return await cluster.owners(sessions) if cluster is not None else dict.fromkeys(sessions)
+
     def cancel_all(self, reason: ToolReason) -> None:
         """Stop every running turn now (a forced exit); queued ones stay for the next start."""
         self._lanes.cancel_running(reason)

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core.cancellation import STOPPED_BY_OPERATOR
+from gateway.core.cluster import ClusterUnavailable
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Store
 from gateway.core.router import Router
@@ -119,7 +120,11 @@ class AdminConsole:
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def sessions(self, _request: web.Request) -> web.Response:
-        return _json({"sessions": await session_table(self._router, self._store)})
+        try:
+            return _json({"sessions": await session_table(self._router, self._store)})
+        except ClusterUnavailable as exc:
+            return web.json_response({"error": f"cannot reach the other workers: {exc}"}, status=503,
+                                     headers={"Retry-After": "5"})
 
     async def stop(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -128,8 +133,12 @@ class AdminConsole:
         key = body.get("key") if isinstance(body, dict) else None
         if not isinstance(key, str):
             return web.json_response({"error": "body must be {\"key\": \"<session key>\"}"}, status=400)
-        run = self._router.hard_cancel(key, STOPPED_BY_OPERATOR)
-        return web.json_response({"key": key, "stopped": run is not None})
+        try:  # wherever it runs: this worker, or the owner another worker's lease names
+            worker, stopped = await self._router.stop_anywhere(key, STOPPED_BY_OPERATOR)
+        except ClusterUnavailable as exc:
+            return web.json_response({"error": f"cannot reach the other workers: {exc}"}, status=503,
+                                     headers={"Retry-After": "5"})
+        return web.json_response({"key": key, "stopped": stopped, "worker": worker})
 
     async def stats(self, _request: web.Request) -> web.Response:
         cache = self._router.cache
@@ -149,26 +158,29 @@ class AdminConsole:
 
 
 async def session_table(router: Router, store: Store) -> list[dict[str, Any]]:
-    """Live sessions first (running or queued), then recently active idle ones from the store."""
+    """Sessions with work first (running or queued, on whichever worker runs them), then recently
+    active idle ones from the store, each with the worker holding it (from its lease) — the same
+    table from every worker."""
     now = time.time()
     rows: dict[str, dict[str, Any]] = {}
-    for status in router.sessions():
-        rows[status.key] = _row(status.key, "running" if status.running else "queued" if status.queued else "idle",
-                                status.since, status.queued, router, now)
-    for info in await store.sessions(limit=200):
-        if info.key not in rows:
-            rows[info.key] = _row(info.key, "idle", None, 0, router, now)
+    for worker, status in await router.everywhere():
+        state = "running" if status.running else "queued" if status.queued else "idle"
+        rows[status.key] = _row(status.key, state, status.since, status.queued, router, now, worker)
+    idle = [info.key for info in await store.sessions(limit=200) if info.key not in rows]
+    for key, worker in (await router.owners(idle)).items():
+        rows[key] = _row(key, "idle", None, 0, router, now, worker)
     return list(rows.values())
 
 
-def _row(key: str, state: str, since: float | None, queued: int, router: Router, now: float) -> dict[str, Any]:
+def _row(key: str, state: str, since: float | None, queued: int, router: Router, now: float,
+         worker: str | None) -> dict[str, Any]:
     platform, _, rest = key.partition(":")
     chat_type, _, chat = rest.partition(":")
     last = router.interruptions.get(key)
     live = router.cache.peek(key)
     return {"key": key, "platform": platform, "chat_type": chat_type, "chat": chat, "state": state,
             "turn_age_s": round(now - since, 1) if since else None, "queued": queued,
-            "worker": router.worker_id,
+            "worker": worker,
             "tokens": {"prompt": live.tokens_used[0], "completion": live.tokens_used[1],
                        "context": live.prompt_tokens} if live is not None else None,
             "last_interruption": {"kind": last[0], "reason": last[1], "at": last[2]} if last else None}

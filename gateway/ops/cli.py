@@ -163,7 +163,8 @@ async def _sessions(config: Config, action: str, key: str | None) -> int:
                     last = row["last_interruption"]
                     age = f"{row['turn_age_s']:.0f}s" if row["turn_age_s"] is not None else "-"
                     note = f"  last stop: {last['kind']}: {last['reason']}" if last else ""
-                    print(f"{row['state']:<8} {age:>6}  q={row['queued']}  {row['key']}{note}")
+                    worker = row.get("worker") or "-"
+                    print(f"{row['state']:<8} {age:>6}  q={row['queued']}  {worker:<12} {row['key']}{note}")
                 return 0
             if not key:
                 print("switchboard: sessions stop needs the session KEY", file=sys.stderr)
@@ -173,7 +174,8 @@ async def _sessions(config: Config, action: str, key: str | None) -> int:
                 if resp.status != 200:
                     print(f"switchboard: {body.get('error', resp.status)}", file=sys.stderr)
                     return 1
-            print("stopped" if body["stopped"] else "nothing was running in that session")
+            where = f" on {body['worker']}" if body.get("worker") else ""
+            print(f"stopped{where}" if body["stopped"] else f"nothing was running in that session{where}")
             return 0
     except aiohttp.ClientConnectionError:
         print(f"switchboard: no daemon answering on {admin.host}:{admin.port} (is it running?)", file=sys.stderr)

@@ -8,7 +8,7 @@ from agent_cache.leases import now
 from gateway.core.cancellation import ToolReason
 from gateway.core.cluster import ClusterEvents
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import Outlet, Submitted
+from gateway.core.ports import Outlet, SessionStatus, Submitted
 
 
 class Working(ClusterEvents):
@@ -32,6 +32,12 @@ class Working(ClusterEvents):
         return None
 
     def cancel_run(self, session: str, token: str, reason: ToolReason) -> bool:
+        return False
+
+    def snapshot(self) -> list[SessionStatus]:
+        return []
+
+    def stop_next(self, session: str, reason: ToolReason) -> bool:
         return False
 
     async def adopted(self, session: str) -> None:
