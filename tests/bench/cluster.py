@@ -8,8 +8,12 @@ id, or paused for 0.9 × TTL; time until the chat (Telegram by webhook) gets the
 notice from the worker that adopted the turn, which then resumes it.
 (3) throughput: echo agent at zero delay over the HTTP API, sessions pinned to workers as a load
 balancer would, with 1 and with 3 workers.
+(4) relayed turns: time to first token of a streamed answer asked of the session's owner and of
+another worker (which relays the owner's turn), side by side; and a client of the relaying worker
+hanging up: from the hang-up to the provider seeing the owner's connection close.
 
-    python -m tests.bench.cluster
+    python -m tests.bench.cluster            # everything
+    python -m tests.bench.cluster --relay    # (4) only
 """
 
 from __future__ import annotations
@@ -72,6 +76,56 @@ async def cross_worker_stop(n: int, tmp: Path, redis: RedisServer) -> list[str]:
         b.kill()
         provider.terminate()
         provider.wait()
+
+
+async def _first_token(http: aiohttp.ClientSession, worker: Worker, session: str, text: str) -> float:
+    """Seconds from sending a streamed request to its first non-empty content chunk."""
+    body = {"messages": [{"role": "user", "content": text}], "stream": True}
+    sent = time.perf_counter()
+    async with http.post(worker.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content":""' not in line and b'"content"' in line:
+                first = time.perf_counter() - sent
+                async for _ in resp.content:  # the rest, so the turn ends before the next
+                    pass
+                return first
+    raise AssertionError("no content streamed")
+
+
+async def relayed(n: int, tmp: Path, redis: RedisServer) -> list[str]:
+    from tests.fakes.openai_provider import FakeProvider, Script
+
+    async with FakeProvider(delay_s=0.0, words=5) as provider:
+        a = Worker("ra", redis.url, provider.base_url, tmp, ttl_s=TTL)
+        b = Worker("rb", redis.url, provider.base_url, tmp, ttl_s=TTL)
+        await asyncio.gather(a.start(), b.start())
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                for i in range(n):  # a owns every session
+                    assert (await a.ask(http, f"r{i}", "hello"))[0] == 200
+                direct, relay = [], []
+                for i in range(n):  # alternating, so both see the same machine
+                    direct.append(await _first_token(http, a, f"r{i}", f"direct {i}") * 1000)
+                    relay.append(await _first_token(http, b, f"r{i}", f"relayed {i}") * 1000)
+                gone = []
+                for i in range(n):  # a client of b hangs up mid-answer
+                    text = f"left {i}"
+                    provider.by_text[text] = Script(text=" ".join(["word"] * 2000), delay_s=0.01)
+                    body = {"messages": [{"role": "user", "content": text}], "stream": True}
+                    resp = await http.post(b.url + "/v1/chat/completions", json=body,
+                                           headers={"X-Session-Id": f"r{i}"})
+                    async for line in resp.content:
+                        if b'"content"' in line and b'"content":""' not in line:
+                            break
+                    left = time.perf_counter()
+                    resp.close()
+                    closed = await provider.wait_closed(provider.requests_for(text)[0], 10)
+                    gone.append((closed - left) * 1000)
+        finally:
+            a.kill()
+            b.kill()
+    return [row("first token, owner", n, direct), row("first token, relayed", n, relay),
+            row("relayed hang-up→closed", n, gone)]
 
 
 async def takeover(trials: int, tmp: Path, redis: RedisServer, provider_url: str) -> str:
@@ -175,6 +229,11 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp) / "redis").start()
         try:
+            if "--relay" in sys.argv:
+                print("| measure | N | samples | p50 ms | p99 ms | max ms |")
+                print("|---|---:|---:|---:|---:|---:|")
+                print("\n".join(await relayed(200, Path(tmp), redis)))
+                return
             lines = ["| measure                  |     N | stops |  p50 ms |  p99 ms |  max ms |",
                      "|--------------------------|------:|------:|--------:|--------:|--------:|"]
             lines += await cross_worker_stop(50, Path(tmp), redis)
