@@ -49,6 +49,10 @@ def row(name: str, n: int, ms: list[float]) -> str:
 async def _stop_some(router: Router, chat: MemoryChat, runs: dict[int, Run], n: int) -> dict[int, float]:
     """Send /stop to half the sessions, 2 ms apart; returns session -> perf_counter at hand-over."""
     chosen = random.Random(1).sample(range(n), n // 2)
+    # Every chosen session is streaming when its /stop goes: a stop of a turn that has already
+    # ended measures nothing (its streams are long enough for any start-up: see `streaming`).
+    idle = [i for i in chosen if runs[i].started_at is None or runs[i].finished]
+    assert not idle, f"{len(idle)} chosen sessions were not running when the stops began"
     sent: dict[int, float] = {}
     for i in chosen:
         sent[i] = time.perf_counter()
@@ -61,8 +65,9 @@ async def _stop_some(router: Router, chat: MemoryChat, runs: dict[int, Run], n: 
 
 async def streaming(n: int, data: Path) -> list[str]:
     port = free_port()
+    # 20,000 words at 50 ms: 1,000 s a stream, far longer than starting N of them takes on any machine.
     provider = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_provider", "--port", str(port),
-                                 "--delay", "0.05", "--words", "2000"], stdout=subprocess.PIPE)
+                                 "--delay", "0.05", "--words", "20000"], stdout=subprocess.PIPE)
     assert provider.stdout is not None
     provider.stdout.readline()
     store = SqliteStore(data / f"stream{n}.db")
