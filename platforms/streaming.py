@@ -100,6 +100,7 @@ class EditStreamReply(Reply):
         self._losses = 0
         self._jobs: list[Job[None]] = []
         self._final: asyncio.Task[None] | None = None  # delivery of the final state or stop mark
+        self._final_shown = False  # the final state reached the chat
         self._ended = False
         self._notice_shown = False
         self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
@@ -184,9 +185,16 @@ class EditStreamReply(Reply):
         if self._final is not None and not self._final.done():
             await asyncio.wait({self._final}, timeout=within_s)
 
+    async def delivered(self) -> bool:
+        final = self._final
+        if final is not None:
+            await asyncio.wait({final})  # (not `await final`: its cancel must not cancel the waiter)
+        return self._final_shown
+
     async def _deliver_final(self) -> None:
         try:
             await self._render(final=True)
+            self._final_shown = True
         except RateLimited:
             log.warning("%s: gave up on the final text of a reply in chat %s: still rate limited",
                         self._adapter.name, self._chat.chat_id)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 REPLY_WAIT_S = 10.0
 READ_COUNT = 100  # inbox entries read or claimed per call
+OWNER_GONE = "The worker that had this conversation is gone; it is being taken over. Please try again."
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
 ASK_WAIT_S = 2.0  # a console's question to another worker: answered in milliseconds, or left out
 
@@ -60,9 +62,18 @@ class Forwarder:
         under that id. Raises ClusterUnavailable."""
         request = uuid.uuid4().hex if want_reply else ""
         entry = {"msg": msg.to_dict(), "session": session, "hops": hops + 1, "reply": request,
-                 "from": self.worker_id, "relay": relay}
+                 "from": self.worker_id, "relay": relay,
+                 # A relayed message whose client was told to retry must not run later as well.
+                 "until": time.time() + REPLY_WAIT_S if relay else None}
+        inbox = keys.worker_inbox(owner)
         try:
-            await self.redis.xadd(keys.worker_inbox(owner), {"data": json.dumps(entry, ensure_ascii=False)})
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(keys.worker_alive(owner))
+                pipe.xadd(inbox, {"data": json.dumps(entry, ensure_ascii=False)})
+                alive, entry_id = await pipe.execute()
+            if not alive and relay:  # its owner is gone: taken over within a TTL; no waiting on it
+                await self.redis.xdel(inbox, entry_id)
+                return Answer(Submitted(Outcome.UNAVAILABLE, OWNER_GONE, retry_after_s=1.0))
             if not want_reply:
                 return None
             got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
@@ -240,6 +251,9 @@ class Inbox:
                 return True
             if "ask" in entry:  # a console on another worker
                 await self.forwarder.answer(entry["reply"], self._answer(entry))
+                return True
+            if entry.get("until") is not None and time.time() > entry["until"]:
+                log.info("dropping a relayed message whose client was already told to retry")
                 return True
             msg = InboundMessage.from_dict(entry["msg"])
             hops = 1 if again else int(entry["hops"])  # (1: still a forwarded message, the store de-duplicates)

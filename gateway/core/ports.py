@@ -222,6 +222,11 @@ class Reply(ABC):
         that receives every delta). A stopped turn's transcript keeps exactly this."""
         return None
 
+    async def delivered(self) -> bool:
+        """After `finish`: wait until the answer's end has reached the chat; False if it never
+        will (the platform refused it for good). Platforms that deliver within `finish` say True."""
+        return True
+
 
 class Outlet(Protocol):
     """What the core needs from a platform: where replies and notices go."""

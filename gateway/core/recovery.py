@@ -3,11 +3,12 @@ turns that a restart (or a crash) cut off — once each, and only while they are
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 from gateway.core.attachments import with_placeholders
-from gateway.core.cancellation import GATEWAY_RESTART, PROCESS_DIED, TAKEN_OVER, ToolReason, stop_notice
+from gateway.core.cancellation import GATEWAY_RESTART, PROCESS_DIED, TAKEN_OVER, Run, ToolReason, stop_notice
 from gateway.core.fencing import Fence
 from gateway.core.intake.dedupe import RecentMessages
 from gateway.core.intake.ownership import Owners
@@ -68,6 +69,9 @@ class Recovery:
             if rec.status is InboundStatus.ACCEPTED:
                 await self._replay(rec, fence, outlet, cut_off)
                 continue
+            if rec.status is InboundStatus.RUNNING and (answer := await self._unconfirmed(rec)) is not None:
+                await self._show_again(rec, fence, outlet, answer)
+                continue
             if rec.status is InboundStatus.RUNNING:  # the process died mid-turn: nobody told the user
                 await self._close_transcript(fence, cut_off)
                 if outlet is not None:
@@ -94,6 +98,33 @@ class Recovery:
             return
         log.info("replaying a message accepted but never answered", extra={"session": rec.session_key})
         await self._queue.resume(rec.message, outlet, rec.session_key, inbound_id=rec.id)
+
+    async def _unconfirmed(self, rec: InboundRecord) -> str | None:
+        """The answer recorded for this message whose showing was never confirmed (its process died
+        between recording it and the chat showing its end), if that is what the record left open."""
+        _, history = await self._store.conversation(rec.session_key)
+        asked = with_placeholders(rec.message.text, rec.message.attachments)
+        starts = [i for i, row in enumerate(history) if row.role == "user" and row.content == asked]
+        if not starts:
+            return None
+        turn = list(itertools.takewhile(lambda row: row.role != "user", history[starts[-1] + 1:]))
+        last = turn[-1] if turn else None
+        if last is None or last.role != "assistant" or last.tool_calls or last.interrupted_by is not None:
+            return None
+        return last.content
+
+    async def _show_again(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, answer: str) -> None:
+        """Show a recorded answer whose end the chat may never have got: whole, as a new message."""
+        if outlet is not None and outlet.answers_later:
+            log.info("showing again an answer recorded but never confirmed shown", extra={"session": rec.session_key})
+            speaker = self._owners.speaker(outlet, fence)
+            run = Run(rec.session_key, guard=speaker.guard, tenant=rec.message.tenant)
+            reply = speaker.open_reply(rec.message, run)
+            await reply.finish(answer)
+            await reply.delivered()
+            await reply.settled()
+            run.end()
+        await self._store.finish_inbound(fence, rec.id, InboundStatus.DONE, "shown again after recovery")
 
     async def _resume(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> None:
         fresh = time.time() - rec.received_at <= self._settings.value.resume_max_age_s

@@ -134,7 +134,7 @@ class Turn:
     a stateless turn (`Turn.stateless`) answers with the history its client sent and stores nothing."""
 
     __slots__ = ("absorbed", "accepted", "client_history", "fence", "fenced_out", "inbound_id", "key", "msg",
-                 "notes", "run", "speaker", "steered", "usage")
+                 "notes", "run", "speaker", "steered", "unconfirmed", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence) -> None:
         self.msg = msg
@@ -151,6 +151,7 @@ class Turn:
         self.usage = [0, 0]  # prompt and completion tokens the provider counted for this turn
         self.notes: dict[str, str] = {}  # tool call id -> what became of it if the turn stops first
         self.fenced_out = False  # the store refused a write of its record: another worker owns the session
+        self.unconfirmed = False  # recorded as answered, its record done once the end is shown
 
     @classmethod
     def stateless(cls, msg: InboundMessage, key: str, speaker: Speaker, history: Sequence[ChatMessage]) -> Turn:
@@ -306,6 +307,8 @@ class TurnRunner:
             # Shown whole means recorded: an answer whose record never landed is cut, with the
             # reason, so no client takes it for a complete (and remembered) one.
             await (self._show_end(turn, reply, recorder.final_text) if recorded else reply.interrupted(NOT_RECORDED))
+            if recorded and turn.unconfirmed and not turn.fenced_out:
+                await self._confirm_shown(turn, reply)
         joined = True
         for absorbed in turn.absorbed:  # messages handed to this turn are answered by it
             joined = await self._finish(absorbed, status, f"answered with message {turn.msg.message_id}") and joined
@@ -382,8 +385,24 @@ class TurnRunner:
             if run.reason == GATEWAY_RESTART:
                 status = InboundStatus.RESTART  # resumed on the next start
         if agent is not None:
+            if status is InboundStatus.DONE and turn.speaker.outlet.answers_later:
+                # Recorded, but done only once its end has reached the chat (`_confirm_shown`): a
+                # crash in between leaves it open, with its answer, and recovery shows it again.
+                turn.unconfirmed = True
+                status, detail = InboundStatus.RUNNING, UNCONFIRMED
             return await self._persist(turn, agent, conversation, rows, prepend=user, status=(status, detail))
         return await self._finish(turn, status, detail)
+
+    async def _confirm_shown(self, turn: Turn, reply: SettlingReply) -> None:
+        """The answer's end reached the chat: its message is done."""
+        try:
+            shown = await asyncio.wait_for(reply.delivered(), SHOWN_WAIT_S)
+        except TimeoutError:
+            shown = False
+        if shown:
+            await self._finish(turn, InboundStatus.DONE, None)
+        else:  # left open: if the session is recovered (a restart, a takeover), the answer is shown again
+            log.warning("the end of an answer was not confirmed shown", extra={"session": turn.key})
 
     async def _show_end(self, turn: Turn, reply: SettlingReply, text: str) -> None:
         """The answer's end, shown once the turn is recorded. Not if the store refused the record
@@ -549,6 +568,8 @@ class TurnRunner:
 
 
 UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."
+UNCONFIRMED = "answered; its end not yet confirmed shown"  # the detail of a record in that state
+SHOWN_WAIT_S = 30.0  # how long the lane waits for an answer's end to reach the chat before moving on
 WRITE_RETRY_S = 10.0
 
 
@@ -604,6 +625,9 @@ class SettlingReply(Reply):
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)
+
+    async def delivered(self) -> bool:
+        return await self.open().delivered()
 
     def shown_text(self) -> str | None:
         if self._inner is None:
