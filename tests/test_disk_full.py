@@ -64,13 +64,14 @@ async def test_a_full_disk_refuses_new_messages_keeps_promised_records_and_recov
     agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="fake", retries=0), ToolRegistry())
     router = await start_router(store, agent, chat)
     try:
-        provider.by_text["long"] = Script(text=" ".join(["word"] * 3000), delay_s=0.002)
+        # Big enough to need pages of its own (~24 KB), in few deltas: quick on a loaded machine too.
+        provider.by_text["long"] = Script(text=" ".join(["x" * 200] * 120), delay_s=0.01)
         running = await router.submit(chat.message("c1", "long"), chat)
         assert running.run is not None
         await until(lambda: bool(provider.connections) and provider.connections[-1].words >= 5, 10, "no words")
         filler = _fill(small_disk)
         # The turn already running was promised its record: it lands (in the room the reserve gave up).
-        await asyncio.wait_for(running.run.wait(), 30)
+        await asyncio.wait_for(running.run.wait(), 90)
         _, rows = await store.conversation(running.run.session_key)
         assert [r.role for r in rows] == ["user", "assistant"] and rows[-1].interrupted_by is None
         assert not store.reserve.exists()

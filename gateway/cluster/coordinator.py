@@ -29,15 +29,16 @@ from agent_cache.leases import AnyRedis, Lease, LeaseManager
 from agent_cache.leases import now as lease_clock
 from gateway.cluster.adoption import Adopter
 from gateway.cluster.forwarding import Forwarder, Inbox
+from gateway.cluster.operators import ClusterConsole
 from gateway.cluster.relay import RelayPublisher, RelayReader
 from gateway.cluster.watchlist import SLICE, Watchlist
-from gateway.core.cancellation import Run, ToolReason
+from gateway.core.cancellation import Run
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable, Route
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.outage import OutageLog
-from gateway.core.ports import UNAVAILABLE_RETRY_S, Health, Outcome, Outlet, SessionStatus, Submitted
+from gateway.core.ports import UNAVAILABLE_RETRY_S, Health, Outcome, Outlet, Submitted
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Cluster:
         self.forwarder = Forwarder(redis, worker_id)
         self.relays = RelayPublisher(redis)
         self.relayed = RelayReader(redis, worker_id, ttl_s=ttl_s, send_cancel=self.forwarder.cancel)
+        self.console = ClusterConsole(redis, worker_id, self.forwarder)  # what operators see of the others
         self.adopter = Adopter(redis, self.leases, route=self.route, acquiring=self._acquiring, ttl_s=ttl_s)
         self._events: ClusterEvents | None = None  # the core's, from `start` (which makes the Inbox with them)
         self._tasks: list[asyncio.Task[None]] = []
@@ -184,41 +186,6 @@ class Cluster:
         if not got.kept:  # a real takeover: close and resume what a previous owner left open
             await self._events.adopted(session)
         return Route(fence=fence)
-
-    async def sessions_elsewhere(self) -> list[tuple[str, list[SessionStatus]]]:
-        others = [w for w in await self._live_workers() if w != self.worker_id]
-        answers = await asyncio.gather(*(self.forwarder.ask(w, {"ask": "sessions"}) for w in others))
-        return [(w, [SessionStatus(**row) for row in rows]) for w, rows in zip(others, answers, strict=True)
-                if rows is not None]
-
-    async def owners(self, sessions: list[str]) -> dict[str, str | None]:
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for session in sessions:
-                    pipe.hget(keys.lease(session), "worker")
-                found = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
-        return dict(zip(sessions, cast("list[str | None]", found), strict=True))
-
-    async def stop_elsewhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
-        owner = (await self.owners([session]))[session]
-        if owner is None or owner == self.worker_id:
-            return owner, False
-        stopped = await self.forwarder.ask(owner, {"ask": "stop", "session": session, "kind": reason.kind,
-                                                   "text": reason.text})
-        return owner, bool(stopped)
-
-    async def _live_workers(self) -> list[str]:
-        try:
-            workers = cast("list[str]", await self.redis.hkeys(keys.workers()))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for w in workers:
-                    pipe.exists(keys.worker_alive(w))
-                alive = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
-        return [w for w, up in zip(workers, alive, strict=True) if up]
 
     def fence_of(self, session: str) -> Fence | None:
         lease = self.leases.held.get(session)

@@ -90,16 +90,6 @@ class Ownership(Protocol):
         (its client is connected to this worker). The result carries a local run: cancelling it
         cancels the owner's. Raises ClusterUnavailable."""
 
-    async def sessions_elsewhere(self) -> list[tuple[str, list[SessionStatus]]]:
-        """(worker, the sessions it has work in) for every other live worker; one that does not
-        answer in time is left out. Raises ClusterUnavailable."""
-
-    async def owners(self, sessions: list[str]) -> dict[str, str | None]:
-        """The worker holding each session's lease (None: nobody). Raises ClusterUnavailable."""
-
-    async def stop_elsewhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
-        """Ask the session's owner, if another worker, to stop its turn: (owner, stopped)."""
-
     def fence_of(self, session: str) -> Fence | None:
         """The fence of a lease this worker provably holds now; no I/O, no state change."""
 
@@ -120,6 +110,20 @@ class Ownership(Protocol):
 
     def unwatch(self, session: str) -> None:
         """`session` has no work open any more."""
+
+
+class ClusterView(Protocol):
+    """What an operator's console asks of the other workers (see `gateway.cluster.operators`)."""
+
+    async def sessions_elsewhere(self) -> list[tuple[str, list[SessionStatus]]]:
+        """(worker, the sessions it has work in) for every other live worker; one that does not
+        answer in time is left out. Raises ClusterUnavailable."""
+
+    async def owners(self, sessions: list[str]) -> dict[str, str | None]:
+        """The worker holding each session's lease (None: nobody). Raises ClusterUnavailable."""
+
+    async def stop_elsewhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
+        """Ask the session's owner, if another worker, to stop its turn: (owner, stopped)."""
 
 
 class FenceGuard:

@@ -21,7 +21,7 @@ from agent_cache import AgentCache, CacheSettings
 from gateway.core.access import AccessControl
 from gateway.core.background import BackgroundJobs
 from gateway.core.cancellation import EVICTED, Run, ToolReason
-from gateway.core.cluster import ClusterEvents, Ownership
+from gateway.core.cluster import ClusterEvents, ClusterView, Ownership
 from gateway.core.cluster_events import SessionEvents
 from gateway.core.intake.answers import Answers
 from gateway.core.intake.dedupe import RecentMessages
@@ -60,6 +60,7 @@ class RouterParts:
     metrics: Metrics = field(default_factory=Metrics)
     access: AccessControl | None = None
     cluster: Ownership | None = None  # None: one process owns every session
+    view: ClusterView | None = None  # cluster mode: the other workers, as operators see them
     media: MediaLoader | None = None
     jobs: BackgroundJobs | None = None  # shell commands moved to the background (None: off)
     status_lines: Sequence[StatusLine] = ()  # more for /status, e.g. the MCP servers' state
@@ -150,22 +151,22 @@ class Router:
         """Every session with work, on this worker and — in cluster mode — on every other live
         one, each with the worker it runs on (what an operator's console shows)."""
         here = [(self.worker_id, status) for status in self.sessions()]
-        cluster = self._parts.cluster
-        if cluster is None:
+        view = self._parts.view
+        if view is None:
             return here
-        return here + [(worker, s) for worker, statuses in await cluster.sessions_elsewhere() for s in statuses]
+        return here + [(worker, s) for worker, statuses in await view.sessions_elsewhere() for s in statuses]
 
     async def stop_anywhere(self, session: str, reason: ToolReason) -> tuple[str | None, bool]:
         """An operator's stop, wherever the session runs: (the worker it ran on, stopped)."""
         if self.hard_cancel(session, reason) is not None:
             return self.worker_id, True
-        cluster = self._parts.cluster
-        return await cluster.stop_elsewhere(session, reason) if cluster is not None else (None, False)
+        view = self._parts.view
+        return await view.stop_elsewhere(session, reason) if view is not None else (None, False)
 
     async def owners(self, sessions: list[str]) -> dict[str, str | None]:
         """Who holds each session (this process alone, single node)."""
-        cluster = self._parts.cluster
-        return await cluster.owners(sessions) if cluster is not None else dict.fromkeys(sessions)
+        view = self._parts.view
+        return await view.owners(sessions) if view is not None else dict.fromkeys(sessions)
 
     def cancel_all(self, reason: ToolReason) -> None:
         """Stop every running turn now (a forced exit); queued ones stay for the next start."""

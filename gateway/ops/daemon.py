@@ -184,7 +184,8 @@ class Daemon:
         self.live = Live(core_settings(config, self.agent))
         self.router = Router(self.live, RouterParts(
             store=self.store, outlets=self.adapters, cache=config.agent_cache, metrics=self.metrics,
-            access=self.access, cluster=self.cluster, media=self.media, jobs=self.jobs,
+            access=self.access, cluster=self.cluster, view=self.cluster.console if self.cluster else None,
+            media=self.media, jobs=self.jobs,
             status_lines=(self.mcp.status_line,) if self.mcp.servers else ()))
         if self.mcp.servers:
             self.metrics.registry.register(McpCollector(self.mcp))
