@@ -94,8 +94,7 @@ class DiscordAdapter(Adapter):
         """Stop intake now (in cluster mode handing the shards held here on to other workers);
         close the clients once in-flight replies have shown how they ended."""
         self._closing = True
-        self._connection.freeze()  # with intake, together: what arrives from now on is the next holder's
-        self._intake.stop()
+        self._intake.stop()  # what arrives from now on is not looked at: the shard's next holder gets it
         await self._connection.hand_on()
         if not self._replies:
             await self._close()

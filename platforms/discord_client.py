@@ -4,10 +4,11 @@ registration) and one per gateway shard this worker holds.
 A shard's client can take over a gateway session another process left (`Handoff`): its first
 connection RESUMEs that session instead of IDENTIFYing a new one, and Discord replays what the
 session missed meanwhile. While connected it keeps `progress`: the session, where to resume it,
-and the sequence number up to which every message has been handed to the router — what the
-shard's holder hands on. discord.py has no way to start with a RESUME, so `BotClient.connect` is
+and the sequence number up to which the intake has looked at every message — what the shard's
+holder hands on. discord.py has no way to start with a RESUME, so `BotClient.connect` is
 discord.py's own loop (2.7) with that one difference, and with a check before every connection
-that the shard is still this worker's.
+that the shard is still this worker's. Nor does a client hand a message to the intake once the
+shard is not this worker's any more: its next holder gets it again.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def describe(exc: BaseException) -> str:
 class ClientEvents(Protocol):
     """Where the clients hand what users do (the adapter's intake)."""
 
-    async def message(self, client: discord.Client, message: discord.Message) -> None: ...
+    async def message(self, client: discord.Client, message: discord.Message) -> bool:
+        """False if the message was not looked at (intake is closing): it is the next holder's."""
 
     async def component(self, interaction: Interaction) -> None: ...
 
@@ -127,35 +129,48 @@ class BotClient(discord.Client):
         self._handoff = handoff
         self._may_connect = may_connect
         self.progress = handoff  # where the session stands (see `Handoff`)
-        self._in_hand = 0  # messages dispatched whose handling has not ended
-        self._frozen = False
+        # Messages dispatched and not looked at yet: message id -> (session, sequence number).
+        self._in_hand: dict[int, tuple[str | None, int]] = {}
+        self._idle = asyncio.Event()  # set while nothing is in hand
+        self._idle.set()
+        self._unread: tuple[str | None, int] | None = None  # the first message the intake did not look at
         self.tree: app_commands.CommandTree[BotClient] = app_commands.CommandTree(self)
         for name, description in commands.menu():
             self.tree.add_command(app_commands.Command(name=name, description=description,
-                                                       callback=_command_callback(events, name)))
+                                                       callback=self._command(name)))
+
+    def ours(self) -> bool:
+        """Is the shard still this worker's (always, in one process)?"""
+        return self._may_connect()
 
     # --- progress -------------------------------------------------------------------------
 
     def dispatch(self, event: str, /, *args: Any, **kwargs: Any) -> None:
-        # Called as each gateway event is parsed. "socket_event_type" comes first for every event,
-        # before its sequence number is taken: everything before it has been parsed by then.
-        if event == "socket_event_type":
-            self._settle()
-        elif event == "message":
-            self._in_hand += 1
+        # Called as each gateway event is parsed, with `ws.sequence` already the event's.
+        ws: DiscordWebSocket | None = self.ws
+        if event == "message" and ws is not None and ws.sequence is not None:
+            self._in_hand[args[0].id] = (ws.session_id, ws.sequence)
+            self._idle.clear()
         super().dispatch(event, *args, **kwargs)
+        self._settle()
 
     def _settle(self) -> None:
-        """With no message in hand, every message up to the current sequence number has been
-        handed to the router: that is where the session stands."""
+        """Move `progress` on: up to the current sequence number, but short of any message still
+        in hand, and of the first one the intake did not look at (and so never past it again)."""
         ws: DiscordWebSocket | None = self.ws
-        if self._in_hand or self._frozen or ws is None or ws.session_id is None or ws.sequence is None:
+        if ws is None or ws.session_id is None or ws.sequence is None:
             return
-        self.progress = Handoff(ws.session_id, str(ws.gateway), ws.sequence)
+        session, upto = ws.session_id, ws.sequence
+        for stop in [*self._in_hand.values(), self._unread]:
+            if stop is not None and stop[0] == session:
+                upto = min(upto, stop[1] - 1)
+        current = self.progress
+        if current is None or current.session != session or upto > current.seq:
+            self.progress = Handoff(session, str(ws.gateway), upto)
 
-    def freeze(self) -> None:
-        """`progress` stays where it is from now on (intake stops: what arrives is not handled)."""
-        self._frozen = True
+    async def settled(self) -> None:
+        """Return once every message dispatched has been looked at or let go."""
+        await self._idle.wait()
 
     # --- the gateway connection -----------------------------------------------------------
 
@@ -225,21 +240,29 @@ class BotClient(discord.Client):
         self._connected(False)
 
     async def on_message(self, message: discord.Message) -> None:
+        looked = False
         try:
-            await self._events.message(self, message)
+            looked = self.ours() and await self._events.message(self, message)
+        except Exception:
+            looked = True  # a bug, logged by discord.py: the next holder would only fail the same way
+            raise
         finally:
-            self._in_hand -= 1
+            where = self._in_hand.pop(message.id, None)
+            if not looked and where is not None and (self._unread is None or where[1] < self._unread[1]):
+                self._unread = where
+            if not self._in_hand:
+                self._idle.set()
             self._settle()
 
     async def on_interaction(self, interaction: Interaction) -> None:
-        if interaction.type is discord.InteractionType.component:
+        if interaction.type is discord.InteractionType.component and self.ours():
             await self._events.component(interaction)
 
-
-def _command_callback(events: ClientEvents, name: str) -> Callable[[Interaction], Coroutine[Any, Any, None]]:
-    async def callback(interaction: Interaction) -> None:
-        await events.command(interaction, name)
-    return callback
+    def _command(self, name: str) -> Callable[[Interaction], Coroutine[Any, Any, None]]:
+        async def callback(interaction: Interaction) -> None:
+            if self.ours():
+                await self._events.command(interaction, name)
+        return callback
 
 
 async def log_in(client: BotClient, token: str) -> bool:

@@ -155,11 +155,6 @@ class DiscordConnection:
 
     # --- stopping -------------------------------------------------------------------------
 
-    def freeze(self) -> None:
-        """Intake stops now (see `DiscordShard.freeze`)."""
-        for shard in self.shards:
-            shard.freeze()
-
     async def hand_on(self) -> None:
         """A clean stop in cluster mode: every shard held here goes to another worker now."""
         await self._stop_balancing()

@@ -73,21 +73,26 @@ class DiscordIntake:
 
     # --- messages -------------------------------------------------------------------------
 
-    async def message(self, client: discord.Client, message: discord.Message) -> None:
-        if self._closing or message.author.bot or message.type not in _USER_MESSAGES:
-            return  # bot messages (our own echoes included) never start turns
+    async def message(self, client: discord.Client, message: discord.Message) -> bool:
+        """Hand a message that addresses the bot to the router; False if it was not looked at
+        (intake has stopped: in cluster mode the shard's next holder gets it again)."""
+        if self._closing:
+            return False
+        if message.author.bot or message.type not in _USER_MESSAGES:
+            return True  # bot messages (our own echoes included) never start turns
         try:
             chat = await self._chat(client, message.channel)
             if chat is None:
-                return
+                return True
             text = message.content
             if chat.chat_type is not ChatType.DM:
                 text = strip_mentions(message, client.user)
                 if not self._addressed(client, message, chat, text):
-                    return
+                    return True
             await self._submit(_inbound(message, chat, text), None)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
+        return True
 
     async def _chat(self, client: discord.Client, channel: object) -> ChatRef | None:
         """The chat of a message's channel. A guild channel discord.py has not cached is looked up

@@ -7,12 +7,14 @@ once — before another worker can take the lease, which Redis keeps a margin lo
 the session's progress on through the lease's state (`Handoff`, fenced: only the holder writes
 it). Whoever takes the shard next RESUMEs the session from there, so messages sent while nobody
 held the shard are replayed by Discord, not lost. On a clean stop the holder hands on at once:
-progress frozen, the connection closed resumably, the lease released.
+the connection closed resumably, the messages in hand looked at (or let go), where the session
+stands saved, the lease released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ NewClient = Callable[..., BotClient]  # (shard_id=, shard_count=, handoff=, may_
 # i such steps, so workers starting together do not each try for every shard at the same moment.
 STAGGER_S = 0.1
 STAGGER_MAX_S = 1.0
+SETTLE_S = 2.0  # how long a holder handing on waits for the messages in hand (handed to the router in ms)
 ASIDE_S = 3.0  # a shard handed on to spread the load is not tried for again before this (others try every second)
 
 
@@ -184,6 +187,9 @@ class DiscordShard:
         if self._leader is None:
             return
         if client is not None and self._leader.held():
+            with contextlib.suppress(TimeoutError):  # what is in hand now is not replayed to the next holder
+                async with asyncio.timeout(SETTLE_S):
+                    await client.settled()
             await self._hand_on(client, every=0.0)
         await self._leader.release()
 
@@ -194,11 +200,6 @@ class DiscordShard:
         self._aside = True
 
     # --- stopping -------------------------------------------------------------------------
-
-    def freeze(self) -> None:
-        """Intake stops now: what arrives from here on is not handled, so progress stays put."""
-        if self.client is not None:
-            self.client.freeze()
 
     async def hand_on(self) -> None:
         """Cluster mode, a clean stop: end the connection (resumable), save where the session

@@ -306,3 +306,39 @@ async def test_a_stopping_worker_hands_its_shards_on_at_once(
         end_all(*pair)
     _check_each_answered_once(fake, provider, sent, 2)
     assert fake.shard_overlaps() == [] and fake.identify_count == 2
+
+
+@pytest.mark.timeout(150)
+async def test_a_holder_paused_past_its_lease_lets_go_of_its_shard_when_it_wakes(
+        fake: FakeDiscord, redis_server: RedisServer, provider: FakeProvider, tmp_path: Path) -> None:
+    provider.words = 2
+    pair = _workers(2, fake, redis_server, provider, tmp_path)
+    sent = Sent()
+    try:
+        await start_all(*pair)
+        await until(lambda: set(_shard_holders(redis_server, fake).values()) == {w.worker_id for w in pair}, 30,
+                    f"a shard held by each worker: {_shard_holders(redis_server, fake)}")
+        await until(lambda: fake.live_shards() == {0: 1, 1: 1}, 30, "both shards connected")
+        paused = next(w for w in pair if w.worker_id == _shard_holders(redis_server, fake)[1])
+        other = next(w for w in pair if w is not paused)
+        links_before = len(fake.shard_links)
+        paused.signal(signal.SIGSTOP)
+        try:
+            await _send_round(fake, sent, "while paused", 1)
+            await until(lambda: _shard_holders(redis_server, fake)[1] == other.worker_id, TTL + 10,
+                        "the paused worker's shard taken over")
+            await until(lambda: fake.live_shards() == {0: 1, 1: 1}, 10, "shard 1 connected again")
+        finally:
+            paused.signal(signal.SIGCONT)
+        # Awake, the paused worker can no longer prove its lease: it lets the shard go, and must not
+        # take the session back from the worker now holding it.
+        await until(lambda: "cannot prove its lease" in paused.log.read_text(), 10, "the woken worker let go")
+        await _send_round(fake, sent, "after waking", 2)
+        await until(_all_answered(fake, sent, 2), 30, "every message answered")
+        assert fake.live_shards() == {0: 1, 1: 1}
+        # Each move (the takeover; later maybe the shard's way back, to spread the load) resumed the session.
+        assert {link.how for link in fake.shard_links[links_before:]} == {"resume"}
+    finally:
+        end_all(*pair)
+    _check_each_answered_once(fake, provider, sent, 2)
+    assert fake.shard_overlaps() == []
