@@ -97,7 +97,7 @@ class DiscordIntake:
     async def _chat(self, client: discord.Client, channel: object) -> ChatRef | None:
         """The chat of a message's channel. A guild channel discord.py has not cached is looked up
         once: a shard whose session was resumed from another worker never received its guilds,
-        and a thread must still be the session of its own it was there."""
+        and a thread is a session of its own there too."""
         if not isinstance(channel, discord.PartialMessageable) or channel.guild_id is None:
             return chat_for(channel)
         known = self._channels.get(channel.id)

@@ -259,9 +259,12 @@ async def test_two_workers_hold_a_shard_each_and_a_killed_holders_shard_resumes_
     finally:
         end_all(*pair)
     _check_each_answered_once(fake, provider, sent, 2)
-    # The thread is still a session of its own after the move (its history came along).
+    # The thread is still a session of its own after the move (its history came along), though the
+    # resumed session never told the new holder it is a thread: it looked the channel up.
     (second,) = provider.requests_for("thread, second")
     assert "thread, first" in [m["content"] for m in second.body["messages"] if m["role"] == "user"]
+    lookups = [c.status for c in fake.requests if c.method == "GET" and c.path == f"/channels/{THREAD_ID}"]
+    assert lookups and set(lookups) == {200}  # (once by each holder that resumed the session)
     assert fake.shard_overlaps() == []  # never two connections on one shard
     assert fake.identify_count == 2  # each shard identified once: every move resumed its session
 
