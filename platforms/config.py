@@ -57,3 +57,6 @@ class DiscordConfig:
     edit_interval_s: float = 1.0
     register_commands: bool = True
     stop_button: bool = True  # a "⏹ Stop" button on streaming answers
+    # Gateway connections (shards); each guild's events come through shard (guild_id >> 22) % N, DMs
+    # through shard 0. One process runs them all; in cluster mode each is a lease, held by one worker.
+    shard_count: int = 1

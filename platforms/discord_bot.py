@@ -1,16 +1,18 @@
 """Discord adapter on discord.py 2.7: DMs, guild channels and threads; text and application commands.
 
 The adapter wires three owners together: `DiscordConnection` (`platforms/discord_connection.py`:
-login, the gateway connection, health), `DiscordIntake` (`platforms/discord_intake.py`: which
-messages address the bot, application commands, Stop button presses) and `DiscordOutbound`
-(`platforms/discord_outbound.py`: sends and edits, failures mapped). Outbound calls queue on the
-adapter's per-channel outbox. On stop, the client stays open until the replies in flight have
-shown how they ended.
+login, the gateway's shards — `platforms/discord_shards.py` —, health), `DiscordIntake`
+(`platforms/discord_intake.py`: which messages address the bot, application commands, Stop
+button presses) and `DiscordOutbound` (`platforms/discord_outbound.py`: sends and edits, failures
+mapped). Outbound calls queue on the adapter's per-channel outbox. On stop, the clients stay open
+until the replies in flight have shown how they ended; in cluster mode the shards held here go to
+other workers at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import discord
@@ -44,7 +46,8 @@ class DiscordAdapter(Adapter):
     LOGIN_RETRY_MAX_S: ClassVar[float] = 60.0
     CLOSE_GRACE_S: ClassVar[float] = 15.0
 
-    def __init__(self, config: DiscordConfig, *, leader: IngressLeader | None = None, **client_options: Any) -> None:
+    def __init__(self, config: DiscordConfig, *, leaders: Sequence[IngressLeader] | None = None,
+                 **client_options: Any) -> None:
         if config.token is None:
             raise ValueError("discord.token is required")
         self._config = config
@@ -54,9 +57,11 @@ class DiscordAdapter(Adapter):
         sent: BoundedMap[int, None] = BoundedMap(SENT_IDS_MAX)
         self._intake = DiscordIntake(config, self._submit, self.stop_buttons, sent,
                                      defer_after_s=lambda: self.DEFER_AFTER_S)
-        # Cluster mode: only the worker holding the leader's lease connects to the gateway; any may send.
+        # Cluster mode: a shard is connected by the worker holding its lease (`leaders`, one per
+        # shard); any worker may send.
         self._connection = DiscordConnection(
-            config.token.reveal(), self._intake, register_commands=config.register_commands, leader=leader,
+            config.token.reveal(), self._intake, register_commands=config.register_commands,
+            shard_count=config.shard_count, leaders=leaders,
             retry=Backoff(self.LOGIN_RETRY_S, self.LOGIN_RETRY_MAX_S, jitter=0.0),
             reidentify_delay_s=self.reidentify_delay_s, client_options={**self.client_options, **client_options})
         self._out = DiscordOutbound(self._connection, sent)
@@ -69,7 +74,7 @@ class DiscordAdapter(Adapter):
 
     @property
     def client(self) -> discord.Client:
-        """The current discord.py client (a login retry replaces it)."""
+        """The discord.py client for REST calls (a login retry replaces it)."""
         return self._connection.client
 
     @property
@@ -86,9 +91,11 @@ class DiscordAdapter(Adapter):
         return self._connection.health()
 
     async def stop(self) -> None:
-        """Stop intake now; close the client once in-flight replies have shown how they ended."""
+        """Stop intake now (in cluster mode handing the shards held here on to other workers);
+        close the clients once in-flight replies have shown how they ended."""
         self._closing = True
-        self._intake.stop()
+        self._intake.stop()  # what arrives from now on is not looked at: the shard's next holder gets it
+        await self._connection.hand_on()
         if not self._replies:
             await self._close()
         elif self._close_timer is None:  # in case a reply never reports its end

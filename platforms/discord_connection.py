@@ -1,169 +1,128 @@
-"""The Discord gateway connection: log in, register the application commands, connect, report health.
+"""One bot's connections to Discord: log in, register the application commands, run the gateway
+shards, report health.
 
-discord.py owns the connection itself (heartbeats, RESUME, re-IDENTIFY); this module decides when
-to connect (in cluster mode only while this worker holds the ingress lease), retries a login that
-failed on the way (on a fresh client), and turns what happened into the adapter's health.
+A client for REST calls (sends, edits, typing, the command registration) is logged in at start,
+with a retry on a fresh client after a failure that may pass; every worker has one. The gateway
+is `shard_count` shards (`platforms/discord_shards.py`), each with a client of its own: all of
+them in one process; in cluster mode each one wherever its lease is held. discord.py owns each
+connection itself (heartbeats, RESUME, re-IDENTIFY); this module and the shards decide when to
+connect, and turn what happened into the adapter's health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
-import aiohttp
 import discord
-from discord import app_commands
 
-from gateway.core import commands
 from gateway.core.backoff import Backoff
 from gateway.core.ports import Health
+from platforms.discord_client import TRANSIENT, BotClient, ClientEvents, Fatal, IdentifyGate, describe, log_in
+from platforms.discord_shards import ASIDE_S, STAGGER_MAX_S, DiscordShard
 from platforms.ingress import IngressLeader
 
 log = logging.getLogger("platforms.discord_bot")  # the Discord adapter logs under one name
 
-TRANSIENT = (aiohttp.ClientError, OSError, TimeoutError)
-CLOSE_WAIT_S = 5.0  # how long the gateway task may take to end after the client is closed
-Interaction = discord.Interaction[Any]
-
-
-class Fatal(Exception):
-    """A failure no retry fixes (a rejected token); the text says what to do."""
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, discord.HTTPException):
-        return f"HTTP {exc.status} (code {exc.code}): {exc.text or 'no details'}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-class ClientEvents(Protocol):
-    """Where the client hands what users do (the adapter's intake)."""
-
-    async def message(self, client: discord.Client, message: discord.Message) -> None: ...
-
-    async def component(self, interaction: Interaction) -> None: ...
-
-    async def command(self, interaction: Interaction, name: str) -> None: ...
-
-
-class _Client(discord.Client):
-    """A discord.Client that forwards events; it holds no state of its own."""
-
-    def __init__(self, events: ClientEvents, connected: Callable[[bool], None], *, reidentify_delay_s: float,
-                 **options: Any) -> None:
-        intents = discord.Intents.none()
-        intents.guilds = intents.guild_messages = intents.dm_messages = intents.message_content = True
-        defaults: dict[str, Any] = {
-            "allowed_mentions": discord.AllowedMentions.none(),  # model text must never ping anyone
-            "max_messages": None,  # edits go through PartialMessage; no message cache needed
-            "max_ratelimit_timeout": 30.0,  # longer waits raise discord.RateLimited instead of sleeping
-        }
-        # The daemon never joins voice: skip discord.py's warnings about missing voice libraries.
-        discord.VoiceClient.warn_nacl = discord.VoiceClient.warn_dave = False
-        super().__init__(intents=intents, **{**defaults, **options})
-        self._events = events
-        self._connected = connected
-        self._reidentify_delay_s = reidentify_delay_s
-        self.tree: app_commands.CommandTree[_Client] = app_commands.CommandTree(self)
-        for name, description in commands.menu():
-            self.tree.add_command(app_commands.Command(name=name, description=description,
-                                                       callback=_command_callback(events, name)))
-
-    async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
-        if not initial:  # Discord allows one IDENTIFY per 5 s; discord.py's default waits that long
-            await asyncio.sleep(self._reidentify_delay_s)
-
-    async def on_ready(self) -> None:
-        self._connected(True)
-
-    async def on_resumed(self) -> None:
-        self._connected(True)
-
-    async def on_disconnect(self) -> None:
-        self._connected(False)
-
-    async def on_message(self, message: discord.Message) -> None:
-        await self._events.message(self, message)
-
-    async def on_interaction(self, interaction: Interaction) -> None:
-        if interaction.type is discord.InteractionType.component:
-            await self._events.component(interaction)
-
-
-def _command_callback(events: ClientEvents, name: str) -> Callable[[Interaction], Coroutine[Any, Any, None]]:
-    async def callback(interaction: Interaction) -> None:
-        await events.command(interaction, name)
-    return callback
+CLOSE_WAIT_S = 5.0  # how long the start task may take to end after the client is closed
 
 
 class DiscordConnection:
-    """One bot's gateway connection; `client` is the current discord.py client (a login retry
-    starts on a fresh one)."""
+    """`client` is the REST client (a login retry replaces it); `shards` the gateway's shards.
+    `leaders` (cluster mode): one ingress lease per shard, in shard order."""
 
-    def __init__(self, token: str, events: ClientEvents, *, register_commands: bool, leader: IngressLeader | None,
-                 retry: Backoff, reidentify_delay_s: float, client_options: dict[str, Any]) -> None:
+    BALANCE_EVERY_S: ClassVar[float] = 5.0  # how often a worker compares its shards with its fair share
+
+    def __init__(self, token: str, events: ClientEvents, *, register_commands: bool, shard_count: int,
+                 leaders: Sequence[IngressLeader] | None, retry: Backoff, reidentify_delay_s: float,
+                 client_options: dict[str, Any]) -> None:
+        if leaders is not None and len(leaders) != shard_count:
+            raise ValueError(f"one ingress leader per shard: {shard_count} shard(s), {len(leaders)} leader(s)")
         self._token = token
         self._events = events
         self._register_commands = register_commands
-        self._leader = leader
         self._retry = retry
-        self._client_options = {"reidentify_delay_s": reidentify_delay_s, **client_options}
+        self._gate = IdentifyGate(reidentify_delay_s)  # shared by this process's shards
+        self._client_options = client_options
         self.client = self._new_client()
+        self.shards = [
+            DiscordShard(i, shard_count, token=token, new_client=self._new_client,
+                         leader=leaders[i] if leaders is not None else None,
+                         retry=Backoff(retry.first, retry.cap, jitter=retry.jitter), held_here=self._held_here)
+            for i in range(shard_count)]
+        self._leaders = leaders
+        self._clustered = leaders is not None
         self._task: asyncio.Task[None] | None = None
-        self._connected = False
-        self._standby = False
+        self._balancer: asyncio.Task[None] | None = None
         self._problem: str | None = None
 
-    def _new_client(self) -> _Client:
-        return _Client(self._events, self._set_connected, **self._client_options)
+    def _new_client(self, **shard: Any) -> BotClient:
+        return BotClient(self._events, gate=self._gate, **shard, **self._client_options)
+
+    def _held_here(self) -> int:
+        return sum(shard.held for shard in self.shards)
 
     async def start(self) -> None:
-        """Log in (a rejected token leaves the adapter unhealthy, not the daemon down), then connect
-        in the background."""
+        """Log in (a rejected token leaves the adapter unhealthy, not the daemon down), then
+        register the commands and run the shards in the background."""
         try:
             logged_in = await self._login()
         except Fatal as exc:
             self._fail(str(exc))
             return
-        self._task = asyncio.get_running_loop().create_task(self._run(logged_in), name="discord-gateway")
+        self._task = asyncio.get_running_loop().create_task(self._run(logged_in), name="discord-start")
 
     async def _login(self) -> bool:
         """True once logged in, False on a transient failure; raises Fatal for a rejected token."""
-        try:
-            await self.client.login(self._token)
+        if await log_in(self.client, self._token):
             return True
-        except discord.LoginFailure:
-            raise Fatal("the bot token was rejected (401 Unauthorized); check discord.token") from None
-        except (discord.HTTPException, *TRANSIENT) as exc:
-            log.warning("discord: login failed (%s); will retry", describe(exc))
-            await self.client.close()  # a retry logs in on a fresh client (fresh HTTP session)
-            self.client = self._new_client()
-            return False
+        self.client = self._new_client()  # a retry logs in on a fresh client (fresh HTTP session)
+        return False
 
     async def _run(self, logged_in: bool) -> None:
         try:
             while not logged_in:
                 await asyncio.sleep(self._retry.step())
                 logged_in = await self._login()
-            if self._register_commands:
-                await self._sync_commands()
-            if self._leader is not None:  # cluster mode: one gateway connection per bot token
-                self._standby = True
-                await self._leader.wait()
-                self._standby = False
-            await self.client.connect(reconnect=True)  # returns when closed; reconnects on its own
         except Fatal as exc:
             self._fail(str(exc))
-        except discord.PrivilegedIntentsRequired:
-            self._fail("the Message Content intent is not enabled for this bot in the Discord developer portal")
-        except (discord.DiscordException, *TRANSIENT) as exc:
-            if not self.client.is_closed():
-                self._fail(f"the gateway connection ended: {describe(exc)}")
-        except Exception:
-            log.exception("discord: the gateway task crashed")
-            self._problem = "the gateway task crashed (see the log)"
+            return
+        if self._register_commands:
+            await self._sync_commands()
+        for shard in self.shards:
+            shard.start()
+        if self._leaders is not None and len(self.shards) > 1:
+            self._balancer = asyncio.get_running_loop().create_task(self._balance(self._leaders[0]))
+
+    async def _balance(self, leader: IngressLeader) -> None:
+        """Cluster mode: shards go to whichever worker takes them first (one holding fewer has a
+        head start), so a worker that was up alone, or outlived the others, may hold more than its
+        share. Holding more than ceil(shards / live workers) twice in a row, it hands one on. If
+        nobody took it (it is back here), it waits twice as long before the next time."""
+        patience, handed = 1, None
+        while True:
+            wait = self.BALANCE_EVERY_S * patience
+            await asyncio.sleep(wait if handed is None else max(wait, ASIDE_S + STAGGER_MAX_S))
+            if handed is not None:
+                patience = min(16, patience * 2) if handed.held else 1
+                handed = None
+            if not await self._over_share(leader):
+                continue
+            await asyncio.sleep(self.BALANCE_EVERY_S)  # twice in a row: not a moment while workers start
+            if over := await self._over_share(leader):
+                handed = over[-1]
+                handed.step_aside()
+
+    async def _over_share(self, leader: IngressLeader) -> list[DiscordShard]:
+        """The connected shards held here, if this worker holds more than its share; else none."""
+        workers = await leader.live_workers()
+        share = math.ceil(len(self.shards) / workers) if workers else len(self.shards)
+        if sum(shard.held for shard in self.shards) <= share:
+            return []
+        return [shard for shard in self.shards if shard.held and shard.connected]
 
     async def _sync_commands(self) -> None:
         try:
@@ -176,34 +135,47 @@ class DiscordConnection:
         self._problem = problem
         log.error("discord: %s", problem)
 
-    def _set_connected(self, connected: bool) -> None:
-        was, self._connected = self._connected, connected
-        user = self.client.user
-        if connected and user is not None:
-            if not was:
-                log.info("discord: connected as %s (%s)", user.name, user.id)
-        elif was and not connected and not self.client.is_closed():
-            log.info("discord: gateway disconnected; discord.py is reconnecting")
-
     def health(self) -> Health:
         if self._problem is not None:
             return Health(False, self._problem)
-        if self._standby:
-            return Health(True, "standing by: another worker holds the Discord gateway")
         if self.client.is_closed():
             return Health(False, "stopped")
-        if self._connected and self.client.is_ready():
-            return Health(True, f"connected as {self.client.user}")
-        return Health(False, "connecting to the Discord gateway")
+        states = [(shard, health) for shard in self.shards if (health := shard.health()) is not None]
+        if not states and self._clustered and self._task is not None and self._task.done():
+            return Health(True, "standing by: another worker holds the Discord gateway"
+                          if len(self.shards) == 1 else "standing by: other workers hold the Discord shards")
+        if not states or not all(h.ok for _, h in states):
+            down = [h.detail for _, h in states if not h.ok and h.detail != "connecting"]
+            return Health(False, down[0] if down else "connecting to the Discord gateway")
+        text = f"connected as {self.client.user}"
+        if len(self.shards) > 1:
+            text += f" (shard{'s' if len(states) > 1 else ''} {', '.join(str(s.shard_id) for s, _ in states)}" \
+                    f" of {len(self.shards)})"
+        return Health(True, text)
+
+    # --- stopping -------------------------------------------------------------------------
+
+    async def hand_on(self) -> None:
+        """A clean stop in cluster mode: every shard held here goes to another worker now."""
+        await self._stop_balancing()
+        await asyncio.gather(*(shard.hand_on() for shard in self.shards))
+
+    async def _stop_balancing(self) -> None:
+        balancer, self._balancer = self._balancer, None
+        if balancer is not None:
+            balancer.cancel()
+            await asyncio.wait({balancer})
 
     async def close(self) -> None:
-        """Close the client and end the gateway task."""
+        """End the shards' connections, close every client and end the start task."""
         task = self._task
-        if task is not None and not self.client.is_ready():
-            task.cancel()  # still logging in or connecting: nothing to wind down
+        if task is not None and not task.done():
+            task.cancel()  # still logging in or registering: nothing to wind down
+        await self._stop_balancing()
+        await asyncio.gather(*(shard.close() for shard in self.shards))
         await self.client.close()
         if task is not None:
             _done, late = await asyncio.wait({task}, timeout=CLOSE_WAIT_S)
             for stuck in late:
-                log.warning("discord: the gateway task did not end after close")
+                log.warning("discord: the start task did not end after close")
                 stuck.cancel()

@@ -19,7 +19,7 @@ from gateway.core.messages import ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Outcome, Submitted
 from platforms import stop_button
 from platforms.config import DiscordConfig
-from platforms.discord_connection import TRANSIENT, Interaction, describe
+from platforms.discord_client import TRANSIENT, Interaction, describe
 from platforms.stop_button import PressOutcome, StopButtons, Submit
 
 log = logging.getLogger("platforms.discord_bot")  # the Discord adapter logs under one name
@@ -29,6 +29,7 @@ MAX_LEN = 2000
 RESTARTING = "The gateway is restarting; please try again in a moment."
 WRONG_PLACE = "This command works in DMs, text channels and threads."
 _USER_MESSAGES = (discord.MessageType.default, discord.MessageType.reply)
+CHANNELS_MAX = 10_000  # guild channels looked up (not in discord.py's cache), by id
 
 
 @dataclass(eq=False)
@@ -54,6 +55,7 @@ class DiscordIntake:
         self._sent = sent
         self._defer_after_s = defer_after_s  # read at each command (a setting of the adapter class)
         self._interactions: dict[str, _PendingInteraction] = {}
+        self._channels: BoundedMap[int, ChatRef] = BoundedMap(CHANNELS_MAX, touch=True)
         self._closing = False
 
     def stop(self) -> None:
@@ -71,21 +73,43 @@ class DiscordIntake:
 
     # --- messages -------------------------------------------------------------------------
 
-    async def message(self, client: discord.Client, message: discord.Message) -> None:
-        if self._closing or message.author.bot or message.type not in _USER_MESSAGES:
-            return  # bot messages (our own echoes included) never start turns
-        chat = chat_for(message.channel)
-        if chat is None:
-            return
+    async def message(self, client: discord.Client, message: discord.Message) -> bool:
+        """Hand a message that addresses the bot to the router; False if it was not looked at
+        (intake has stopped: in cluster mode the shard's next holder gets it again)."""
+        if self._closing:
+            return False
+        if message.author.bot or message.type not in _USER_MESSAGES:
+            return True  # bot messages (our own echoes included) never start turns
         try:
+            chat = await self._chat(client, message.channel)
+            if chat is None:
+                return True
             text = message.content
             if chat.chat_type is not ChatType.DM:
                 text = strip_mentions(message, client.user)
                 if not self._addressed(client, message, chat, text):
-                    return
+                    return True
             await self._submit(_inbound(message, chat, text), None)
         except Exception:
             log.exception("discord: could not handle message %s", message.id)
+        return True
+
+    async def _chat(self, client: discord.Client, channel: object) -> ChatRef | None:
+        """The chat of a message's channel. A guild channel discord.py has not cached is looked up
+        once: a shard whose session was resumed from another worker never received its guilds,
+        and a thread is a session of its own there too."""
+        if not isinstance(channel, discord.PartialMessageable) or channel.guild_id is None:
+            return chat_for(channel)
+        known = self._channels.get(channel.id)
+        if known is None:
+            try:
+                known = chat_for(await client.fetch_channel(channel.id)) or chat_for(channel)
+            except (discord.HTTPException, *TRANSIENT) as exc:
+                log.warning("discord: could not look channel %s up: %s", channel.id, describe(exc))
+                return chat_for(channel)
+            if known is not None:
+                self._channels[channel.id] = known
+        return known
 
     def _addressed(self, client: discord.Client, message: discord.Message, chat: ChatRef, text: str) -> bool:
         """In a guild: a mention, a reply to the bot, a known command, or any message in "all" mode."""

@@ -12,7 +12,8 @@ import discord
 from gateway.core.bounded import BoundedMap
 from gateway.core.messages import ChatRef
 from platforms import stop_button
-from platforms.discord_connection import TRANSIENT, DiscordConnection, describe
+from platforms.discord_client import TRANSIENT, describe
+from platforms.discord_connection import DiscordConnection
 from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
 
 T = TypeVar("T")

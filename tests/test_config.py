@@ -85,6 +85,18 @@ def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(tmp_path: Path, toml
     assert "Traceback" not in result.stderr
 
 
+def test_discord_shard_count_from_toml_or_the_environment_and_at_least_one(tmp_path: Path) -> None:
+    assert Config().discord.shard_count == 1
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[discord]\nshard_count = 4\n")
+    assert load_config(cfg, {}).discord.shard_count == 4
+    assert load_config(cfg, {"SWITCHBOARD_DISCORD__SHARD_COUNT": "2"}).discord.shard_count == 2
+    with pytest.raises(ConfigError, match=r"discord.shard_count: must be greater than 0 \(got 0\)"):
+        load_config(None, {"SWITCHBOARD_DISCORD__SHARD_COUNT": "0"})
+    with pytest.raises(ConfigError, match=r"discord.shard_count: must be a number"):
+        load_config(None, {"SWITCHBOARD_DISCORD__SHARD_COUNT": "two"})
+
+
 def test_tenants_from_toml_the_environment_a_file_and_credentials(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text('[api]\nenabled = true\ntenants = { team-a = "sk-a", "team.b" = "sk-b" }\n')

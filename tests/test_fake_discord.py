@@ -21,22 +21,23 @@ from tests.fakes.discord_api import (
     GUILD_ID,
     TEXT_CHANNEL_ID,
     THREAD_ID,
+    FakeChannel,
     FakeDiscord,
+    FakeGuild,
     patch_discord,
+    shard_of,
 )
-
-pytestmark = pytest.mark.asyncio
 
 
 class Bot(discord.Client):
     """Client that queues every non-own message and flags lifecycle events."""
 
-    def __init__(self, *, message_content: bool = True, members: bool = False) -> None:
+    def __init__(self, *, message_content: bool = True, members: bool = False, **options: Any) -> None:
         intents = discord.Intents.default()
         intents.message_content = message_content
         intents.members = members
         # guild_ready_timeout: discord.py waits this long after the last GUILD_CREATE before on_ready.
-        super().__init__(intents=intents, guild_ready_timeout=0.05)
+        super().__init__(intents=intents, guild_ready_timeout=0.05, **options)
         self.inbox: asyncio.Queue[discord.Message] = asyncio.Queue()
         self.ready_count = 0
         self.resumed = asyncio.Event()
@@ -113,7 +114,9 @@ async def test_login_and_ready(fake: FakeDiscord, client: Bot) -> None:
     paths = [c.path for c in fake.requests]
     assert paths[:2] == ["/users/@me", "/oauth2/applications/@me"]
     assert fake.connections == fake.identify_count == 1
-    assert fake.gateway_queries[0] == {"v": "10", "encoding": "json", "compress": "zlib-stream"}
+    # zlib-stream, or zstd-stream where the zstandard module is installed (the fake then sends plain text)
+    compress = discord.utils._ActiveDecompressionContext.COMPRESSION_TYPE
+    assert fake.gateway_queries[0] == {"v": "10", "encoding": "json", "compress": compress}
 
 
 async def test_bad_token_is_rejected(fake: FakeDiscord) -> None:
@@ -480,3 +483,123 @@ async def test_latency_slows_one_channel_only(fake: FakeDiscord, client: Bot) ->
     slow_done = time.monotonic() - started
     assert fast_done < 0.5 <= slow_done
     assert [c.channel_id for c in fake.sent] == [THREAD_ID, TEXT_CHANNEL_ID]
+
+
+# --- shards -------------------------------------------------------------------------------------
+
+EVEN_GUILD, EVEN_CHANNEL = GUILD_ID + (1 << 22), 1200000000000000030  # shard 0 of 2 (GUILD_ID: shard 1)
+
+
+def test_shard_of_follows_discords_rule() -> None:
+    assert shard_of((5 << 22) | 123, 3) == 2 and shard_of(5 << 22, 5) == 0 and shard_of(7 << 22, 1) == 0
+    assert (shard_of(EVEN_GUILD, 2), shard_of(GUILD_ID, 2)) == (0, 1)
+    assert shard_of(None, 4) == 0  # DMs: shard 0
+
+
+@pytest_asyncio.fixture
+async def two_guilds() -> AsyncIterator[FakeDiscord]:
+    guilds = [FakeGuild(GUILD_ID, "odd", [FakeChannel(TEXT_CHANNEL_ID, "general")], [ALICE_ID]),
+              FakeGuild(EVEN_GUILD, "even", [FakeChannel(EVEN_CHANNEL, "general")], [ALICE_ID])]
+    async with FakeDiscord(guilds=guilds) as server, patch_discord(server):
+        yield server
+
+
+async def _shards(fake: FakeDiscord, *shard_ids: int) -> list[tuple[Bot, asyncio.Task[None]]]:
+    bots = []
+    for shard_id in shard_ids:
+        bot = Bot(shard_id=shard_id, shard_count=2)
+        bots.append((bot, await _run(bot, fake)))
+    return bots
+
+
+async def test_each_shard_gets_its_guilds_and_shard_zero_the_dms(two_guilds: FakeDiscord) -> None:
+    fake = two_guilds
+    (zero, t0), (one, t1) = await _shards(fake, 0, 1)
+    try:
+        assert [g.id for g in zero.guilds] == [EVEN_GUILD] and [g.id for g in one.guilds] == [GUILD_ID]
+        identified = [p["d"]["shard"] for p in fake.gateway_received if p["op"] == 2]
+        assert identified == [[0, 2], [1, 2]]
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "odd", author_id=ALICE_ID)
+        await fake.dispatch_message(EVEN_CHANNEL, "even", author_id=ALICE_ID)
+        await fake.dispatch_message(fake.dm_channel_id(ALICE_ID), "dm", author_id=ALICE_ID)
+        assert (await one.next_message()).content == "odd"
+        assert [(await zero.next_message()).content for _ in range(2)] == ["even", "dm"]
+        await asyncio.sleep(0.1)
+        assert one.inbox.empty() and zero.inbox.empty()
+        assert fake.live_shards() == {0: 1, 1: 1} and fake.shard_overlaps() == []
+        assert [(link.shard, link.count, link.how) for link in fake.shard_links] == [(0, 2, "identify"),
+                                                                                     (1, 2, "identify")]
+    finally:
+        await _stop(zero, t0)
+        await _stop(one, t1)
+    assert fake.live_shards() == {}
+
+
+async def test_a_shard_connected_twice_gets_its_events_twice_and_is_recorded(two_guilds: FakeDiscord) -> None:
+    fake = two_guilds
+    (first, t0), (second, t1) = await _shards(fake, 1, 1)
+    try:
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "both", author_id=ALICE_ID)
+        assert (await first.next_message()).content == (await second.next_message()).content == "both"
+        assert fake.live_shards() == {1: 2}
+        ((a, b),) = fake.shard_overlaps()
+        assert (a.shard, b.shard) == (1, 1) and a.session != b.session
+    finally:
+        await _stop(first, t0)
+        await _stop(second, t1)
+
+
+async def _raw_resume(fake: FakeDiscord, session: str, seq: int) -> tuple[aiohttp.ClientSession, Any, list[Any]]:
+    """A bare websocket that RESUMEs `session` from `seq` (what another process taking a shard over
+    does): its open socket and what it received up to RESUMED or op 9."""
+    http = aiohttp.ClientSession()
+    ws = await http.ws_connect(fake.gateway_url)
+    got = [await ws.receive_json(timeout=5)]  # HELLO
+    await ws.send_json({"op": 6, "d": {"token": fake.token, "session_id": session, "seq": seq}})
+    while got[-1]["op"] != 9 and got[-1].get("t") != "RESUMED":
+        got.append(await ws.receive_json(timeout=5))
+    return http, ws, got[1:]
+
+
+async def test_a_session_is_resumed_by_another_connection(two_guilds: FakeDiscord) -> None:
+    fake = two_guilds
+    ((bot, task),) = await _shards(fake, 1)
+    await fake.dispatch_message(TEXT_CHANNEL_ID, "seen", author_id=ALICE_ID)
+    assert (await bot.next_message()).content == "seen"
+    session, seq = bot.ws.session_id, bot.ws.sequence
+    assert session is not None and seq is not None
+    task.cancel()  # the holder goes away without a clean close (as a killed process does)
+    await asyncio.wait({task})
+    await bot.ws.close(code=4000)
+    await bot.close()
+    assert fake.live_shards() == {}
+    missed = await fake.dispatch_message(TEXT_CHANNEL_ID, "while nobody held the shard", author_id=ALICE_ID)
+    http, ws, got = await _raw_resume(fake, session, seq)
+    try:
+        assert [(e.get("t"), e["d"].get("id")) for e in got] == [("MESSAGE_CREATE", str(missed)), ("RESUMED", None)]
+        assert fake.live_shards() == {1: 1} and fake.shard_links[-1].how == "resume"
+        assert fake.shard_overlaps() == []
+    finally:
+        await ws.close(code=1000)
+        await http.close()
+
+
+async def test_a_cleanly_closed_session_cannot_be_resumed(two_guilds: FakeDiscord) -> None:
+    fake = two_guilds
+    ((bot, task),) = await _shards(fake, 1)
+    session, seq = bot.ws.session_id, bot.ws.sequence
+    assert session is not None and seq is not None
+    # Closed with 1000 while nothing reads the socket (discord.py's own close races its reader,
+    # which closes with 4000 first: the session then stays resumable).
+    task.cancel()
+    await asyncio.wait({task})
+    await bot.ws.close(code=1000)
+    await bot.close()
+    with pytest.raises(RuntimeError, match="no gateway session"):
+        await fake.dispatch_message(TEXT_CHANNEL_ID, "nobody there", author_id=ALICE_ID)
+    http, ws, got = await _raw_resume(fake, session, seq)
+    try:
+        assert [e["op"] for e in got] == [9]
+    finally:
+        await ws.close()
+        await http.close()

@@ -200,19 +200,25 @@ async def _status(config: Config, limit: int = 50) -> int:
         workers = cast("dict[str, str]", await redis.hgetall(keys.workers()))
         if not workers:
             print("no workers registered")
+        # Ingress leases (a Telegram poller, each Discord shard) by their holder now, not as heartbeats last said.
+        ingress = sorted({name for raw in workers.values() for name in json.loads(raw).get("ingress", {})})
+        holders = {name: cast("str | None", await redis.hget(keys.ingress(name), "worker")) for name in ingress}
         for worker, raw in sorted(workers.items()):
             beat = json.loads(raw)
             alive = cast("str | None", await redis.get(keys.worker_alive(worker)))
-            sessions = sorted(cast("set[str]", await redis.smembers(keys.worker_sessions(worker))))
+            listed = cast("set[str]", await redis.smembers(keys.worker_sessions(worker)))
+            sessions = sorted(listed - set(ingress))
             state = f"alive ({alive})" if alive else "DEAD"
             print(f"{worker}  {state}  seen {time.time() - beat['seen_at']:.0f}s ago  "
                   f"http {beat.get('http', '?')}  {len(sessions)} session(s)")
-            for name, what in sorted(beat.get("ingress", {}).items()):
-                print(f"    ingress  {name}: {what}")
+            for name in [name for name in ingress if holders[name] == worker]:
+                print(f"    ingress  {name}")
             for session in sessions[:limit]:
                 print(f"    session  {session}")
             if len(sessions) > limit:
                 print(f"    … and {len(sessions) - limit} more")
+        for name in [name for name in ingress if holders[name] is None]:
+            print(f"ingress  {name}: nobody holds it now (a standing-by worker takes it)")
         return 0
     except (RedisError, OSError) as exc:
         print(f"switchboard: cannot read cluster state from Redis ({type(exc).__name__})", file=sys.stderr)

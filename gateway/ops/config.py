@@ -356,6 +356,7 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"api.keys: required when http.host is not loopback ({c.http.host})")),
     _webhook_needs("webhook_url"),
     _webhook_needs("secret_token"),
+    Rule("Discord has a shard", _positive("discord.shard_count")),
     Rule("edit intervals are not negative", _not_negative(
         "telegram.edit_interval_s", "discord.edit_interval_s", "telegram.draft_interval_s")),
     Rule("media limits are positive", _positive(

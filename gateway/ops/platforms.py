@@ -50,7 +50,18 @@ def _discord(config: Config, cluster: Cluster | None) -> Adapter:
 
     c = config.discord
     assert c.token is not None
-    return DiscordAdapter(c, leader=_leader(cluster, "discord", c.token.reveal()))
+    return DiscordAdapter(c, leaders=discord_shard_leaders(cluster, c.token.reveal(), c.shard_count))
+
+
+def discord_shard_leaders(cluster: Cluster | None, token: str, shard_count: int) -> list[IngressLeader] | None:
+    """In cluster mode each Discord shard is an ingress lease, held by one worker. With one shard it
+    keeps the name it had before shards were leases (workers of both kinds then agree on it)."""
+    if cluster is None:
+        return None
+    name = f"discord:{keys.token_id(token)}"
+    if shard_count == 1:
+        return [IngressLeader(cluster, name)]
+    return [IngressLeader(cluster, f"{name}:shard:{i}") for i in range(shard_count)]
 
 
 def _webchat(config: Config, cluster: Cluster | None) -> Adapter:

@@ -15,6 +15,12 @@ callbacks are validated like Discord's (3 s deadline, one acknowledgement) and r
 returned ``FakeInteraction``. ``delete_message`` and ``set_latency`` simulate a deleted message and
 a slow channel.
 
+Shards: a client IDENTIFYing as shard ``[i, N]`` gets the guilds (and their events) of shard
+``shard_of(guild_id, N)`` = ``(guild_id >> 22) % N``, and shard 0 the DMs; ``shard_links`` records
+every connection's time serving a shard (``shard_overlaps()``: two at once), ``live_shards()`` the
+connections serving each shard now. A client closing with 1000 or 1001 ends its session, as on
+Discord; any other close leaves it resumable (by any connection: a RESUME names the session).
+
 See ``discord_models`` for the default ids (guild, channel, thread, users). discord.py quirks:
 ``guild_ready_timeout`` (default 2s) delays on_ready after the last GUILD_CREATE; a non-initial
 IDENTIFY sleeps 5s in ``Client.before_identify_hook`` (override it in tests); the bot's own
@@ -31,7 +37,7 @@ import discord.http
 import yarl
 from aiohttp import web
 
-from tests.fakes.discord_gateway import GatewayMixin
+from tests.fakes.discord_gateway import GatewayMixin, ShardLink, shard_of
 from tests.fakes.discord_models import (
     ALICE_ID,
     APPLICATION_ID,
@@ -155,5 +161,7 @@ __all__ = [
     "FakeInteraction",
     "FakeUser",
     "RestCall",
+    "ShardLink",
     "patch_discord",
+    "shard_of",
 ]

@@ -1,11 +1,17 @@
-"""Gateway (websocket) half of the fake Discord."""
+"""Gateway (websocket) half of the fake Discord, sharded as Discord shards: a connection
+IDENTIFYs as shard ``[i, N]`` (none: ``[0, 1]``), and a guild's events go to every session whose
+shard is ``(guild_id >> 22) % N`` (`shard_of`), DMs to shard 0. Sessions of one shard do not
+exclude each other (Discord lets a bot token connect the same shard twice, and then both get
+the events): `shard_links` records which connection served which shard when, to tell."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import dataclasses
+import itertools
 import json
+import time
 import uuid
 import zlib
 from collections.abc import Mapping
@@ -35,12 +41,36 @@ _MESSAGE_EVENTS = ("MESSAGE_CREATE", "MESSAGE_UPDATE", "MESSAGE_DELETE")
 _OPTION_TYPES: dict[type, int] = {str: 3, int: 4, bool: 5, float: 10}
 
 
+def shard_of(guild_id: int | None, shard_count: int) -> int:
+    """Discord's rule: a guild's events go to shard ``(guild_id >> 22) % shard_count``; DMs to shard 0."""
+    return 0 if guild_id is None else (guild_id >> 22) % shard_count
+
+
 @dataclass
+class ShardLink:
+    """One websocket's time as the live connection of a session of shard ``shard`` of ``count``:
+    from its READY (``how`` = "identify") or RESUMED ("resume") until it closed, was dropped, or
+    another connection resumed the session. Times are ``time.monotonic()``."""
+
+    shard: int
+    count: int
+    session: str
+    how: str
+    attached: float
+    detached: float | None = None
+
+
+@dataclass(eq=False)
 class _Session:
     id: str
     intents: int
+    shard: int = 0
+    count: int = 1
+    sharded: bool = False  # the IDENTIFY named a shard (READY then names it too)
     seq: int = 0
     events: list[Json] = field(default_factory=list)
+    conn: _Conn | None = None  # the connection events go to; None: buffered for RESUME
+    link: ShardLink | None = None
 
 
 class _Conn:
@@ -78,10 +108,10 @@ class GatewayMixin(FakeState):
         self.resume_count = 0
         self.gateway_received: list[Json] = []
         self.gateway_queries: list[dict[str, str]] = []
-        self._session: _Session | None = None
-        self._conn: _Conn | None = None
+        self.shard_links: list[ShardLink] = []  # every connection's time serving a shard, in order
+        self._sessions: dict[str, _Session] = {}  # the valid ones (resumable, or live)
         self._conns: set[_Conn] = set()
-        self._live = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) whenever a session gains or loses its connection
 
     # ----- test controls ----------------------------------------------------
     async def dispatch_message(
@@ -102,10 +132,10 @@ class GatewayMixin(FakeState):
         ``attachments`` items: ``{"filename", "content": bytes, "content_type"?}``; the
         files are then downloadable from the fake. ``guild_id`` defaults to the channel's.
         """
-        self._require_session()
         channel = self.channels.get(channel_id)
         if channel is None:
             raise ValueError(f"unknown channel {channel_id}; use dm_channel_id() for DMs")
+        self._require_session(channel.guild_id)
         if guild_id is not None and guild_id != channel.guild_id:
             raise ValueError(f"channel {channel_id} is not in guild {guild_id}")
         author = self._user(author_id, author_name, bot=bot_author)
@@ -136,8 +166,8 @@ class GatewayMixin(FakeState):
         command_id: int | None = None,
     ) -> FakeInteraction:
         """Deliver an INTERACTION_CREATE for the slash command ``name`` (type 2)."""
-        self._require_session()
         channel = self.channels[channel_id]
+        self._require_session(channel.guild_id)
         user = self._user(user_id, user_name)
         gid = channel.guild_id
         if command_id is None:
@@ -165,8 +195,8 @@ class GatewayMixin(FakeState):
         Raises ValueError unless the message shows that enabled component; with
         ``check_component=False`` a button no longer shown may be clicked (a client that has not
         caught up with an edit)."""
-        self._require_session()
         channel = self.channels[channel_id]
+        self._require_session(channel.guild_id)
         msg = self._messages.get(message_id)
         if msg is None or msg["channel_id"] != str(channel_id):
             raise ValueError(f"no message {message_id} in channel {channel_id}")
@@ -211,30 +241,84 @@ class GatewayMixin(FakeState):
         await self._dispatch("INTERACTION_CREATE", payload)
         return inter
 
-    async def drop_gateway(self, code: int = 4000, *, resumable: bool = True) -> None:
-        """Close the live websocket with ``code``; with ``resumable=False`` the session is
-        invalidated so the client's RESUME gets op 9 and it re-identifies."""
-        conn, self._conn = self._conn, None
-        self._live.clear()
-        if not resumable:
-            self._session = None
-        if conn is not None:
-            await conn.ws.close(code=code, message=b"dropped by fake")
+    async def drop_gateway(self, code: int = 4000, *, resumable: bool = True, shard: int | None = None) -> None:
+        """Close the live websockets (of ``shard``'s sessions only, if given) with ``code``; with
+        ``resumable=False`` their sessions are invalidated, so the client's RESUME gets op 9 and
+        it re-identifies."""
+        for session in self._of_shard(shard):
+            conn = session.conn
+            self._detach(session)
+            if not resumable:
+                self._sessions.pop(session.id, None)
+            if conn is not None:
+                await conn.ws.close(code=code, message=b"dropped by fake")
 
-    async def send_reconnect(self) -> None:
-        """Send op 7 RECONNECT; the client closes and resumes."""
-        conn = self._conn
-        self._live.clear()
-        if conn is not None:
-            await conn.send({"op": 7, "d": None, "s": None, "t": None})
+    async def send_reconnect(self, *, shard: int | None = None) -> None:
+        """Send op 7 RECONNECT (to ``shard``'s sessions only, if given); the client closes and resumes."""
+        for session in self._of_shard(shard):
+            conn = session.conn
+            self._detach(session)
+            if conn is not None:
+                await conn.send({"op": 7, "d": None, "s": None, "t": None})
 
-    async def wait_connected(self, timeout: float = 5.0) -> None:
-        """Wait until a session is live (READY+GUILD_CREATEs or RESUMED were sent)."""
-        await asyncio.wait_for(self._live.wait(), timeout)
+    async def wait_connected(self, timeout: float = 5.0, *, shard: int | None = None) -> None:
+        """Wait until there is a session (of ``shard``, if given) and each such session is live
+        (READY and its GUILD_CREATEs, or RESUMED, were sent)."""
+        async with asyncio.timeout(timeout):
+            while not ((sessions := self._of_shard(shard)) and all(s.conn is not None for s in sessions)):
+                await self._changed.wait()
 
-    def _require_session(self) -> None:
-        if self._session is None:
-            raise RuntimeError("no gateway session: the client has not identified (or was invalidated)")
+    def live_shards(self) -> dict[int, int]:
+        """Shard id -> how many connections serve a session of it now (Discord would send its
+        events to each)."""
+        live: dict[int, int] = {}
+        for session in self._sessions.values():
+            if session.conn is not None:
+                live[session.shard] = live.get(session.shard, 0) + 1
+        return live
+
+    def shard_overlaps(self) -> list[tuple[ShardLink, ShardLink]]:
+        """Pairs of connections that served the same shard at the same time (none, if every
+        shard had one connection at a time)."""
+        now = time.monotonic()
+        found = []
+        for a, b in itertools.combinations(self.shard_links, 2):
+            if a.shard == b.shard and a.attached < (b.detached or now) and b.attached < (a.detached or now):
+                found.append((a, b))
+        return found
+
+    def _of_shard(self, shard: int | None) -> list[_Session]:
+        return [s for s in self._sessions.values() if shard is None or s.shard == shard]
+
+    def _require_session(self, guild_id: int | None) -> None:
+        if not self._targets(guild_id):
+            where = "DMs" if guild_id is None else f"guild {guild_id}"
+            raise RuntimeError(
+                f"no gateway session for the shard of {where}: the client has not identified (or was invalidated)"
+            )
+
+    def _targets(self, guild_id: int | None) -> list[_Session]:
+        """The sessions a guild's (or, for None, a DM's) events go to."""
+        return [s for s in self._sessions.values() if shard_of(guild_id, s.count) == s.shard]
+
+    # ----- sessions and their connections ------------------------------------
+    def _attach(self, session: _Session, conn: _Conn, how: str) -> None:
+        """``conn`` serves ``session`` from now on (a connection that served it before no longer does)."""
+        self._detach(session)
+        session.conn, conn.session = conn, session
+        session.link = ShardLink(session.shard, session.count, session.id, how, time.monotonic())
+        self.shard_links.append(session.link)
+        self._notify()
+
+    def _detach(self, session: _Session) -> None:
+        if session.link is not None:
+            session.link.detached = time.monotonic()
+        session.conn, session.link = None, None
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     # ----- websocket server -------------------------------------------------
     async def _ws_handler(self, request: web.Request) -> web.StreamResponse:
@@ -251,9 +335,11 @@ class GatewayMixin(FakeState):
                     await self._on_client_op(conn, json.loads(msg.data))
         finally:
             self._conns.discard(conn)
-            if self._conn is conn:
-                self._conn = None
-                self._live.clear()
+            session = conn.session
+            if session is not None and session.conn is conn:
+                self._detach(session)
+                if ws.close_code in (1000, 1001):  # like Discord: a clean close ends the session
+                    self._sessions.pop(session.id, None)
         return ws
 
     async def _on_client_op(self, conn: _Conn, payload: Json) -> None:
@@ -275,36 +361,43 @@ class GatewayMixin(FakeState):
         if conn.session is not None:
             await conn.ws.close(code=4005, message=b"Already authenticated.")
             return
+        shard, count = data.get("shard") or (0, 1)
+        if not 0 <= shard < count:
+            await conn.ws.close(code=4010, message=b"Invalid shard.")
+            return
         self.identify_count += 1
-        session = _Session(uuid.uuid4().hex, int(data.get("intents", 0)))
-        self._session = conn.session = session
-        self._conn = conn
-        ready = ready_payload(self.bot, self.application_id, list(self.guilds), session.id, self.resume_gateway_url)
-        await self._dispatch("READY", ready)
-        for guild in self.guilds.values():
+        session = _Session(uuid.uuid4().hex, int(data.get("intents", 0)), shard, count, "shard" in data)
+        self._sessions[session.id] = session
+        self._attach(session, conn, "identify")
+        guilds = [g for g in self.guilds.values() if shard_of(g.id, count) == shard]
+        ready = ready_payload(
+            self.bot, self.application_id, [g.id for g in guilds], session.id, self.resume_gateway_url
+        )
+        if session.sharded:
+            ready["shard"] = [shard, count]
+        await self._send(session, "READY", ready)
+        for guild in guilds:
             payload = guild_payload(guild, self.users, self.bot.id, bool(session.intents & INTENT_PRESENCES))
-            await self._dispatch("GUILD_CREATE", payload)
-        self._live.set()
+            await self._send(session, "GUILD_CREATE", payload)
 
     async def _resume(self, conn: _Conn, data: Json) -> None:
-        session = self._session
-        if session is None or data.get("session_id") != session.id or data.get("token") != self.token:
+        session = self._sessions.get(str(data.get("session_id")))
+        if session is None or data.get("token") != self.token:
             await conn.send({"op": 9, "d": False, "s": None, "t": None})
             return
         self.resume_count += 1
         seq = int(data.get("seq") or 0)
+        self._detach(session)  # whoever served it before gets nothing more; new events wait for the replay
         while missed := [e for e in session.events if e["s"] > seq]:  # replay, catching up with new events
             for event in missed:
                 await conn.send(event)
                 seq = event["s"]
-        conn.session = session
-        self._conn = conn
-        await self._dispatch("RESUMED", {"_trace": ["fake-discord"]})
-        self._live.set()
+        self._attach(session, conn, "resume")
+        await self._send(session, "RESUMED", {"_trace": ["fake-discord"]})
 
     async def _members_chunk(self, conn: _Conn, data: Json) -> None:
         guild = self.guilds.get(int(data.get("guild_id", 0)))
-        if guild is None:
+        if guild is None or conn.session is None:
             return
         wanted = {int(u) for u in data.get("user_ids") or []}
         ids = [self.bot.id, *guild.member_ids]
@@ -312,21 +405,29 @@ class GatewayMixin(FakeState):
         members = [member_payload(self.users[i], iso_time(guild.id)) for i in ids]
         chunk: Json = {"guild_id": str(guild.id), "members": members, "chunk_index": 0, "chunk_count": 1}
         chunk.update(not_found=[], nonce=data.get("nonce"))
-        await self._dispatch("GUILD_MEMBERS_CHUNK", chunk)
+        await self._send(conn.session, "GUILD_MEMBERS_CHUNK", chunk)
 
     async def _dispatch(self, event: str, data: Json) -> bool:
-        """Sequence and send an event; buffered for RESUME while disconnected."""
-        session = self._session
-        if session is None or not self._wanted(session.intents, event, data):
-            return False
+        """Send an event to the sessions of its shard (buffered for RESUME while disconnected);
+        False if none wanted it."""
+        guild = data.get("guild_id")
+        targets = self._targets(int(guild) if guild is not None else None)
+        sent = False
+        for session in targets:
+            copied = copy.deepcopy(data) if len(targets) > 1 else data  # intents may blank a copy
+            if self._wanted(session.intents, event, copied):
+                await self._send(session, event, copied)
+                sent = True
+        return sent
+
+    async def _send(self, session: _Session, event: str, data: Json) -> None:
+        """Sequence an event in ``session`` and send it to its connection, if it has one."""
         session.seq += 1
         payload: Json = {"op": 0, "t": event, "s": session.seq, "d": data}
         session.events.append(payload)
         del session.events[:-1000]
-        conn = self._conn
-        if conn is not None and conn.session is session:
-            await conn.send(payload)
-        return True
+        if session.conn is not None:
+            await session.conn.send(payload)
 
     def _wanted(self, intents: int, event: str, data: Json) -> bool:
         """Apply intents: drop message events without the intent, blank content without
@@ -344,7 +445,7 @@ class GatewayMixin(FakeState):
 
     async def _close_gateway(self) -> None:
         """Close every websocket (used on shutdown)."""
-        self._live.clear()
-        self._conn = None
+        for session in list(self._sessions.values()):
+            self._detach(session)
         for conn in list(self._conns):
             await conn.ws.close(code=1001, message=b"server shutdown")

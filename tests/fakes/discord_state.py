@@ -72,6 +72,11 @@ class FakeState:
         self.interaction_token_ttl_s = 900.0  # webhooks (followups, @original) after: 50027
 
     @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``: the REST API is under ``/api/v10``, the gateway at ``/gateway-ws``."""
+        return self._base_url
+
+    @property
     def rest_base(self) -> str:
         """REST base to assign to ``discord.http.Route.BASE``."""
         return f"{self._base_url}/api/v10"
