@@ -190,3 +190,19 @@ async def test_a_message_whose_client_was_answered_by_a_process_now_gone_is_reco
         await router.shutdown(GATEWAY_RESTART, grace_s=1)
         await agent.close()
         await store.close()
+
+
+async def test_a_forwarded_repeat_of_a_running_message_never_cuts_off_its_own_turn(
+        make_router: RouterFactory, provider: FakeProvider, chat: MemoryChat) -> None:
+    provider.delay_s, provider.words = 0.05, 100
+    router = await make_router()  # busy policy: interrupt
+    msg = chat.message("c1", "hello")
+    first = await router.submit(msg, chat)
+    assert first.run is not None
+    await _until(lambda: bool(provider.connections))
+    # The same message again, forwarded by another worker (a platform's redelivery landing there).
+    again = await router.cluster_events().deliver(msg, first.run.session_key, 1)
+    assert again is not None and again.outcome is Outcome.DUPLICATE
+    assert not first.run.is_cancelled()  # it was not interrupted by its own repeat
+    await asyncio.wait_for(first.run.wait(), 30)
+    assert first.run.reason is None

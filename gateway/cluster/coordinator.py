@@ -320,7 +320,7 @@ class Cluster:
         worker's inbox group), and the sessions this worker held are listed as lapsed: their
         leases are gone, so each is taken again through the normal fenced acquisition (a new,
         larger fence: fences follow Redis's clock) and what was left open is closed and resumed."""
-        held = list(self.leases.held)
+        held = [name for name in self.leases.held if name not in self.ingress]  # sessions, not ingress leases
         log.error("cluster: Redis lost its data (restarted without persistence?): leases, listings and "
                   "inboxes are re-established; %d session(s) held here will be taken again", len(held))
         await inbox.create()

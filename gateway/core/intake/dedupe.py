@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from gateway.core.bounded import BoundedMap
 from gateway.core.messages import InboundMessage
 
@@ -23,6 +25,13 @@ class RecentMessages:
         store decides for it, so it is only remembered."""
         known = self._seen.add(_id(msg), None)
         return known and not hops
+
+    def check(self, msg: InboundMessage, hops: int) -> Literal["new", "duplicate", "known"]:
+        """`seen`, told apart: "known" is a forwarded message seen here before (this worker
+        forwarded it, or it comes again): only the store can tell whether it is new."""
+        if not self._seen.add(_id(msg), None):
+            return "new"
+        return "known" if hops else "duplicate"
 
     def remember(self, msg: InboundMessage) -> None:
         self._seen.add(_id(msg), None)

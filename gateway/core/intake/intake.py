@@ -65,11 +65,12 @@ class Intake:
         placed = await self._owners.place(a)
         if isinstance(placed, Submitted):  # not ours: forwarded, or refused with a reason
             return placed
-        if self._recent.seen(a.msg, a.hops):
+        seen = self._recent.check(a.msg, a.hops)
+        if seen == "duplicate":
             return Submitted(Outcome.DUPLICATE)
         if a.cmd is not None:  # from here on the core speaks for the session only through its speaker
             return await self._commands.dispatch(a.cmd, a.key, a.msg, self._owners.speaker(a.outlet, placed))
-        return await self._queue.admit(a, placed)
+        return await self._queue.admit(a, placed, verify_first=seen == "known")
 
     def _count(self, a: Arrival, result: Submitted) -> Submitted:
         self._metrics.messages_in.labels(a.msg.platform, result.outcome.value).inc()

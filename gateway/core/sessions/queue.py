@@ -46,19 +46,22 @@ class TurnQueue:
         self._answers = answers
         self._jobs = jobs
 
-    async def admit(self, a: Arrival, fence: Fence) -> Submitted:
-        """A user's message for a session this worker owns (`fence`)."""
+    async def admit(self, a: Arrival, fence: Fence, *, verify_first: bool = False) -> Submitted:
+        """A user's message for a session this worker owns (`fence`). `verify_first`: it may be a
+        duplicate only the store can recognise (a forwarded message seen here before), so it is
+        stored before it may interrupt anything: a repeat never cuts off the turn it started."""
         msg, key = a.msg, a.key
         speaker = self._owners.speaker(a.outlet, fence)
+        turn = Turn(msg, key, speaker, fence)
+        if verify_first and (stored := await self._store_inbound(turn, a)) is not None:
+            return stored
         if a.refused:  # the rest of the message is answered; the user learns why this part is not read
             await speaker.notify(msg.chat, a.refused, reply_to=msg.message_id, kind=NoticeKind.INFO)
-        turn = Turn(msg, key, speaker, fence)
         self._origins.remember(key, msg)
         decision = admit(self._busy.get(key), LaneState.of(self._lanes.get(key), msg),
                          can_steer=a.outlet.can_steer and not a.readable)
         decision, ahead = self._apply(decision, turn)  # before any await: a /stop from now on finds the turn
-        stored = await self._store_inbound(turn, a)
-        if stored is not None:
+        if not verify_first and (stored := await self._store_inbound(turn, a)) is not None:
             return stored
         return await self._acknowledge(decision, turn, speaker, ahead)
 
