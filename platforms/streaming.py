@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import Capabilities, ChatRef
 from gateway.core.ports import NoticeKind, Reply
-from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused, explain
 from platforms.outbox import Job, Outbox, Priority, Withdrawn
 from platforms.pacing import ReplyPacer
 from platforms.reply_parts import Change, ReplyParts, ShownMessage, change_for
@@ -228,7 +228,8 @@ class EditStreamReply(Reply):
                     self._adapter.count("edit")
                     return
                 except (MessageGone, Refused) as exc:
-                    log.info("%s: could not mark a reply stopped (%s); saying so below", self._adapter.name, exc)
+                    log.info("%s: could not mark a reply stopped (%s); saying so below", self._adapter.name,
+                             explain(exc))
             await self._adapter.send(self._chat, notice)
             self._adapter.count("send")
 
@@ -237,7 +238,7 @@ class EditStreamReply(Reply):
         try:
             await job.wait()
         except (OutboundError, RateLimited) as exc:
-            log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+            log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, explain(exc))
         await self._strip_buttons()
 
     async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:

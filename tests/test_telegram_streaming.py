@@ -344,3 +344,26 @@ async def test_a_bot_api_server_without_drafts_turns_them_off_for_every_chat(
     await stop_button(fake, 52)
     await shown(fake, 52, lambda t: t.endswith("w19 "))
     assert not statuses(52) and [r for r in fake.sent if r.chat_id == 52 and r.method == "editMessageText"]
+
+
+async def test_a_typed_stop_during_an_empty_draft_says_stopped_once(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """The draft shows no text yet (a tool runs): the typed /stop's "Stopped." is the one message
+    that ends it — not that and a bare "⏹ stopped" besides."""
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon, _ = await start(streaming="draft", draft_interval_s=0.05, stop_button=False)
+    fake.push_text(45, "take your time", user_id=45)
+    await fake.wait_until(lambda: bool(fake.draft_history(45)) and any(c.completed for c in provider.connections))
+    fake.push_text(45, "/stop", user_id=45)
+    await settled(daemon)
+    await fake.wait_until(lambda: all(d.ended is not None for d in fake.draft_history(45)))
+    await asyncio.sleep(0.3)  # room for a second stop message, were one on its way
+    said = [t for t in fake.messages(45).values() if "stopped" in t.lower()]
+    assert said == ["Stopped."], fake.messages(45)
+
+
+def test_a_log_line_names_an_exception_that_has_no_text() -> None:
+    from platforms.errors import explain
+
+    assert explain(TimeoutError()) == "TimeoutError"  # "could not confirm the last updates on stop: TimeoutError"
+    assert explain(ValueError("bad chat")) == "bad chat"
