@@ -50,7 +50,15 @@ from gateway.core.ports import (
     StoreError,
 )
 from gateway.core.settings import CoreSettings
-from gateway.core.transcript import ROUND_SEPARATOR, ChatMessage, Interjection, TextDelta, TurnRecorder, Usage
+from gateway.core.transcript import (
+    ROUND_SEPARATOR,
+    ChatMessage,
+    Interjection,
+    TextDelta,
+    TurnRecorder,
+    Usage,
+    without_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +409,8 @@ class TurnRunner:
         if any(a.refused is None for a in turn.msg.attachments):
             user = await self._with_media(turn, user)
         events = agent.run_turn(history, user, context)
+        if user.kind != "message":  # the gateway's own words: never shown to the user, whatever the agent
+            events = without_prompt(events, user.content)
         try:
             async for event in events:
                 if isinstance(event, Usage):
