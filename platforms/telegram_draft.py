@@ -133,6 +133,7 @@ class DraftStreamReply(EditStreamReply):
         if self._notice_shown:
             return
         self._notice_shown = True
+        cut = self._progress.cut_short(reason)  # before `_end` forgets the calls
         await self._end()
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
@@ -149,7 +150,7 @@ class DraftStreamReply(EditStreamReply):
             await self._close_status()  # the typed /stop's "Stopped." replaced the empty draft already
             return
         # The draft ends only when a message replaces it: what it showed, marked as stopped.
-        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else notice
+        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else cut or notice
         self._after_stop = True
         await self._settle(self._deliver_final())
 
@@ -219,8 +220,13 @@ class DraftStreamReply(EditStreamReply):
         was drafted meanwhile), or the last one again (a refresh)."""
         text: str | None = None
         end = len(self._parts.text)
+        status = self._status_line()
+        if empty and status:
+            return  # a tool's status line shows already: no "Thinking…" over it
         if not (empty or again):
             text = self._parts.tail()
+            if status:  # a tool runs: its status line below the text (a draft has room to spare)
+                text = f"{text}\n\n{status}" if text.strip() else status
             if text == self._draft_text:
                 return
         job: Job[None] = self._outbox.put(self._key, lambda: self._draft_call(text, end, empty=empty),

@@ -9,7 +9,7 @@ from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.fencing import Fence
-from gateway.core.ports import InboundStatus
+from gateway.core.ports import Agent, InboundStatus
 from gateway.core.router import Router
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolResult, without_prompt
 from gateway.store.sqlite import SqliteStore
@@ -20,7 +20,7 @@ from tests.support.routers import start_router
 MARKER = "[interrupted by system: gateway restart]"
 
 
-async def _router(store: SqliteStore, agent: OpenAIAgent, chat: MemoryChat, max_age: float = 600) -> Router:
+async def _router(store: SqliteStore, agent: Agent, chat: MemoryChat, max_age: float = 600) -> Router:
     return await start_router(store, agent, chat, resume_max_age_s=max_age)
 
 

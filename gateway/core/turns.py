@@ -52,9 +52,13 @@ from gateway.core.ports import (
 from gateway.core.settings import CoreSettings
 from gateway.core.transcript import (
     ROUND_SEPARATOR,
+    AgentEvent,
     ChatMessage,
     Interjection,
     TextDelta,
+    ToolCall,
+    ToolCallsRequested,
+    ToolResult,
     TurnRecorder,
     Usage,
     without_prompt,
@@ -431,6 +435,7 @@ class TurnRunner:
                     await reply.release()  # a boundary: the text so far is not the answer's end
                     if separate:  # the continuation starts below the answer so far
                         await reply.delta(ROUND_SEPARATOR)
+                    await reply.show_tools(event)
         finally:
             # A stop that lands out here (not inside the agent) leaves it at a yield: it is closed now,
             # in this task, so its provider response and tool tasks end with the run, not with the GC.
@@ -611,6 +616,20 @@ class SettlingReply(Reply):
         self.ended = True
         self._held = ""
         await self.open().failed(text, retry_after_s=retry_after_s)
+
+    async def show_tools(self, event: AgentEvent) -> None:
+        """Tool calls starting (the agent runs them once this returns) or one returning: progress."""
+        if isinstance(event, ToolCallsRequested):
+            for call in event.calls:
+                await self.open().tool_started(call)
+        elif isinstance(event, ToolResult):
+            await self.open().tool_ended(event.call_id, event.content)
+
+    async def tool_started(self, call: ToolCall) -> None:
+        await self.open().tool_started(call)
+
+    async def tool_ended(self, call_id: str, result: str) -> None:
+        await self.open().tool_ended(call_id, result)
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)
