@@ -11,6 +11,7 @@ message is continued in a new one; a part that still cannot be sent is replaced 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from platforms.pacing import ReplyPacer
 from platforms.reply_parts import Change, ReplyParts, ShownMessage, change_for
 from platforms.splitting import Part
 from platforms.stop_button import StopButton
-from platforms.tool_progress import TICK_S, ToolProgress
+from platforms.tool_progress import ToolProgress
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class EditStreamReply(Reply):
     SETTLE_S = 2.0  # how long finish/failed/interrupted wait for delivery; it carries on after
     MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
     MAX_LOSS_NOTICES = 3
+    STATUS_LINE = True  # running tool calls show as a line below the text (the web chat has rows instead)
 
     def __init__(self, adapter: ReplyPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
                  stop: StopButton | None = None) -> None:
@@ -106,7 +108,6 @@ class EditStreamReply(Reply):
         self._notice_shown = False
         self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
         self._progress = ToolProgress()  # tool calls running: a status line below the text
-        self._ticker: asyncio.Task[None] | None = None  # keeps the status line's elapsed time current
         # Typing starts after a moment, so a quick answer costs no extra call.
         self._pacer.after(self.TYPING_AFTER_S, self._start_indicator)
 
@@ -179,11 +180,7 @@ class EditStreamReply(Reply):
         """Stop streaming: withdraw queued intermediate states, let a call on the wire land (so
         what the chat shows is known), and stop typing and the status line."""
         self._ended = True
-        self._progress.stop_all()
-        ticker, self._ticker = self._ticker, None
-        if ticker is not None and not ticker.done():
-            ticker.cancel()
-            await asyncio.wait({ticker})  # (not `await ticker`: see `ReplyPacer.stop`)
+        await self._progress.close()
         final = self._final if self._final is not None and not self._final.done() else None
         if final is not None:
             final.cancel()
@@ -287,25 +284,13 @@ class EditStreamReply(Reply):
 
     # --- tool progress --------------------------------------------------------------------
 
-    def _status_line(self) -> str:
-        """The status line below the text while tools run (or that one ran, before any text)."""
-        return self._progress.line(has_text=bool(self._parts.text.strip()))
-
     def _show_progress(self) -> None:
-        """Show the status line now, and keep its elapsed time current while a call runs — at the
-        platform's edit pace, never faster than once a second."""
-        if not (self._caps.can_edit and self._caps.can_stream):
-            return  # the final text only: no progress either
-        self._pacer.wake(self._render_intermediate, self._interval)
-        if self._progress.running() and (self._ticker is None or self._ticker.done()):
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
-
-    async def _tick(self) -> None:
-        while self._progress.running() and not self._ended:
-            slow = self._progress.running_for() >= 60  # minutes: a tick every few seconds is plenty
-            await asyncio.sleep(max(self._interval(), TICK_S * (5 if slow else 1)))
-            if not self._ended:
-                self._pacer.wake(self._render_intermediate, self._interval)
+        """Show the status line now, and keep its elapsed time current while a call runs."""
+        if not (self.STATUS_LINE and self._caps.can_edit and self._caps.can_stream):
+            return  # the final text only (or rows of their own): no status line
+        wake = functools.partial(self._pacer.wake, self._render_intermediate, self._interval)
+        wake()
+        self._progress.keep_current(wake, self._interval)
 
     # --- rendering ------------------------------------------------------------------------
 
@@ -313,7 +298,8 @@ class EditStreamReply(Reply):
         """Bring the chat up to date with the text: edit the parts that changed, send new ones."""
         while self._dead is None:
             at, part = 0, None
-            status = "" if final else self._status_line()
+            status = self._progress.line(has_text=bool(self._parts.text.strip())) if self.STATUS_LINE else ""
+            status = "" if final else status
             try:
                 for at, (part, shown) in enumerate(self._parts.with_status(status)):
                     await self._put(at, shown, part.end, final=final, status=shown[len(part.text):])

@@ -220,7 +220,7 @@ class DraftStreamReply(EditStreamReply):
         was drafted meanwhile), or the last one again (a refresh)."""
         text: str | None = None
         end = len(self._parts.text)
-        status = self._status_line()
+        status = self._progress.line(has_text=bool(self._parts.text.strip()))
         if empty and status:
             return  # a tool's status line shows already: no "Thinking…" over it
         if not (empty or again):

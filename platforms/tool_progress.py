@@ -2,12 +2,14 @@
 and the gist of its arguments), how long it has been running, and one status line for the chat
 platforms that show progress inside the streaming message ("⏳ running `sleep 30` · 12 s").
 
-No I/O: the streaming reply (`platforms/streaming.py`) asks for the line when it renders, and the
-web chat sends the same labels as rows of their own.
+No I/O: the streaming reply (`platforms/streaming.py`) asks for the line when it renders (woken
+by `keep_current`'s ticker while a call runs), and the web chat sends the same labels as rows of
+their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -81,12 +83,36 @@ class _Call:
 class ToolProgress:
     """A turn's tool calls as they start and end, and the status line that shows them."""
 
-    __slots__ = ("_calls", "_clock", "_last")
+    __slots__ = ("_calls", "_clock", "_last", "_ticker")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._calls: dict[str, _Call] = {}
         self._last: _Call | None = None  # the call that ended last
+        # Wakes the reply while a call runs. Only this task holds the reply's callbacks, and `close`
+        # ends it: no reference cycle outlives the turn.
+        self._ticker: asyncio.Task[None] | None = None
+
+    def keep_current(self, wake: Callable[[], None], interval: Callable[[], float]) -> None:
+        """While a call runs, `wake` the reply so its line's elapsed time stays current: every
+        `interval()` (the platform's edit pace), at most once a second, every 5 s past a minute."""
+        if self._calls and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(wake, interval))
+
+    async def _tick(self, wake: Callable[[], None], interval: Callable[[], float]) -> None:
+        while self._calls:
+            slow = self.running_for() >= 60  # minutes: a tick every few seconds is plenty
+            await asyncio.sleep(max(interval(), TICK_S * (5 if slow else 1)))
+            if self._calls:
+                wake()
+
+    async def close(self) -> None:
+        """The turn's reply ended: nothing runs any more, nothing is shown, the ticker stops."""
+        self.stop_all()
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None and not ticker.done():
+            ticker.cancel()
+            await asyncio.wait({ticker})  # (not `await ticker`: a cancel aimed at the caller must not be swallowed)
 
     def _now(self) -> float:
         return self._clock()

@@ -314,8 +314,7 @@ class _WebReply(EditStreamReply):
         self._unsent: list[dict[str, Any]] = []  # rows changed since the last render
         asyncio.get_running_loop().create_task(adapter._push(msg.chat_id, {"type": "state", "running": True}))
 
-    def _status_line(self) -> str:
-        return ""  # the page shows each call as a row of its own
+    STATUS_LINE = False  # the page shows each call as a row of its own
 
     async def tool_started(self, call: ToolCall) -> None:
         if self._ended or not self._run.may_send():

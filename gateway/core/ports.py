@@ -23,10 +23,13 @@ from gateway.core.transcript import AgentEvent, ChatMessage, ToolCall
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """One component's readiness, as `/readyz` and the console show it."""
+    """One component's readiness, as `/readyz` and the console show it. A check that is not
+    `required` is advisory: shown, never counted against readiness (the model provider's
+    reachability: every worker shares it, so it must not take them all out at once)."""
 
     ok: bool
     detail: str
+    required: bool = True
 
 
 # --- agents -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from gateway.core.ports import Store
 from gateway.core.router import Router
 from gateway.ops.client_faults import client_faults
 from gateway.ops.hosts import HostPolicy, host_guard
-from gateway.ops.http import ReadinessCheck
+from gateway.ops.http import ReadinessCheck, health_json
 from platforms.assets import favicon, static_response
 from platforms.http_input import read_json, served_over_https
 from platforms.tenants import as_bytes
@@ -148,7 +148,7 @@ class AdminConsole:
             # The last bucket's bound is +Inf, sent as null (JSON has no infinity).
             "stop_latency_buckets": [(le if math.isfinite(le) else None, n)
                                      for le, n in self._metrics.stop_histogram()],
-            "health": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()},
+            "health": {name: health_json(h) for name, h in checks.items()},
             "agent": self._router.agent.description,
         }
         if self._extra_stats is not None:

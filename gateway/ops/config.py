@@ -72,6 +72,7 @@ class AgentConfig:
     reply_tokens: int = 4_000  # of it, kept free for the answer
     include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
     vision: bool = False  # the model reads images: photos go to it as image_url parts
+    probe_interval_s: float = 30.0  # "openai": how often the provider's reachability is checked (0: never)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.probe import ProbeTarget, ProviderProbe
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
@@ -84,6 +85,13 @@ def core_settings(config: Config, agent: Agent) -> CoreSettings:
     return CoreSettings(agent=agent, router=config.router, media=config.media, vision=config.agent.vision,
                         cancel_grace_s=config.tools.tool_kill_grace_s,
                         resume_max_age_s=config.daemon.resume_max_age_s)
+
+
+def probe_target(agent: Agent) -> ProbeTarget | None:
+    """The provider the live agent talks to (a reload may change it); None for the echo agent."""
+    if not isinstance(agent, OpenAIAgent):
+        return None
+    return ProbeTarget(agent.settings.base_url, agent.settings.api_key)
 
 
 def _url(host: str, port: int, path: str) -> str:
@@ -173,6 +181,9 @@ class Daemon:
             status_lines=(self.mcp.status_line,) if self.mcp.servers else ()))
         if self.mcp.servers:
             self.metrics.registry.register(McpCollector(self.mcp))
+        live = self.live
+        self.probe = ProviderProbe(lambda: probe_target(live.value.agent),
+                                   interval_s=config.agent.probe_interval_s or 30.0)
         self._stack: contextlib.AsyncExitStack | None = None
         self._listeners: list[web.AppRunner] = []
         self._stop_reason: ToolReason = GATEWAY_RESTART
@@ -187,6 +198,8 @@ class Daemon:
             checks[name] = adapter.health()
         if self.mcp.servers:
             checks["mcp"] = self.mcp.health()
+        if (provider := self.probe.health()) is not None:
+            checks["provider"] = provider  # advisory: shown, never counted against readiness
         return checks
 
     async def start(self) -> None:
@@ -204,7 +217,8 @@ class Daemon:
         first, the store last. A part whose start fails stops nothing of its own; the parts
         started before it stop."""
         parts: tuple[Callable[[], AsyncIterator[None]], ...] = (
-            self._store_part, self._tools_part, self._mcp_part, self._cluster_part, self._clients_part,
+            self._store_part, self._tools_part, self._mcp_part, self._probe_part, self._cluster_part,
+            self._clients_part,
             self._listeners_part, self._router_part, self._intake_part, self._sites_part)
         for part in parts:
             await self._enter(stack, part)
@@ -245,6 +259,12 @@ class Daemon:
         self.mcp.start()  # in the background: a server that is slow or fails never holds the start up
         yield
         await self._stopping("MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
+
+    async def _probe_part(self) -> AsyncIterator[None]:
+        if self.config.agent.probe_interval_s > 0:
+            self.probe.start()  # in the background: a slow provider never holds the start up
+        yield
+        await self._stopping("the provider probe", self.probe.close)
 
     async def _cluster_part(self) -> AsyncIterator[None]:
         if self.cluster is None:

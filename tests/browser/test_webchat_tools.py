@@ -77,7 +77,12 @@ async def test_a_stopped_tool_call_is_marked_once_and_a_reload_mid_call_keeps_it
 
 async def test_a_notice_keeps_its_line_breaks(browser: Browser, make_daemon: DaemonFactory) -> None:
     daemon = await make_daemon(agent=ECHO)
-    page = await open_chat(browser, f"http://127.0.0.1:{daemon.config.http.port}")
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    await page.goto(f"http://127.0.0.1:{daemon.config.http.port}/")
+    await expect(page.locator("#conn")).to_have_attribute("data-state", "connected")
+    assert errors == []  # no 404 for the favicon
     await say(page, "/help")
     notice = page.locator(".notice.multi")
     await expect(notice).to_contain_text("/stop")
