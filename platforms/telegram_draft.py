@@ -26,7 +26,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from gateway.core.bounded import BoundedMap
-from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
+from gateway.core.cancellation import STOPPED_BY_USER, Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
 from platforms.errors import OutboundError, RateLimited, explain
@@ -146,7 +146,7 @@ class DraftStreamReply(EditStreamReply):
                 await self._settle(self._adapter.notify(self._chat, notice, reply_to=self._reply_to,
                                                         kind=NoticeKind.INTERRUPTED, reason=reason))
             return
-        if not shown.strip() and not self._chats.say_stop(self._chat, "mark"):
+        if not shown.strip() and reason == STOPPED_BY_USER and not self._chats.say_stop(self._chat, "mark"):
             await self._close_status()  # the typed /stop's "Stopped." replaced the empty draft already
             return
         # The draft ends only when a message replaces it: what it showed, marked as stopped.
