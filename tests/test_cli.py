@@ -51,7 +51,8 @@ def test_operator_commands_import_only_what_they_use(tmp_path: Path, command: li
 
 
 def test_pairing_list_starts_well_under_a_second(tmp_path: Path) -> None:
-    """The bound is generous (a machine busy with other tests); quiet, it takes about 0.35 s."""
+    """The bound is generous (a machine busy with other work); quiet, it takes about 0.35 s, and the
+    import test above is what holds it there."""
     config = _config(tmp_path)
     best = float("inf")
     for _ in range(3):
@@ -59,7 +60,7 @@ def test_pairing_list_starts_well_under_a_second(tmp_path: Path) -> None:
         done = _cli("pairing", "list", "-c", str(config))
         best = min(best, time.monotonic() - started)
         assert done.returncode == 0, done.stderr
-    assert best < 2.0
+    assert best < 3.0
 
 
 def test_every_command_page_has_a_description_examples_and_the_config_option() -> None:
