@@ -47,3 +47,8 @@ def static_response(request: web.Request, name: str, *, page: bool = False) -> w
         return web.Response(status=304, headers=headers)
     charset = "utf-8" if content_type.startswith("text/") or content_type.endswith("+xml") else None
     return web.Response(body=body, content_type=content_type, charset=charset, headers=headers)
+
+
+async def favicon(request: web.Request) -> web.StreamResponse:
+    """`/favicon.ico` on both listeners (browsers ask for it on every page): the SVG icon."""
+    return static_response(request, "favicon.svg")

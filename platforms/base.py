@@ -17,7 +17,7 @@ from gateway.core.attachments import Attachment
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import Capabilities, ChatRef, InboundMessage
 from gateway.core.ports import Gateway, Health, NoticeKind, Reply
-from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused, explain
 from platforms.outbox import Job, Outbox, Priority
 from platforms.splitting import utf16_len
 from platforms.streaming import EditStreamReply
@@ -141,7 +141,7 @@ class Adapter(ABC):
             except RateLimited:
                 raise  # the outbox waits it out and tries again
             except Exception as exc:
-                log.warning("%s: could not deliver a notice to chat %s: %s", self.name, chat.chat_id, exc)
+                log.warning("%s: could not deliver a notice to chat %s: %s", self.name, chat.chat_id, explain(exc))
                 return
             self.count("notice")
 

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def explain(exc: BaseException) -> str:
+    """An exception as a log line's reason: its text, or its type where it has none (a
+    `TimeoutError()` says nothing by itself), so no line ends in an empty "failed: "."""
+    return str(exc) or type(exc).__name__
+
+
 class RateLimited(Exception):
     """The platform asked us to wait `retry_after` seconds before the next call."""
 

@@ -27,6 +27,7 @@ import aiohttp
 from gateway.core.attachments import Attachment, MediaPart, MediaSettings, human_size, limit_for, note
 from gateway.core.cancellation import get_run
 from platforms.base import Adapter
+from platforms.errors import explain
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class MediaStore:
             try:
                 data = await self._bytes(platform, att)
             except MediaError as exc:
-                log.info("%s: attachment %s not read: %s", platform, att.name, exc)
+                log.info("%s: attachment %s not read: %s", platform, att.name, explain(exc))
                 parts.append(note(att, str(exc)))
                 continue
             parts.append(self._part(att, data))

@@ -22,6 +22,12 @@ class ShownMessage:
     end: int  # it carries the reply's text up to this offset
     gone: bool = False  # deleted on the platform
     stop: str | None = None  # the payload of the Stop button it shows, if any
+    status: str = ""  # the end of `text` that is a status line (a tool running), not the answer
+
+    @property
+    def body(self) -> str:
+        """What it shows of the answer: its text without the status line."""
+        return self.text[:len(self.text) - len(self.status)] if self.status else self.text
 
 
 class Change(Enum):
@@ -54,6 +60,7 @@ class ReplyParts:
 
     def __init__(self, max_len: int, measure: Measure, bound: Measure | None, *, min_limit: int) -> None:
         self.text = ""
+        self.max_len = max_len
         self.limit = max_len - min(STOP_MARK_ROOM, max_len // 16)  # room for a stop mark on a full part
         self._min_limit = min(min_limit, self.limit)
         self._measure, self._bound = measure, bound
@@ -75,6 +82,21 @@ class ReplyParts:
             window, origin, prefix = reopen + body, self._base + len(rest) - len(body), len(reopen)
         for part in iter_parts(window, self.limit, self._measure, bound=self._bound, memo=self._memo):
             yield Part(part.text, origin + max(0, part.start - prefix), origin + max(0, part.end - prefix))
+
+    def with_status(self, status: str) -> Iterator[tuple[Part, str]]:
+        """The window's parts and what each message shows: the last one with `status` below it
+        (where it fits), or — while the window has no text yet — `status` alone."""
+        last: Part | None = None
+        for part in self.parts():
+            if last is not None:
+                yield last, last.text
+            last = part
+        if last is None:
+            if status:
+                yield Part("", self._base, self._base), status
+            return
+        shown = f"{last.text}\n\n{status}" if status else last.text
+        yield last, shown if self._measure(shown) <= self.max_len else last.text
 
     def tail(self) -> str:
         """The last part of the whole text: what one message's worth (a draft) shows of it."""

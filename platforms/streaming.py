@@ -11,6 +11,7 @@ message is continued in a new one; a part that still cannot be sent is replaced 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -18,12 +19,14 @@ from typing import Any, Protocol
 from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import Capabilities, ChatRef
 from gateway.core.ports import NoticeKind, Reply
-from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from gateway.core.transcript import ToolCall
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused, explain
 from platforms.outbox import Job, Outbox, Priority, Withdrawn
 from platforms.pacing import ReplyPacer
 from platforms.reply_parts import Change, ReplyParts, ShownMessage, change_for
 from platforms.splitting import Part
 from platforms.stop_button import StopButton
+from platforms.tool_progress import ToolProgress
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class EditStreamReply(Reply):
     SETTLE_S = 2.0  # how long finish/failed/interrupted wait for delivery; it carries on after
     MIN_LIMIT = 256  # refused parts are split down to this size before they are given up
     MAX_LOSS_NOTICES = 3
+    STATUS_LINE = True  # running tool calls show as a line below the text (the web chat has rows instead)
 
     def __init__(self, adapter: ReplyPlatform, chat: ChatRef, run: Run, *, reply_to: str | None,
                  stop: StopButton | None = None) -> None:
@@ -104,6 +108,7 @@ class EditStreamReply(Reply):
         self._ended = False
         self._notice_shown = False
         self._after_stop = False  # sending what a stopped turn showed: the run's cancel does not hold it back
+        self._progress = ToolProgress()  # tool calls running: a status line below the text
         # Typing starts after a moment, so a quick answer costs no extra call.
         self._pacer.after(self.TYPING_AFTER_S, self._start_indicator)
 
@@ -123,15 +128,28 @@ class EditStreamReply(Reply):
         self._parts.text = self._parts.final(text)
         await self._settle(self._deliver_final())
 
+    async def tool_started(self, call: ToolCall) -> None:
+        if self._ended or not self._run.may_send():
+            return
+        self._progress.start(call)
+        self._show_progress()
+
+    async def tool_ended(self, call_id: str, result: str) -> None:
+        if self._progress.end(call_id) is not None and not self._ended:
+            self._show_progress()
+
     async def interrupted(self, reason: ToolReason) -> None:
         if self._notice_shown:
             return
         self._notice_shown = True
+        cut = self._progress.cut_short(reason)  # before `_end` forgets the calls
         await self._end()  # what the chat shows is settled from here on
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
         notice = stop_notice(reason)
         target = self._parts.last()
+        if target is not None and not target.body.strip() and cut:  # it showed a tool running, no text yet
+            notice = cut  # what became of the tool says how the turn ended
         if target is not None and not target.gone and self._caps.can_edit:
             await self._settle(self._mark(target, notice, reason))
         elif reason.kind == "system":
@@ -161,8 +179,9 @@ class EditStreamReply(Reply):
 
     async def _end(self) -> None:
         """Stop streaming: withdraw queued intermediate states, let a call on the wire land (so
-        what the chat shows is known), and stop typing."""
+        what the chat shows is known), and stop typing and the status line."""
         self._ended = True
+        await self._progress.close()
         final = self._final if self._final is not None and not self._final.done() else None
         if final is not None:
             final.cancel()
@@ -226,17 +245,19 @@ class EditStreamReply(Reply):
     async def _mark(self, target: ShownMessage, notice: str, reason: ToolReason) -> None:
         """Mark the last message stopped (the notice goes in a message of its own if it does not
         fit, or if the message has been deleted meanwhile)."""
-        marked = f"{target.text}\n\n{notice}"
+        body = target.body  # a status line it showed goes: the mark says how the turn ended
+        marked = f"{body}\n\n{notice}" if body.strip() else notice
 
         async def call() -> None:
             if self._adapter.measure(marked) <= self._caps.max_message_len:
                 try:
-                    await self._edit_marked(target.mid, marked, target.text, reason)
+                    await self._edit_marked(target.mid, marked, body, reason)
                     target.stop = None  # an edit without a button removes it
                     self._adapter.count("edit")
                     return
                 except (MessageGone, Refused) as exc:
-                    log.info("%s: could not mark a reply stopped (%s); saying so below", self._adapter.name, exc)
+                    log.info("%s: could not mark a reply stopped (%s); saying so below", self._adapter.name,
+                             explain(exc))
             await self._adapter.send(self._chat, notice)
             self._adapter.count("send")
 
@@ -245,7 +266,7 @@ class EditStreamReply(Reply):
         try:
             await job.wait()
         except (OutboundError, RateLimited) as exc:
-            log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, exc)
+            log.warning("%s: could not mark a reply stopped: %s", self._adapter.name, explain(exc))
         await self._strip_buttons()
 
     async def _edit_marked(self, message_id: str, text: str, body: str, reason: ToolReason) -> None:
@@ -269,15 +290,27 @@ class EditStreamReply(Reply):
     async def _render_intermediate(self) -> None:
         await self._render(final=False)
 
+    # --- tool progress --------------------------------------------------------------------
+
+    def _show_progress(self) -> None:
+        """Show the status line now, and keep its elapsed time current while a call runs."""
+        if not (self.STATUS_LINE and self._caps.can_edit and self._caps.can_stream):
+            return  # the final text only (or rows of their own): no status line
+        wake = functools.partial(self._pacer.wake, self._render_intermediate, self._interval)
+        wake()
+        self._progress.keep_current(wake, self._interval)
+
     # --- rendering ------------------------------------------------------------------------
 
     async def _render(self, *, final: bool) -> None:
         """Bring the chat up to date with the text: edit the parts that changed, send new ones."""
         while self._dead is None:
             at, part = 0, None
+            status = self._progress.line(has_text=bool(self._parts.text.strip())) if self.STATUS_LINE else ""
+            status = "" if final else status
             try:
-                for at, part in enumerate(self._parts.parts()):
-                    await self._put(at, part.text, part.end, final=final)
+                for at, (part, shown) in enumerate(self._parts.with_status(status)):
+                    await self._put(at, shown, part.end, final=final, status=shown[len(part.text):])
                     await asyncio.sleep(0)  # measuring a long answer's parts must not hold up the loop
                 return
             except Withdrawn:
@@ -294,7 +327,8 @@ class EditStreamReply(Reply):
                 log.warning("%s: %s failed: %s (chat %s; the rest of this reply is not sent)", self._adapter.name,
                             "edit" if self._parts.message(at) is not None else "send", exc, self._chat.chat_id)
 
-    async def _put(self, index: int, text: str, end: int, *, final: bool) -> None:
+    async def _put(self, index: int, text: str, end: int, *, final: bool, status: str = "") -> None:
+        """Bring message `index` to `text` (its last `status` characters a status line)."""
         stop = None if final else self._stop
         shown = self._parts.message(index)
         change = change_for(shown, text, stop, can_edit=self._caps.can_edit)
@@ -305,13 +339,13 @@ class EditStreamReply(Reply):
         if change is Change.STUCK:
             return
         job: Job[None] = self._outbox.put(
-            self._key, lambda: self._call(index, text, end, stop), kind=change.value, owner=self,
+            self._key, lambda: self._call(index, text, end, stop, status), kind=change.value, owner=self,
             priority=Priority.URGENT if final else Priority.STREAM, attempts=self.FINAL_ATTEMPTS if final else 1)
         self._jobs = [j for j in self._jobs if not j.done]
         self._jobs.append(job)
         await job.wait()
 
-    async def _call(self, index: int, text: str, end: int, stop: str | None = None) -> None:
+    async def _call(self, index: int, text: str, end: int, stop: str | None = None, status: str = "") -> None:
         """One send or edit, made by the chat's outbox worker (so its outcome is recorded even if
         the reply stops waiting for it). Where our own clock cannot prove the lease any more (a
         pause just ended), the lease store decides: not sent only if the session is not ours."""
@@ -320,13 +354,13 @@ class EditStreamReply(Reply):
         message = self._parts.message(index)
         if message is not None:
             await self._adapter.edit_part(self._chat, message.mid, text, stop=stop)
-            message.text, message.end, message.stop = text, end, stop
+            message.text, message.end, message.stop, message.status = text, end, stop, status
             self._adapter.count("edit")
         else:
             mid = await self._adapter.send_part(self._chat, text, stop=stop,
                                                 reply_to=None if self._sent_any else self._reply_to)
             self._sent_any = True
-            self._parts.add(ShownMessage(mid, text, end, stop=stop))
+            self._parts.add(ShownMessage(mid, text, end, stop=stop, status=status))
             self._adapter.count("send")
 
     def _refused(self, part: Part, index: int, reason: str) -> None:

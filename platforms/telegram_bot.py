@@ -190,9 +190,12 @@ class TelegramAdapter(Adapter):
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
         """Queue the notice on the chat's outbox and return: intake never waits on a chat's sends.
-        A notice about a Stop button press is its answer instead (see `platforms/stop_button.py`)."""
+        A notice about a Stop button press is its answer instead (see `platforms/stop_button.py`);
+        a typed /stop's "Stopped." right after an empty draft ended as "⏹ stopped" is not sent again."""
         if self.stop_buttons.absorb(reply_to, text):
             return
+        if kind is NoticeKind.STOPPED and self._drafts.take_drafts(chat) and not self._drafts.say_stop(chat, "notice"):
+            return  # an empty draft's "⏹ stopped" said it just now (one stop, one message)
         self.queue_notice(chat, text, reply_to=reply_to, kind=kind)
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:

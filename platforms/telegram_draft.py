@@ -26,10 +26,10 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from gateway.core.bounded import BoundedMap
-from gateway.core.cancellation import Run, ToolReason, still_ours, stop_notice
+from gateway.core.cancellation import STOPPED_BY_USER, Run, ToolReason, still_ours, stop_notice
 from gateway.core.messages import ChatRef, ChatType
 from gateway.core.ports import NoticeKind
-from platforms.errors import OutboundError, RateLimited
+from platforms.errors import OutboundError, RateLimited, explain
 from platforms.outbox import Job, Priority, Withdrawn
 from platforms.stop_button import StopButton
 from platforms.streaming import EditStreamReply, ReplyPlatform
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STATUS_TEXT = "✍️ writing…"
 NO_DRAFTS_MAX = 100_000  # chats remembered as refusing drafts (a forgotten one tries a draft again)
+STOP_PAIR_S = 5.0  # a typed /stop's "Stopped." and an empty draft's "⏹ stopped" this close are one stop
 
 
 class DraftsRefused(OutboundError):
@@ -71,9 +72,21 @@ class DraftChats:
         self._refused: BoundedMap[str, None] = BoundedMap(remember)
         self._off = False  # the Bot API server has no sendMessageDraft
         self._logged = False
+        self._stops: BoundedMap[str, tuple[str, float]] = BoundedMap(remember)  # chat -> (who said it, when)
 
     def take_drafts(self, chat: ChatRef) -> bool:
         return not self._off and chat.chat_id not in self._refused and draft_chat(chat)
+
+    def say_stop(self, chat: ChatRef, by: str) -> bool:
+        """May a stop be said in `chat` by `by`: "notice" (a typed /stop's "Stopped.") or "mark" (the
+        "⏹ stopped" that ends a draft which showed nothing yet)? Either one, a message, also ends
+        the draft, so each stop is said once: whichever comes second, soon after the other, is not."""
+        now = time.monotonic()
+        other = self._stops.pop(chat.chat_id, None)
+        if other is not None and other[0] != by and now - other[1] < STOP_PAIR_S:
+            return False
+        self._stops[chat.chat_id] = (by, now)
+        return True
 
     def refused(self, chat: ChatRef, why: str, *, everywhere: bool = False) -> None:
         """Remember that `chat` (or, `everywhere`, every chat) takes no drafts; logged once per bot,
@@ -120,6 +133,7 @@ class DraftStreamReply(EditStreamReply):
         if self._notice_shown:
             return
         self._notice_shown = True
+        cut = self._progress.cut_short(reason)  # before `_end` forgets the calls
         await self._end()
         if not await still_ours(self._run.guard):
             return  # the session belongs to another worker now: it speaks for it
@@ -132,8 +146,11 @@ class DraftStreamReply(EditStreamReply):
                 await self._settle(self._adapter.notify(self._chat, notice, reply_to=self._reply_to,
                                                         kind=NoticeKind.INTERRUPTED, reason=reason))
             return
+        if not shown.strip() and reason == STOPPED_BY_USER and not self._chats.say_stop(self._chat, "mark"):
+            await self._close_status()  # the typed /stop's "Stopped." replaced the empty draft already
+            return
         # The draft ends only when a message replaces it: what it showed, marked as stopped.
-        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else notice
+        self._parts.text = f"{shown}\n\n{notice}" if shown.strip() else cut or notice
         self._after_stop = True
         await self._settle(self._deliver_final())
 
@@ -203,8 +220,13 @@ class DraftStreamReply(EditStreamReply):
         was drafted meanwhile), or the last one again (a refresh)."""
         text: str | None = None
         end = len(self._parts.text)
+        status = self._progress.line(has_text=bool(self._parts.text.strip()))
+        if empty and status:
+            return  # a tool's status line shows already: no "Thinking…" over it
         if not (empty or again):
             text = self._parts.tail()
+            if status:  # a tool runs: its status line below the text (a draft has room to spare)
+                text = f"{text}\n\n{status}" if text.strip() else status
             if text == self._draft_text:
                 return
         job: Job[None] = self._outbox.put(self._key, lambda: self._draft_call(text, end, empty=empty),
@@ -218,7 +240,7 @@ class DraftStreamReply(EditStreamReply):
         except DraftsRefused as exc:
             self._fall_back(str(exc), everywhere=exc.everywhere)
         except OutboundError as exc:  # the chat refuses everything: the final send says so
-            log.info("telegram: a draft in chat %s failed: %s", self._chat.chat_id, exc)
+            log.info("telegram: a draft in chat %s failed: %s", self._chat.chat_id, explain(exc))
 
     async def _draft_call(self, text: str | None, end: int, *, empty: bool = False) -> None:
         if text is None:  # decided now, not when queued

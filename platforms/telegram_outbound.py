@@ -27,7 +27,7 @@ from telegram.error import (
 from gateway.core.attachments import Attachment
 from gateway.core.messages import ChatRef, ChatType
 from platforms import stop_button
-from platforms.errors import MessageGone, OutboundError, RateLimited, Refused
+from platforms.errors import MessageGone, OutboundError, RateLimited, Refused, explain
 from platforms.telegram_draft import DraftsRefused
 from platforms.telegram_format import to_html, visible_text
 
@@ -130,13 +130,13 @@ class TelegramOutbound:
         try:
             await self._bot.answer_callback_query(query_id, text=(text or "")[:200] or None, show_alert=alert)
         except TelegramError as exc:  # too old, or answered already: the stop itself stands
-            log.info("telegram: could not answer a button press: %s", self._scrub(str(exc)))
+            log.info("telegram: could not answer a button press: %s", self._scrub(explain(exc)))
 
     async def is_admin(self, chat_id: int, user_id: int) -> bool:
         try:
             member = await self._bot.get_chat_member(chat_id, user_id)
         except TelegramError as exc:
-            log.info("telegram: could not check a member's status: %s", self._scrub(str(exc)))
+            log.info("telegram: could not check a member's status: %s", self._scrub(explain(exc)))
             return False
         return member.status in (ChatMemberStatus.ADMINISTRATOR, ChatMemberStatus.OWNER)
 
@@ -160,7 +160,7 @@ class TelegramOutbound:
                 except BadRequest as exc:
                     if _kind(exc) != "refused":
                         raise
-                    log.info("telegram: HTML refused (%s); sending plain text", self._scrub(str(exc)))
+                    log.info("telegram: HTML refused (%s); sending plain text", self._scrub(explain(exc)))
             return await call(text, None)
         except RetryAfter as exc:
             raise RateLimited(retry_after_s(exc)) from None

@@ -23,6 +23,7 @@ from gateway.core.backoff import Backoff
 from gateway.core.outage import OutageLog
 from gateway.core.ports import Health
 from platforms.config import TelegramConfig
+from platforms.errors import explain
 from platforms.ingress import IngressLeader
 from platforms.telegram_intake import PLATFORM, BotIdentity, album_of, albums
 from platforms.telegram_outbound import Scrub, retry_after_s
@@ -138,7 +139,7 @@ class TelegramTransport:
         try:
             await self._bot.set_my_commands([BotCommand(c, d) for c, d in commands.menu()])
         except TelegramError as exc:  # cosmetic: commands still work when typed
-            log.warning("telegram: could not register commands: %s", self._scrub(str(exc)))
+            log.warning("telegram: could not register commands: %s", self._scrub(explain(exc)))
         self._recovered("webhook registered" if webhook else "polling")
         self.ready.set()
         log.info("telegram: connected as @%s (%s)", self._me.username, self._config.mode)
@@ -185,7 +186,7 @@ class TelegramTransport:
                                                          allowed_updates=list(ALLOWED_UPDATES)), 3.0)
             self._confirmed = self._offset
         except (TelegramError, TimeoutError) as exc:  # harmless: refetched updates are duplicates
-            log.info("telegram: could not confirm the last updates on stop: %s", self._scrub(str(exc)))
+            log.info("telegram: could not confirm the last updates on stop: %s", self._scrub(explain(exc)))
 
     def _failed(self, exc: Exception, delay: float) -> None:
         """Degrade health and log the cause — once per outage and kind, not once per retry."""

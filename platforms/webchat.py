@@ -4,13 +4,19 @@ Frames (JSON) from the browser: `{"type": "message", "id": <client id>, "text": 
 (`parts`, optional: images and files pasted or dropped on the page, as OpenAI `file` or `image_url`
 content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`. To the browser:
 
-- `hello` {history, running, queued, agent, max_chars}: the whole current conversation; the page
-  replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
-  reason, interruption (kind, below), tools (names called), resume (true on the gateway's own
-  "continue" message after a restart), job (on the gateway's own message that a background job
-  ended: its first line)}. Tool rows are not sent; a stop that cut a tool call short
-  is carried onto the assistant row that called it. `max_chars` is the longest message the
-  gateway takes (the page keeps a longer draft in the composer instead of sending it).
+- `hello` {history, tools, running, queued, agent, max_chars}: the whole current conversation; the
+  page replaces its view with it on every (re)connect. History rows: {role, text, at, interrupted_by,
+  reason, interruption (kind, below), tools (names called), calls (the tool calls it made, as `tool`
+  frames show them), resume (true on the gateway's own "continue" message after a restart), job (on
+  the gateway's own message that a background job ended: its first line)}. Tool rows are not sent
+  as rows: each is the `calls` entry of the assistant row that made it, and a stop that cut a tool
+  call short is carried onto that row too. `tools`: the running turn's tool calls so far (not in the
+  history until the turn is recorded). `max_chars` is the longest message the gateway takes (the
+  page keeps a longer draft in the composer instead of sending it).
+- `tool` {id, name, summary, state, elapsed_s, result, interrupted}: a tool or MCP call of the running
+  turn, when it starts (`running`) and when it ends (`done` with the start of its `result`, or
+  `interrupted` with the interruption); `summary` is the gist of its arguments. Sent after the text
+  streamed before it, so the page places it where a reload does.
 - `message`/`edit` {id, text}: a bot message by id. An edit that marks a stopped turn also has
   `body` (the text without the appended notice: exactly what the transcript stores) and
   `interrupted` {by, reason, kind}.
@@ -38,6 +44,7 @@ import itertools
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -51,15 +58,18 @@ from gateway.core.cancellation import (
     STOPPED_BY_USER,
     Run,
     ToolReason,
+    still_ours,
+    stop_notice,
 )
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import Gateway, NoticeKind, Outcome, Reply
-from gateway.core.transcript import ChatMessage
+from gateway.core.transcript import ChatMessage, ToolCall
 from platforms.assets import static_response
 from platforms.base import Adapter
 from platforms.content_parts import BadContent, parse_content
 from platforms.http_input import served_over_https
 from platforms.streaming import EditStreamReply
+from platforms.tool_progress import preview, summary
 from platforms.webchat_sessions import session_id
 
 log = logging.getLogger(__name__)
@@ -95,6 +105,7 @@ class WebchatAdapter(Adapter):
         # Frames for a socket whose hello is not out yet: sent right after it, never lost or reordered.
         self._held: dict[web.WebSocketResponse, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._live_tools: dict[str, dict[str, dict[str, Any]]] = {}  # session -> its running turn's tool rows
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/", self._page), web.get("/static/{name}", self._static), web.get("/ws", self._websocket)]
@@ -213,11 +224,24 @@ class WebchatAdapter(Adapter):
                     del self._sockets[sid]
         return ws
 
+    def live_tools(self, sid: str) -> dict[str, dict[str, Any]]:
+        """The tool rows of the turn running in session `sid`, as sent so far (a hello shows them)."""
+        return self._live_tools.setdefault(sid, {})
+
+    def forget_tools(self, sid: str, calls: dict[str, Any]) -> None:
+        rows = self._live_tools.get(sid, {})
+        for call_id in calls:
+            rows.pop(call_id, None)
+        if not rows:
+            self._live_tools.pop(sid, None)
+
     async def _hello(self, ws: web.WebSocketResponse, sid: str) -> None:
         key = _key(sid)
         history = await self.gateway.history(key)
         status = self.gateway.status(key)
-        await ws.send_json({"type": "hello", "history": _rows(history),
+        recorded = {c.id for m in history for c in m.tool_calls}
+        live = [tool_frame(row) for row in self._live_tools.get(sid, {}).values() if row["id"] not in recorded]
+        await ws.send_json({"type": "hello", "history": _rows(history), "tools": live,
                             "running": status.running or status.queued > 0, "queued": status.queued,
                             "agent": status.agent, "max_chars": self.gateway.max_message_chars()}, dumps=_dumps)
 
@@ -279,13 +303,63 @@ class WebchatAdapter(Adapter):
 
 class _WebReply(EditStreamReply):
     """Adds running/idle state frames so the page can enable Stop only while a turn runs (idle is
-    sent once the turn is recorded)."""
+    sent once the turn is recorded), and a row per tool call (`tool` frames) instead of a status
+    line: sent from the pump, after the text before them, so the page places them as a reload does."""
 
     def __init__(self, adapter: WebchatAdapter, msg: InboundMessage, run: Run) -> None:
         super().__init__(adapter, msg.chat, run, reply_to=msg.message_id)
         self._web = adapter
         self._chat_id = msg.chat_id
+        self._calls: dict[str, dict[str, Any]] = {}  # this turn's tool rows, by call id
+        self._unsent: list[dict[str, Any]] = []  # rows changed since the last render
         asyncio.get_running_loop().create_task(adapter._push(msg.chat_id, {"type": "state", "running": True}))
+
+    STATUS_LINE = False  # the page shows each call as a row of its own
+
+    async def tool_started(self, call: ToolCall) -> None:
+        if self._ended or not self._run.may_send():
+            return
+        row = {"id": call.id, "name": call.name, "summary": summary(call.arguments), "state": "running",
+               "started": time.monotonic()}
+        self._calls[call.id] = row
+        self._changed(row)
+
+    async def tool_ended(self, call_id: str, result: str) -> None:
+        row = self._calls.get(call_id)
+        if row is None or self._ended:
+            return
+        row.update(state="done", result=preview(result), elapsed_s=round(time.monotonic() - row["started"], 1))
+        self._changed(row)
+
+    def _changed(self, row: dict[str, Any]) -> None:
+        if row not in self._unsent:
+            self._unsent.append(row)
+        self._pacer.wake(self._render_intermediate, self._interval)
+
+    async def _render(self, *, final: bool) -> None:
+        await super()._render(final=final)
+        await self._send_rows()
+
+    async def _send_rows(self) -> None:
+        rows, self._unsent = self._unsent, []
+        for row in rows:
+            self._web.live_tools(self._chat_id)[row["id"]] = row  # a page (re)loading now shows it too
+            await self._web._push(self._chat_id, {"type": "tool", **tool_frame(row)})
+
+    async def interrupted(self, reason: ToolReason) -> None:
+        cut = [row for row in self._calls.values() if row["state"] == "running"]
+        shown_before = self._parts.last() is not None
+        await super().interrupted(reason)
+        if not cut or not await still_ours(self._run.guard):
+            return
+        mark = interruption(reason.kind, reason.text)
+        for row in cut:
+            row.update(state="interrupted", interrupted=mark, elapsed_s=round(time.monotonic() - row["started"], 1))
+            self._changed(row)
+        await self._send_rows()
+        if not shown_before:  # the rows were all it showed: the mark goes below them, as after a reload
+            await self._web._push(self._chat_id, {"type": "notice", "kind": mark["kind"], "text": stop_notice(reason),
+                                                  "interrupted": mark})
 
     async def _idle(self) -> None:
         await self._web._push(self._chat_id, {"type": "state", "running": False})
@@ -298,6 +372,7 @@ class _WebReply(EditStreamReply):
     async def settled(self, problem: str | None = None) -> None:
         await super().settled(problem)
         await self._drain(5.0)  # the final state first, then idle
+        self._web.forget_tools(self._chat_id, self._calls)  # recorded: the history has them now
         await self._idle()  # idle only once recorded: a reload right now shows the whole turn
 
 
@@ -312,21 +387,54 @@ def interruption(by: str, reason: str) -> dict[str, str]:
     return {"by": by, "reason": reason, "kind": kind}
 
 
+def tool_frame(row: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as the page shows it: live (`tool` frames, `hello`'s `tools`) and in the history
+    (`calls` on the assistant row that made it) alike."""
+    frame: dict[str, Any] = {k: row[k] for k in ("id", "name", "summary", "state") if k in row}
+    if row["state"] == "running":
+        frame["elapsed_s"] = round(time.monotonic() - row["started"], 1)
+    else:
+        frame["elapsed_s"] = row.get("elapsed_s")
+    for key in ("result", "interrupted"):
+        if row.get(key) is not None:
+            frame[key] = row[key]
+    return frame
+
+
 def _key(sid: str) -> str:
     return f"{PLATFORM}:{ChatType.DM.value}:{sid}"
 
 
 def _rows(history: list[ChatMessage]) -> list[dict[str, Any]]:
-    """History as the page shows it: no tool rows, but a stop that cut a tool call short marks the
-    assistant row that called it (it would otherwise be lost on reload)."""
+    """History as the page shows it: tool results are not rows of their own but the `calls` of the
+    assistant row that made them (as the page showed them live); a stop that cut a tool call short
+    also marks that row (it would otherwise be lost on reload)."""
+    results = {m.tool_call_id: m for m in history if m.role == "tool" and m.tool_call_id}
     rows: list[dict[str, Any]] = []
     for m in history:
         if m.role != "tool":
             rows.append(_row(m))
+            if m.tool_calls:
+                rows[-1]["calls"] = [_call(c, m, results.get(c.id)) for c in m.tool_calls]
         elif m.interrupted_by and rows and rows[-1]["role"] == "assistant" and not rows[-1]["interruption"]:
             rows[-1].update(interrupted_by=m.interrupted_by, reason=m.reason,
                             interruption=interruption(m.interrupted_by, m.reason or ""))
     return rows
+
+
+def _call(call: ToolCall, asked: ChatMessage, result: ChatMessage | None) -> dict[str, Any]:
+    """A tool call of the history, as `tool_frame` shows a live one: how long it ran is the time
+    between the model's asking and its result's row."""
+    row: dict[str, Any] = {"id": call.id, "name": call.name, "summary": summary(call.arguments), "state": "done"}
+    if result is None:  # not recorded (a turn that failed first)
+        return {**row, "state": "interrupted", "elapsed_s": None}
+    row["elapsed_s"] = round(max(0.0, result.created_at - asked.created_at), 1)
+    if result.interrupted_by:
+        row["state"] = "interrupted"
+        row["interrupted"] = interruption(result.interrupted_by, result.reason or "")
+    else:
+        row["result"] = preview(result.content)
+    return row
 
 
 def _row(m: ChatMessage) -> dict[str, Any]:

@@ -107,3 +107,19 @@ async def test_a_token_guards_the_admin_listener_and_the_cli_uses_it(make_daemon
     denied = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "gateway", "sessions", "list"],
                                      env=env, capture_output=True, text=True, timeout=30)
     assert denied.returncode == 1 and "admin token required" in denied.stderr
+
+
+async def test_the_admin_root_leads_to_the_console_and_both_listeners_have_a_favicon(
+        make_daemon: DaemonFactory) -> None:
+    daemon = await make_daemon(admin={"token": "admin-secret-1234"})
+    admin = f"http://127.0.0.1:{daemon.config.admin.port}"
+    base = f"http://127.0.0.1:{daemon.config.http.port}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(admin + "/", allow_redirects=False) as resp:
+            assert (resp.status, resp.headers["Location"]) == (302, "/admin")  # public: the page asks for the token
+        async with http.get(admin + "/") as resp:
+            assert resp.status == 200 and "Switchboard console" in await resp.text()
+        for listener in (admin, base):
+            async with http.get(listener + "/favicon.ico") as resp:
+                assert resp.status == 200 and resp.content_type == "image/svg+xml"
+                assert (await resp.text()).startswith("<svg")

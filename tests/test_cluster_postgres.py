@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 
 from gateway.ops.config import load_config
-from gateway.ops.daemon import build_store, store_kind
+from gateway.ops.stores import build_store, store_kind
 from gateway.store.composite import PostgresClusterStore
 from gateway.store.postgres import PostgresStore
 from tests.conftest import DaemonFactory

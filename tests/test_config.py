@@ -175,7 +175,7 @@ def test_a_value_is_coerced_by_its_fields_type(hint: Any, value: Any, from_env: 
     (dict[str, str], ["x"], False, "s.k: must be a table of names"),
     (dict[str, str], "{x", True, "s.k: must be a JSON object or comma-separated name=value pairs"),
     (McpServerConfig, "n", False, "s.k: must be a table"),
-    (McpServerConfig, {"nmae": "n"}, False, "s.k.nmae: unknown key"),
+    (McpServerConfig, {"nmae": "n"}, False, "s.k.nmae: unknown key (did you mean 'name'?)"),
     (McpServerConfig, {"args": "a,b"}, False, "s.k.args: must be a list"),  # a table's values are typed
 ])
 def test_a_value_of_the_wrong_type_is_an_error_naming_the_key(hint: Any, value: Any, from_env: bool,

@@ -110,7 +110,7 @@ async def test_the_event_loop_is_chosen_by_config_and_named_in_the_startup_log(t
     daemon = Daemon(tmp_path, here, *([("SWITCHBOARD_DAEMON__EVENT_LOOP", choice)] if choice else []), module=True)
     try:
         await daemon.ready()
-        await daemon.logged(f"event loop {expected})")
+        await daemon.logged(f"event loop {expected}")  # the start-up line ends with it
         async with aiohttp.ClientSession() as http, await daemon.post(http, "hello", "loop-user") as resp:
             assert resp.status == 200 and "hello" in (await resp.json())["choices"][0]["message"]["content"]
         daemon.proc.send_signal(signal.SIGTERM)

@@ -474,3 +474,24 @@ async def test_a_refused_part_is_split_smaller_and_everything_arrives(
     assert seen == lines and all(len(p) <= 2000 for p in parts)
     assert [c.status for c in fake.sent if c.method == "POST" and "/messages" in c.path][:2] == [400, 400]
     assert not [p for p in parts if "could not be delivered" in p]
+
+
+async def test_a_running_tool_shows_a_status_line_in_the_streaming_message(
+        start: Start, fake: FakeDiscord, provider: FakeProvider) -> None:
+    provider.words = 2
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 2.2})]))
+    await start()
+    dm = fake.dm_channel_id(ALICE_ID)
+    await fake.dispatch_message(dm, "take your time", author_id=ALICE_ID, author_name="alice")
+    seen: list[str] = []
+
+    def finished() -> bool:
+        for m in bot_messages(fake, dm):
+            if m["content"] not in seen:
+                seen.append(m["content"])
+        return any(m["content"] == answer("take your time", 2) for m in bot_messages(fake, dm))
+
+    await eventually(finished, 10, "the answer after the tool")
+    ticks = [int(m[1]) for t in seen if (m := re.search(r"⏳ running `sleep 2\.2` · (\d) s$", t))]
+    assert 0 in ticks and 1 in ticks, seen  # shown at once, then brought up to date
+    assert len(bot_messages(fake, dm)) == 1  # the line lived in the answer's own message

@@ -10,6 +10,7 @@ import contextvars
 import json
 import os
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,9 @@ async def test_steer_moves_a_long_command_to_the_background_the_model_reads_it_a
     await settled(chat, s.router, store)
     notice = next(c for c in provider.connections if "finished: exit 0" in c.last_user).last_user
     assert notice.startswith("[background job j1 finished: exit 0]\n$ echo ") and notice.endswith("third")
-    assert chat.texts("c1")[-1].startswith("reply to: [background job j1 finished: exit 0]")
+    # The model's answer reaches the chat; the gateway's own words it was given do not (the fake
+    # provider answers "reply to: <them>": they are taken out of what it streams).
+    assert chat.texts("c1")[-1].startswith("reply to:  w0") and "[background job" not in chat.texts("c1")[-1]
     # A second delivery of the same notice (a retry) is the same message: refused by the store.
     await s.router.deliver_automatic(KEY, *s.delivered[0])
     await settled(chat, s.router, store)
@@ -219,7 +222,8 @@ async def test_stop_leaves_jobs_running_and_new_kills_them_with_the_reset_reason
     await asyncio.wait_for(run.wait(), 5)
     assert all(p is not None and running(p) for p in procs), "/stop killed a background job"
     await s.router.submit(chat.message("c1", "/jobs"), chat)
-    await chat.wait_for(lambda: chat.texts("c1")[-1].startswith("Background jobs:\nj1: running for"))
+    await chat.wait_for(lambda: re.match(r"Background jobs:\nj1 · running for \d+ s · (no output yet|[\d,]+ "
+                                         r"characters of output) · \$ echo", chat.texts("c1")[-1]) is not None)
     # A second job, ended by the user with /kill; another chat's /kill cannot reach it.
     ctx = contextvars.copy_context()
     ctx.run(current_run.set, Run(KEY))
@@ -448,7 +452,7 @@ async def test_a_job_cut_off_by_a_restart_is_told_at_the_next_start(
     await settled(chat, again.router, store)
     told = [c.last_user for c in provider.connections if c.last_user.startswith("[background job j1")]
     assert told == [f"[background job j1 stopped: [interrupted by system: gateway restart]]\n$ {command}\nworking"]
-    assert chat.texts("c1")[-1].startswith("reply to: [background job j1 stopped")
+    assert chat.texts("c1")[-1].startswith("reply to:  w0")  # answered, without the gateway's own words
 
 
 async def test_a_flood_of_output_stays_bounded_and_reads_say_what_they_missed(make: Make, tmp_path: Path) -> None:
@@ -513,9 +517,10 @@ async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_a
             assert running(leader)
             assert tool_rows(provider.connections[1].body)[0].startswith("[moved to background: job j1")
             gate.with_name("gate1").touch()
-            await until(lambda: any(f["type"] in ("message", "edit") and "reply to: [background job j1 finished"
-                                    in f["text"] for f in page.frames), 10, "the page never saw the job's end")
+            await until(lambda: any(f["type"] in ("message", "edit") and f["text"].startswith("reply to:  w")
+                                    for f in page.frames), 10, "the page never saw the answer to the job's end")
             await until(lambda: page.idle() >= 2, 10, "the automatic turn never ended")
+            assert not any("[background job" in str(f.get("text")) for f in page.frames)  # the gateway's own words
             # A page opened later shows the gateway's word as a notice, not as something the user said.
             later = await Page(http, f"http://127.0.0.1:{daemon.config.http.port}").open()
             await later.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -344,3 +345,77 @@ async def test_a_bot_api_server_without_drafts_turns_them_off_for_every_chat(
     await stop_button(fake, 52)
     await shown(fake, 52, lambda t: t.endswith("w19 "))
     assert not statuses(52) and [r for r in fake.sent if r.chat_id == 52 and r.method == "editMessageText"]
+
+
+async def test_a_typed_stop_during_an_empty_draft_says_stopped_once(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """The draft shows no text yet (a tool runs): the typed /stop's "Stopped." is the one message
+    that ends it — not that and a bare "⏹ stopped" besides."""
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon, _ = await start(streaming="draft", draft_interval_s=0.05, stop_button=False)
+    fake.push_text(45, "take your time", user_id=45)
+    await fake.wait_until(lambda: bool(fake.draft_history(45)) and any(c.completed for c in provider.connections))
+    fake.push_text(45, "/stop", user_id=45)
+    await settled(daemon)
+    await fake.wait_until(lambda: all(d.ended is not None for d in fake.draft_history(45)))
+    await asyncio.sleep(0.3)  # room for a second stop message, were one on its way
+    said = [t for t in fake.messages(45).values() if "stopped" in t.lower()]
+    assert len(said) == 1, fake.messages(45)  # "Stopped.", or the tool's line saying it was stopped
+
+
+def test_a_log_line_names_an_exception_that_has_no_text() -> None:
+    from platforms.errors import explain
+
+    assert explain(TimeoutError()) == "TimeoutError"  # "could not confirm the last updates on stop: TimeoutError"
+    assert explain(ValueError("bad chat")) == "bad chat"
+
+
+# --- tool progress --------------------------------------------------------------------------------
+
+STATUS = re.compile(r"⏳ running `?sleep 2\.5`? · (\d+) s$")
+
+
+async def _watch(fake: FakeTelegramAPI, chat: int, done: Callable[[str], bool], *, drafts: bool = False,
+                 timeout: float = 10.0) -> list[str]:
+    """Every distinct text the chat's messages (and, with `drafts`, its draft) showed, until `done`."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        texts = list(fake.messages(chat).values()) + ([fake.draft_state(chat) or ""] if drafts else [])
+        for text in texts:
+            if text and text not in seen:
+                seen.append(text)
+        if any(done(t) for t in fake.messages(chat).values()):
+            return seen
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not done in {timeout} s; saw {seen}")
+
+
+@pytest.mark.parametrize("streaming", ["edit", "draft"])
+async def test_a_running_tool_shows_a_ticking_status_line_that_gives_way_to_the_answer(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider, streaming: str) -> None:
+    provider.words = 3
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 2.5})]))
+    await start(streaming=streaming, draft_interval_s=0.05, stop_button=False, groups="all")
+    chat = 46 if streaming == "draft" else -100946  # drafts are for private chats
+    fake.push_text(chat, "take your time", user_id=46)
+    seen = await _watch(fake, chat, lambda t: t.rstrip().endswith("w2"), drafts=streaming == "draft")
+    ticks = [int(m[1]) for t in seen if (m := STATUS.search(t))]
+    assert ticks[:1] == [0] and {1, 2} <= set(ticks), seen  # shown as it started, brought up to date
+    (final,) = fake.messages(chat).values()  # the status line lived in the answer's message (or its draft)
+    assert final.strip() == "reply to: take your time w0 w1 w2" and "⏳" not in final
+
+
+async def test_a_stop_during_a_tool_turns_its_status_line_into_the_stop_mark(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    provider.then(Script(tool_calls=[("sleep", {"seconds": 30})]))
+    daemon, _ = await start(streaming="edit", stop_button=False, groups="all")
+    group = -100947
+    fake.push_text(group, "take your time", user_id=5)
+    await shown(fake, group, lambda t: t.endswith("· 1 s"))
+    fake.push_text(group, "/stop", user_id=5)
+    await settled(daemon)
+    marked = await shown(fake, group, lambda t: t.startswith("⏹ ") and "sleep" in t)
+    assert re.fullmatch(r"⏹ `?sleep 30`? stopped after [12] s", fake.messages(group)[marked]), fake.messages(group)
+    _, history = await daemon.store.conversation(f"telegram:group:{group}")
+    assert history[-1].role == "tool" and history[-1].interrupted_by == "user"  # no text was shown or kept

@@ -128,6 +128,18 @@ class Job:
         unread = max(0, self.out.total - max(self.read_pos, self.out.start))
         return f"{self.id}: {state}; {unread} characters unread · $ {_short(self.command)}"
 
+    def person_line(self) -> str:
+        """The job as `/jobs` shows it to a person: how long it has run and how much it printed."""
+        took = _duration(self.runtime())
+        if self.state == "running":
+            state = f"running for {took}"
+        elif self.state == "killed":
+            state = f"stopped after {took}"
+        else:
+            state = f"exited with code {self.returncode} after {took}"
+        printed = f"{self.out.total:,} characters of output" if self.out.total else "no output yet"
+        return f"{self.id} · {state} · {printed} · $ {_short(self.command, 60)}"
+
     def end_line(self) -> str:
         if self.state == "killed" and self.reason is not None:
             return f"[background job {self.id} stopped: {self.reason.marker}]"
@@ -325,7 +337,7 @@ class JobRegistry:
         return len(self.running(session))
 
     def describe(self, session: str) -> list[str]:
-        return [job.summary() for job in self.jobs(session)]
+        return [job.person_line() for job in self.jobs(session)]
 
     def kill_job(self, session: str, job_id: str, reason: ToolReason) -> str | None:
         job = self.find(session, job_id)
@@ -495,6 +507,14 @@ def moved_text(job: Job, *, reason: str) -> str:
 def _job_id(text: str) -> str:
     text = text.strip().lower()
     return text if text.startswith("j") else f"j{text}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes} min {seconds} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
 
 
 def _short(command: str, limit: int = 120) -> str:

@@ -18,15 +18,18 @@ from gateway.core.cancellation import Run, ToolReason
 from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage
-from gateway.core.transcript import AgentEvent, ChatMessage
+from gateway.core.transcript import AgentEvent, ChatMessage, ToolCall
 
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """One component's readiness, as `/readyz` and the console show it."""
+    """One component's readiness, as `/readyz` and the console show it. A check that is not
+    `required` is advisory: shown, never counted against readiness (the model provider's
+    reachability: every worker shares it, so it must not take them all out at once)."""
 
     ok: bool
     detail: str
+    required: bool = True
 
 
 # --- agents -----------------------------------------------------------------------------------
@@ -210,6 +213,14 @@ class Reply(ABC):
     async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         """The turn failed; tell the user in words. `retry_after_s`: our side is unavailable for
         now (storage down, at capacity), so the same message may well work later."""
+
+    async def tool_started(self, call: ToolCall) -> None:
+        """A tool call (a tool or an MCP call) starts running now: platforms that show progress
+        show it (its name, its arguments, its elapsed time). `tool_ended` follows when it returns;
+        a stop first is said by `interrupted`. The default shows nothing."""
+
+    async def tool_ended(self, call_id: str, result: str) -> None:
+        """The tool call `call_id` returned `result` (what the model is given). The default shows nothing."""
 
     async def settled(self, problem: str | None = None) -> None:
         """The turn is over and its outcome recorded (or, with `problem`, what the user must be told

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,6 +138,39 @@ class Usage:
 
 AgentEvent = TextDelta | ToolCallsRequested | ToolResult | Interjection | Usage
 ROUND_SEPARATOR = "\n\n"  # shown between an answer and its continuation after an interjection
+
+
+async def without_prompt(events: AsyncIterator[AgentEvent], prompt: str) -> AsyncIterator[AgentEvent]:
+    """The events of a turn that answers the gateway's own words (a resume request, a job's end),
+    with those words taken out of its text: they are for the model, and an agent that repeats its
+    input (the echo agent, a model quoting it) must not show them to the user. Text that could be
+    the start of `prompt` is held until it turns out to be something else (or a boundary comes)."""
+    held = ""
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                shown, held = _outside(held + event.text, prompt)
+                if shown:
+                    yield TextDelta(shown)
+                continue
+            if held:  # a boundary: what was held is not the prompt
+                yield TextDelta(held)
+                held = ""
+            yield event
+        if held:
+            yield TextDelta(held)
+    finally:
+        if isinstance(events, AsyncGenerator):
+            await events.aclose()
+
+
+def _outside(text: str, prompt: str) -> tuple[str, str]:
+    """(`text` without copies of `prompt`, its tail that may be the start of one)."""
+    text = text.replace(prompt, "")
+    for n in range(min(len(text), len(prompt) - 1), 0, -1):
+        if prompt.startswith(text[-n:]):
+            return text[:-n], text[-n:]
+    return text, ""
 
 
 class TurnRecorder:

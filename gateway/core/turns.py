@@ -50,7 +50,19 @@ from gateway.core.ports import (
     StoreError,
 )
 from gateway.core.settings import CoreSettings
-from gateway.core.transcript import ROUND_SEPARATOR, ChatMessage, Interjection, TextDelta, TurnRecorder, Usage
+from gateway.core.transcript import (
+    ROUND_SEPARATOR,
+    AgentEvent,
+    ChatMessage,
+    Interjection,
+    TextDelta,
+    ToolCall,
+    ToolCallsRequested,
+    ToolResult,
+    TurnRecorder,
+    Usage,
+    without_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -420,6 +432,8 @@ class TurnRunner:
         if any(a.refused is None for a in turn.msg.attachments):
             user = await self._with_media(turn, user)
         events = agent.run_turn(history, user, context)
+        if user.kind != "message":  # the gateway's own words: never shown to the user, whatever the agent
+            events = without_prompt(events, user.content)
         try:
             async for event in events:
                 if isinstance(event, Usage):
@@ -440,6 +454,7 @@ class TurnRunner:
                     await reply.release()  # a boundary: the text so far is not the answer's end
                     if separate:  # the continuation starts below the answer so far
                         await reply.delta(ROUND_SEPARATOR)
+                    await reply.show_tools(event)
         finally:
             # A stop that lands out here (not inside the agent) leaves it at a yield: it is closed now,
             # in this task, so its provider response and tool tasks end with the run, not with the GC.
@@ -622,6 +637,20 @@ class SettlingReply(Reply):
         self.ended = True
         self._held = ""
         await self.open().failed(text, retry_after_s=retry_after_s)
+
+    async def show_tools(self, event: AgentEvent) -> None:
+        """Tool calls starting (the agent runs them once this returns) or one returning: progress."""
+        if isinstance(event, ToolCallsRequested):
+            for call in event.calls:
+                await self.open().tool_started(call)
+        elif isinstance(event, ToolResult):
+            await self.open().tool_ended(event.call_id, event.content)
+
+    async def tool_started(self, call: ToolCall) -> None:
+        await self.open().tool_started(call)
+
+    async def tool_ended(self, call_id: str, result: str) -> None:
+        await self.open().tool_ended(call_id, result)
 
     async def settled(self, problem: str | None = None) -> None:
         await self.open().settled(problem)

@@ -1,4 +1,5 @@
-"""The operator listener: Prometheus `/metrics`, the console (`/admin`), its JSON API, operator stops.
+"""The operator listener: Prometheus `/metrics`, the console (`/admin`, and `/` leads there), its JSON
+API, operator stops.
 
 It binds loopback by default; bound anywhere else it requires `admin.token`, as a bearer token or
 as the `switchboard_admin` cookie the console's login sets (`/admin?token=...` once, or the form).
@@ -25,15 +26,16 @@ from gateway.core.ports import Store
 from gateway.core.router import Router
 from gateway.ops.client_faults import client_faults
 from gateway.ops.hosts import HostPolicy, host_guard
-from gateway.ops.http import ReadinessCheck
-from platforms.assets import static_response
+from gateway.ops.http import ReadinessCheck, health_json
+from platforms.assets import favicon, static_response
 from platforms.http_input import read_json, served_over_https
 from platforms.tenants import as_bytes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 COOKIE = "switchboard_admin"
-_PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login")}
+_PUBLIC = {("GET", "/admin"), ("HEAD", "/admin"), ("POST", "/admin/login"), ("GET", "/"), ("HEAD", "/"),
+           ("GET", "/favicon.ico"), ("HEAD", "/favicon.ico")}
 # Strict JSON: the console parses it with JSON.parse, which has no Infinity.
 _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps, allow_nan=False, ensure_ascii=False))
 
@@ -52,6 +54,8 @@ def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: R
     app.router.add_get("/admin", console.page)
     app.router.add_post("/admin/login", console.login)
     app.router.add_get("/admin/static/{name}", console.asset)
+    app.router.add_get("/", console.home)
+    app.router.add_get("/favicon.ico", favicon)
     return app
 
 
@@ -94,6 +98,10 @@ class AdminConsole:
                 return self._signed_in(request, web.Response(status=303, headers={"Location": request.path}))
             await asyncio.sleep(0.5)  # slows guessing
         return static_response(request, "admin.html", page=True)
+
+    async def home(self, _request: web.Request) -> web.StreamResponse:
+        """The listener's root leads to the console (the URL people type first)."""
+        raise web.HTTPFound("/admin")
 
     async def login(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -149,7 +157,7 @@ class AdminConsole:
             # The last bucket's bound is +Inf, sent as null (JSON has no infinity).
             "stop_latency_buckets": [(le if math.isfinite(le) else None, n)
                                      for le, n in self._metrics.stop_histogram()],
-            "health": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()},
+            "health": {name: health_json(h) for name, h in checks.items()},
             "agent": self._router.agent.description,
         }
         if self._extra_stats is not None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from gateway import __version__
 from gateway.core.logs import redactor, setup_logging
@@ -15,43 +18,117 @@ from gateway.ops import units
 from gateway.ops.config import Config, ConfigError, load_config, render
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="switchboard", description="Connect LLM agents to chat platforms.")
-    p.add_argument("--version", action="version", version=f"switchboard {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the daemon")
-    check = sub.add_parser("check", help="validate a config and print the effective settings")
-    for sp in (run, check):
-        sp.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"),
+class _Parser(argparse.ArgumentParser):
+    """argparse, with "did you mean" for a mistyped command or action."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(message)}\n")
+
+
+def _suggestion(message: str) -> str:
+    """"did you mean 'pairing'?" for argparse's "invalid choice: 'paring' (choose from …)"."""
+    match = re.search(r"invalid choice: '?([^'\s]*)'? \(choose from (.*)\)", message)
+    if match is None:
+        return ""
+    choices = [c.strip(" '") for c in match[2].split(",")]
+    close = difflib.get_close_matches(match[1], choices, n=1, cutoff=0.5)
+    return f"\n  did you mean {close[0]!r}?" if close else ""
+
+
+# Each command: (name, one-line help, description, examples). The description and examples make
+# up its `switchboard COMMAND --help` page.
+_PAGES: dict[str, tuple[str, str, str]] = {
+    "run": ("run the daemon",
+            "Run the daemon in the foreground until SIGTERM or Ctrl-C: the HTTP listener (web chat, API, "
+            "health), the admin listener (console, metrics) and the platforms the config enables. Logs go to "
+            "stderr: readable lines on a terminal, JSON lines elsewhere (log.format).",
+            "switchboard run\n  switchboard run -c /etc/switchboard/switchboard.toml\n"
+            "  switchboard run --log-format text --log-level debug"),
+    "check": ("validate a config and print the effective settings",
+              "Load the config the way `run` would (file, then SWITCHBOARD_<SECTION>__<KEY> variables, then "
+              "credentials) and print every setting with secrets masked; exit 2 naming the first problem.",
+              "switchboard check -c /etc/switchboard/switchboard.toml\n"
+              "  SWITCHBOARD_AGENT__KIND=openai switchboard check"),
+    "pairing": ("approve chat users who asked for access",
+                "With access = \"pairing\", a stranger who writes to the bot gets an 8-character code. "
+                "ACTION is one of:\n  list     the pending codes and the users already paired\n"
+                "  approve  let in the user who was given CODE (codes expire after an hour)\n"
+                "Works on the store directly: the daemon need not be running.",
+                "switchboard pairing list\n  switchboard pairing approve K7XQ2M9P"),
+    "sessions": ("list or stop sessions of the running daemon (admin endpoint)",
+                 "Talks to the running daemon's admin listener ([admin] host, port and token). ACTION is one "
+                 "of:\n  list  every session: its state, turn age, queue and last interruption\n"
+                 "  stop  stop the turn running in session KEY, as the console's Stop button does",
+                 "switchboard sessions list\n  switchboard sessions stop telegram:dm:12345"),
+    "install-unit": ("write the systemd unit files (switchboard.service, switchboard@.service, switchboard.target)",
+                     "Write the systemd units with ExecStart= pointing at this installation's switchboard "
+                     "executable, and say what to do next. Warns about an executable or config path the "
+                     "units' sandbox (ProtectHome=yes, PrivateTmp=yes) would hide from the service.",
+                     "sudo switchboard install-unit\n"
+                     "  sudo switchboard install-unit --exec-path /opt/switchboard/bin/switchboard"),
+    "status": ("cluster mode: workers, their sessions and ingress leases",
+               "Read the cluster's state from Redis ([redis] url): every worker, whether it is alive, the "
+               "sessions it owns and the ingress leases it holds.",
+               "switchboard status -c /etc/switchboard/switchboard.toml"),
+    "store": ("PostgreSQL store: apply schema migrations, copy a store into it",
+              "Manage the PostgreSQL store: `migrate` applies the schema migrations to the [store] url "
+              "database; `copy` copies a SQLite or Redis store into an empty PostgreSQL database and "
+              "verifies it.",
+              "switchboard store migrate\n"
+              "  switchboard store copy --from sqlite:///var/lib/switchboard/switchboard.db"),
+    "export": ("everything stored about one session, as JSON lines on stdout",
+               "Print everything the store holds about one session (its conversations, messages and "
+               "inbound records) as JSON lines, for a data request or a bug report.",
+               "switchboard export --session telegram:dm:12345 > session.jsonl"),
+}
+
+
+def _command(sub: argparse._SubParsersAction[_Parser], name: str) -> _Parser:
+    short, description, examples = _PAGES[name]
+    parser: _Parser = sub.add_parser(name, help=short, description=description, epilog=f"examples:\n  {examples}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"), metavar="FILE",
                         help="TOML config file (default: $SWITCHBOARD_CONFIG, else built-in defaults)")
-    pairing = sub.add_parser("pairing", help="approve chat users who asked for access")
-    pairing.add_argument("action", choices=["approve", "list"])
-    pairing.add_argument("code", nargs="?", help="the 8-character code the user was given")
-    pairing.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
-    sessions = sub.add_parser("sessions", help="list or stop sessions of the running daemon (admin endpoint)")
-    sessions.add_argument("action", choices=["list", "stop"])
-    sessions.add_argument("key", nargs="?", help="session key, for stop")
-    sessions.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
-    unit = sub.add_parser("install-unit", help="write the systemd unit files (switchboard.service, "
-                          "switchboard@.service, switchboard.target)")
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="switchboard", description="Connect LLM agents to chat platforms.",
+                epilog="Run `switchboard COMMAND --help` for a command's page, with examples.")
+    p.add_argument("--version", action="version", version=f"switchboard {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run, check, pairing, sessions, unit, status, store, export = (_command(sub, name) for name in _PAGES)
+    pairing.add_argument("action", choices=["approve", "list"], metavar="ACTION", help="list or approve")
+    pairing.add_argument("code", nargs="?", help="the 8-character code the user was given (approve)")
+    sessions.add_argument("action", choices=["list", "stop"], metavar="ACTION", help="list or stop")
+    sessions.add_argument("key", nargs="?", help="the session key, e.g. webchat:dm:… (stop)")
     units.add_arguments(unit)
-    status = sub.add_parser("status", help="cluster mode: workers, their sessions and ingress leases")
-    status.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
-    store = sub.add_parser("store", help="PostgreSQL store: apply schema migrations, copy a store into it")
-    store_sub = store.add_subparsers(dest="action", required=True)
-    migrate = store_sub.add_parser("migrate", help="apply the schema migrations to the [store] url database")
-    copy = store_sub.add_parser("copy", help="copy a SQLite or Redis store into an empty PostgreSQL database, "
-                                "then verify it (counts and checksums)")
+    store_sub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    migrate = store_sub.add_parser(
+        "migrate", help="apply the schema migrations to the [store] url database",
+        description="Apply the schema migrations to the [store] url database (the daemon also does on start).",
+        epilog="example:\n  switchboard store migrate -c /etc/switchboard/switchboard.toml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    copy = store_sub.add_parser(
+        "copy", help="copy a SQLite or Redis store into an empty PostgreSQL database, then verify it",
+        description="Copy a SQLite or Redis store into an empty PostgreSQL database, then verify it (row counts "
+                    "and checksums per table). Stop the daemon first.",
+        epilog="examples:\n  switchboard store copy --from sqlite:///var/lib/switchboard/switchboard.db\n"
+               "  switchboard store copy --from redis://127.0.0.1:6379/0 --to postgresql://switchboard@db/sb",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     copy.add_argument("--from", dest="source", required=True, metavar="URL",
                       help="sqlite:///path/to/switchboard.db, redis://… or redis+cluster://…")
     copy.add_argument("--to", dest="target", metavar="URL",
                       help="postgresql://… (default: [store] url; a password is better kept there or in PGPASSWORD)")
-    for sp in (migrate, copy):
-        sp.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
-    export = sub.add_parser("export", help="everything stored about one session, as JSON lines on stdout")
     export.add_argument("--session", required=True, metavar="KEY", help="session key, e.g. telegram:dm:12345")
-    export.add_argument("--config", "-c", default=os.environ.get("SWITCHBOARD_CONFIG"))
-    run.add_argument("--log-format", choices=["json", "text"], help="override log.format")
+    for sp in (run, check, pairing, sessions, status, migrate, copy, export):
+        _config_option(sp)
+    run.add_argument("--log-format", choices=["json", "text"],
+                     help="override log.format (default: text on a terminal, else json)")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override log.level")
     # What each command does with the loaded config (install-unit needs none: see `main`).
     run.set_defaults(handler=_run)
@@ -65,10 +142,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(path: str | None) -> Config:
-    return load_config(path)
-
-
 Handler = Callable[[Config, argparse.Namespace], int]  # a command's exit status
 
 
@@ -77,12 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "install-unit":  # needs no config
         return units.command(args)
     try:
-        config = _load(args.config)
+        config = load_config(args.config)
     except ConfigError as exc:
         print(f"switchboard: config error: {exc}", file=sys.stderr)
         return 2
     handler: Handler = args.handler
-    return handler(config, args)
+    try:
+        return handler(config, args)
+    except StoreError as exc:  # the store named in the config cannot be reached: one line, not a traceback
+        print(f"switchboard: store error: {redactor(str(exc))}", file=sys.stderr)
+        return 1
+
+
+def log_format(configured: str, env: Mapping[str, str] | None = None, *, terminal: bool | None = None) -> str:
+    """`auto`: readable lines for a person at a terminal; JSON lines for systemd's journal (which
+    sets JOURNAL_STREAM and INVOCATION_ID, whatever stderr is), a pipe or a file."""
+    if configured != "auto":
+        return configured
+    env = os.environ if env is None else env
+    terminal = sys.stderr.isatty() if terminal is None else terminal
+    return "text" if terminal and not ({"JOURNAL_STREAM", "INVOCATION_ID"} & env.keys()) else "json"
 
 
 def _check(config: Config) -> int:
@@ -96,7 +183,7 @@ def _run(config: Config, args: argparse.Namespace) -> int:
         config.log.format = args.log_format
     if args.log_level:
         config.log.level = args.log_level
-    setup_logging(config.log.level, config.log.format)
+    setup_logging(config.log.level, log_format(config.log.format))
     from gateway.ops.daemon import Daemon
     from gateway.ops.loop import LoopUnavailable, loop_factory
 
@@ -119,7 +206,7 @@ def _run(config: Config, args: argparse.Namespace) -> int:
 
 async def _pairing(config: Config, action: str, code: str | None) -> int:
     from gateway.core.access import CODE_TTL_S
-    from gateway.ops.daemon import build_store
+    from gateway.ops.stores import build_store
 
     store = build_store(config)
     await store.open()

@@ -8,10 +8,11 @@ Every problem is a `ConfigError` naming the key (`where`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from gateway.core.secrets import Secret
@@ -22,6 +23,12 @@ FALSE = frozenset({"0", "false", "no", "off"})
 
 class ConfigError(Exception):
     """A bad configuration value; the message names the key."""
+
+
+def unknown(where: str, given: str, known: Iterable[str], what: str = "key") -> ConfigError:
+    """"x.modle: unknown key (did you mean 'model'?)": a typo is named with its likely fix."""
+    close = difflib.get_close_matches(given, sorted(known), n=1, cutoff=0.6)
+    return ConfigError(f"{where}: unknown {what}" + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 # (where, value, hint, from_env) -> the value as `hint`
@@ -96,7 +103,7 @@ def _record(where: str, value: Any, hint: Any, from_env: bool) -> Any:
     hints = typing.get_type_hints(hint)
     for key, v in value.items():
         if key not in hints:
-            raise ConfigError(f"{where}.{key}: unknown key")
+            raise unknown(f"{where}.{key}", key, hints)
         setattr(item, key, coerce(f"{where}.{key}", v, hints[key], from_env=False))
     return item
 

@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
@@ -23,7 +24,7 @@ from gateway.core.attachments import MediaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
-from gateway.ops.coercion import coerce, is_secret
+from gateway.ops.coercion import coerce, is_secret, unknown
 from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
@@ -71,6 +72,7 @@ class AgentConfig:
     reply_tokens: int = 4_000  # of it, kept free for the answer
     include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
     vision: bool = False  # the model reads images: photos go to it as image_url parts
+    probe_interval_s: float = 30.0  # "openai": how often the provider's reachability is checked (0: never)
 
 
 @dataclass
@@ -119,7 +121,7 @@ class ClusterConfig:
 @dataclass
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["json", "text"] = "json"
+    format: Literal["auto", "json", "text"] = "auto"  # auto: text on a terminal, json elsewhere (systemd)
 
 
 @dataclass
@@ -173,10 +175,12 @@ def load_config(path: str | os.PathLike[str] | None = None,
                 env: Mapping[str, str] | None = None) -> Config:
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
+    text = ""
     if path is not None:
         try:
             with open(path, "rb") as fh:
-                raw = tomllib.load(fh)
+                text = fh.read().decode("utf-8", "replace")
+            raw = tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
@@ -184,17 +188,58 @@ def load_config(path: str | os.PathLike[str] | None = None,
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     overrides = _env_overrides(env)
+    try:
+        return _build(raw, overrides, env)
+    except ConfigError as exc:
+        raise _located(exc, path, text, overrides) from None
+
+
+def _build(raw: dict[str, Any], overrides: dict[str, dict[str, str]], env: Mapping[str, str]) -> Config:
     config = Config()
     sections = {f.name for f in dataclasses.fields(config)}
     for section, values in {**overrides, **raw}.items():
         if section not in sections:
-            raise ConfigError(f"{section}: unknown section")
+            raise unknown(section, section, sections, "section")
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: must be a table ([{section}])")
     for section in sections:
         _fill(section, getattr(config, section), raw.get(section, {}), overrides.get(section, {}), env)
     _validate(config)
     return config
+
+
+_TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+
+def key_line(text: str, dotted: str) -> int | None:
+    """The line (from 1) of the TOML file that sets `dotted` (`section.key`), or opens its table
+    (`section`); None if the file does not say it (a default, the environment)."""
+    table = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if (m := _TABLE.match(line)) is not None:
+            table = re.sub(r"[\"'\s]", "", m[1])
+            if table == dotted:
+                return number
+        elif (m := _KEY.match(line)) is not None:
+            name = re.sub(r"[\"'\s]", "", m[1])
+            if (f"{table}.{name}" if table else name) == dotted:
+                return number
+    return None
+
+
+def _located(exc: ConfigError, path: str | os.PathLike[str] | None, text: str,
+             overrides: dict[str, dict[str, str]]) -> ConfigError:
+    """The error with where to look: `file:line:` when the key it names is set in the file (and not
+    overridden by the environment), `$SWITCHBOARD_…:` when the environment set it."""
+    message = str(exc)
+    where = message.split(":", 1)[0]
+    section, _, key = where.partition(".")
+    key = key.split(".")[0].split("[")[0]
+    if key and key in overrides.get(section, {}):
+        return ConfigError(f"{ENV_PREFIX}{section.upper()}__{key.upper()}: {message}")
+    line = key_line(text, where) or (key_line(text, f"{section}.{key}") if key else None)
+    return ConfigError(f"{path}:{line}: {message}") if path is not None and line is not None else exc
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -222,7 +267,7 @@ def _fill(section: str, target: Any, values: dict[str, Any], env_values: dict[st
             elif key in names:
                 from_text = from_env
             else:
-                raise ConfigError(f"{where}: unknown key")
+                raise unknown(where, key, [*names, *file_keys])
             setattr(target, key, coerce(where, value, hints[key], from_env=from_text))
     if creds := env.get("CREDENTIALS_DIRECTORY"):
         _fill_credentials(section, target, hints, Path(creds))

@@ -26,6 +26,7 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.probe import ProbeTarget, ProviderProbe
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
@@ -34,7 +35,7 @@ from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
 from gateway.core.live import Live
 from gateway.core.logs import redactor
 from gateway.core.metrics import Metrics
-from gateway.core.ports import Agent, Health, Store
+from gateway.core.ports import Agent, Health
 from gateway.core.router import Router, RouterParts
 from gateway.core.settings import CoreSettings
 from gateway.ops.admin import build_admin_app
@@ -45,7 +46,8 @@ from gateway.ops.http import build_app, start_sites
 from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.sdnotify import Notifier, Watchdog
-from gateway.store.sqlite import RESERVE_BYTES, SqliteStore
+from gateway.ops.stores import build_store, store_kind
+from platforms.assets import favicon
 from platforms.media import MediaStore
 
 log = logging.getLogger(__name__)
@@ -85,36 +87,27 @@ def core_settings(config: Config, agent: Agent) -> CoreSettings:
                         resume_max_age_s=config.daemon.resume_max_age_s)
 
 
-def build_store(config: Config, *, retention: bool = False) -> Store:
-    """PostgreSQL when `[store] url` is set (in cluster mode with Redis for de-duplication and
-    pairing codes), else the shared Redis store in cluster mode, else SQLite in the data dir.
-    `retention`: the daemon's own store (the `keep_days` pruning, the disk reserve); the stores of
-    CLI commands have neither."""
-    if config.store.url is not None:
-        from gateway.store.postgres import PostgresStore
-
-        keep_days = config.store.keep_days if retention else 0
-        history = PostgresStore(config.store.url.reveal(), require_fence=config.redis.url is not None,
-                                keep_days=keep_days)
-        if config.redis.url is None:
-            return history
-        from gateway.store.composite import PostgresClusterStore
-        from gateway.store.redis import RedisStore
-
-        return PostgresClusterStore(history, RedisStore(config.redis.url.reveal()))
-    if config.redis.url is not None:
-        from gateway.store.redis import RedisStore
-
-        return RedisStore(config.redis.url.reveal())
-    return SqliteStore(Path(config.store.data_dir) / "switchboard.db",
-                       reserve_bytes=RESERVE_BYTES if retention else 0)
+def probe_target(agent: Agent) -> ProbeTarget | None:
+    """The provider the live agent talks to (a reload may change it); None for the echo agent."""
+    if not isinstance(agent, OpenAIAgent):
+        return None
+    return ProbeTarget(agent.settings.base_url, agent.settings.api_key)
 
 
-def store_kind(config: Config) -> str:
-    """Where history lives, for /readyz and the console."""
-    if config.store.url is not None:
-        return "postgres+redis" if config.redis.url is not None else "postgres"
-    return "redis" if config.redis.url is not None else "sqlite"
+def _url(host: str, port: int, path: str) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
+
+
+def started_line(config: Config, agent: str, platforms: list[str], loop: str) -> str:
+    """The start-up line a person reads: where the web chat (or the HTTP listener) and the console
+    are, and what answers."""
+    http = "web chat" if config.webchat_enabled else "http"
+    where = [f"{http} {_url(config.http.host, config.http.port, '/')}"]
+    if config.admin.enabled:
+        where.append(f"console {_url(config.admin.host, config.admin.port, '/admin')}")
+    return (f"switchboard ready: {' · '.join(where)} · agent {agent} · platforms {', '.join(platforms) or 'none'}"
+            f" · event loop {loop}")
 
 
 def build_cluster(config: Config, metrics: Metrics) -> Cluster | None:
@@ -189,6 +182,9 @@ class Daemon:
             status_lines=(self.mcp.status_line,) if self.mcp.servers else ()))
         if self.mcp.servers:
             self.metrics.registry.register(McpCollector(self.mcp))
+        live = self.live
+        self.probe = ProviderProbe(lambda: probe_target(live.value.agent),
+                                   interval_s=config.agent.probe_interval_s or 30.0)
         self._stack: contextlib.AsyncExitStack | None = None
         self._listeners: list[web.AppRunner] = []
         self._stop_reason: ToolReason = GATEWAY_RESTART
@@ -203,6 +199,8 @@ class Daemon:
             checks[name] = adapter.health()
         if self.mcp.servers:
             checks["mcp"] = self.mcp.health()
+        if (provider := self.probe.health()) is not None:
+            checks["provider"] = provider  # advisory: shown, never counted against readiness
         return checks
 
     async def start(self) -> None:
@@ -211,9 +209,8 @@ class Daemon:
             await self._start(stack)
             self._stack = stack.pop_all()
         tune_gc()
-        log.info("switchboard listening on http://%s:%d (agent %s, platforms: %s, event loop %s)",
-                 self.config.http.host, self.config.http.port, self.agent.description,
-                 ", ".join(self.adapters) or "none", loop_name(asyncio.get_running_loop()))
+        log.info("%s", started_line(self.config, self.agent.description, list(self.adapters),
+                                   loop_name(asyncio.get_running_loop())))
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         """Each part of the daemon is one async generator: its start before the `yield`, its stop
@@ -221,7 +218,8 @@ class Daemon:
         first, the store last. A part whose start fails stops nothing of its own; the parts
         started before it stop."""
         parts: tuple[Callable[[], AsyncIterator[None]], ...] = (
-            self._store_part, self._tools_part, self._mcp_part, self._cluster_part, self._clients_part,
+            self._store_part, self._tools_part, self._mcp_part, self._probe_part, self._cluster_part,
+            self._clients_part,
             self._listeners_part, self._router_part, self._intake_part, self._sites_part)
         for part in parts:
             await self._enter(stack, part)
@@ -262,6 +260,12 @@ class Daemon:
         self.mcp.start()  # in the background: a server that is slow or fails never holds the start up
         yield
         await self._stopping("MCP servers", self.mcp.close)  # once the turns ended; their groups are drained next
+
+    async def _probe_part(self) -> AsyncIterator[None]:
+        if self.config.agent.probe_interval_s > 0:
+            self.probe.start()  # in the background: a slow provider never holds the start up
+        yield
+        await self._stopping("the provider probe", self.probe.close)
 
     async def _cluster_part(self) -> AsyncIterator[None]:
         if self.cluster is None:
@@ -321,8 +325,9 @@ class Daemon:
         """The HTTP listener, and the admin one if it is on."""
         # Room for an API request carrying images as base64 (a third larger than the bytes).
         max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
-        app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
-                        max_body=max_body, hosts=http_hosts(self.config))
+        routes = [route for a in self.adapters.values() for route in a.routes()]
+        app = build_app(self.readiness, [*routes, web.get("/favicon.ico", favicon)], max_body=max_body,
+                        hosts=http_hosts(self.config))
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]

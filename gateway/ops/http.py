@@ -24,12 +24,20 @@ def build_app(readiness: ReadinessCheck, routes: Sequence[web.AbstractRouteDef] 
 
     async def readyz(_request: web.Request) -> web.Response:
         checks = await readiness()
-        ready = all(h.ok for h in checks.values())
-        body = {"ready": ready, "checks": {name: {"ok": h.ok, "detail": h.detail} for name, h in checks.items()}}
+        ready = all(h.ok for h in checks.values() if h.required)  # advisory checks are shown, not counted
+        body = {"ready": ready, "checks": {name: health_json(h) for name, h in checks.items()}}
         return web.json_response(body, status=200 if ready else 503)
 
     app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), *routes])
     return app
+
+
+def health_json(health: Health) -> dict[str, object]:
+    """A check as `/readyz` and the console's stats show it (`required: false`: advisory)."""
+    shown: dict[str, object] = {"ok": health.ok, "detail": health.detail}
+    if not health.required:
+        shown["required"] = False
+    return shown
 
 
 async def start_sites(runner: web.AppRunner, host: str, port: int) -> None:

@@ -19,8 +19,11 @@ UNIT_NAMES = ("switchboard.service", "switchboard@.service", "switchboard.target
 DEFAULT_DEST = Path("/etc/systemd/system")
 DEFAULT_EXEC = "/usr/local/bin/switchboard"
 DEFAULT_CONFIG = "/etc/switchboard/switchboard.toml"
-# ProtectHome=yes hides these from the service, so a console script there cannot start.
-_HIDDEN_BY_PROTECT_HOME = ("/home/", "/root/", "/run/user/")
+# The units' sandbox hides these from the service: ProtectHome=yes the home folders, PrivateTmp=yes
+# the machine's temporary folders (the service gets empty ones of its own). A console script or a
+# config file there cannot be read when the service starts.
+_HIDDEN = (("/home/", "/root/", "/run/user/"), "a home folder", "ProtectHome=yes"), \
+    (("/tmp/", "/var/tmp/"), "a temporary folder", "PrivateTmp=yes")
 _UNSAFE = re.compile(r"[\s\"'\\;$`]")
 
 
@@ -83,12 +86,20 @@ def exec_path_problems(exec_path: str) -> list[str]:
     problems = []
     if not os.path.isfile(exec_path) or not os.access(exec_path, os.X_OK):
         problems.append(f"{exec_path} is not an executable file")
-    if exec_path.startswith(_HIDDEN_BY_PROTECT_HOME):
-        problems.append(f"{exec_path} is under a home directory, which ProtectHome=yes hides from the service; "
-                        "install into a virtualenv such as /opt/switchboard instead")
+    problems += hidden_path_problems(exec_path, "install into a virtualenv such as /opt/switchboard instead")
     if "/.pyenv/shims/" in exec_path:
         problems.append(f"{exec_path} is a pyenv shim, which needs the caller's shell environment")
     return problems
+
+
+def hidden_path_problems(path: str, fix: str) -> list[str]:
+    """Why the service would not see `path` (nor where its symlinks lead): the units' sandbox hides it."""
+    found = []
+    for shown in dict.fromkeys((path, os.path.realpath(path))):
+        for prefixes, folder, setting in _HIDDEN:
+            if shown.startswith(prefixes):
+                found.append(f"{shown} is under {folder}, which the unit's {setting} hides from the service; {fix}")
+    return found[:1]
 
 
 def next_steps(written: list[Path], *, config_path: str = DEFAULT_CONFIG) -> str:
@@ -120,7 +131,9 @@ def command(args: argparse.Namespace, *, out: TextIO = sys.stdout, err: TextIO =
         print("switchboard: cannot find the switchboard executable; pass --exec-path", file=err)
         return 2
     exec_path = os.path.abspath(exec_path)
-    for problem in exec_path_problems(exec_path):
+    problems = exec_path_problems(exec_path) + hidden_path_problems(
+        os.path.abspath(args.config_path), f"keep it in {os.path.dirname(DEFAULT_CONFIG)} instead")
+    for problem in problems:
         print(f"switchboard: warning: {problem}", file=err)
     try:
         written = install_units(args.dest, exec_path=exec_path, config_path=args.config_path)

@@ -38,7 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import asyncpg  # typed by the asyncpg-stubs package (asyncpg ships no annotations of its own)
 
@@ -318,6 +318,10 @@ class Database:
             raise StoreError("invalid postgres url: it must start with postgresql:// or postgres://")
         self._dsn = url
         self.url = redact_url(url)
+        # Where it connects, for errors a person can act on ("connect to db.internal:5432 failed").
+        host = parts.hostname or parse_qs(parts.query).get("host", ["localhost"])[0]
+        self.where = f"{host}:{parts.port or 5432}" + (f" (database {parts.path.lstrip('/')})"
+                                                        if parts.path.strip("/") else "")
         self.pool: asyncpg.Pool[asyncpg.Record] | None = None
         self.applied: list[Migration] = []  # what open() migrated, for `switchboard store migrate`
 
@@ -327,7 +331,7 @@ class Database:
 
     async def open(self) -> None:
         """Connect (a wrong URL or password fails here, not at the first message) and migrate."""
-        with self.errors("connect"):
+        with self.errors(f"connect to {self.where}"):
             self.pool = await asyncpg.create_pool(
                 self._dsn, min_size=1, max_size=self.settings.pool_size, timeout=self.timeout_s,
                 command_timeout=self.timeout_s, max_inactive_connection_lifetime=60.0,

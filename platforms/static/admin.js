@@ -212,9 +212,12 @@
     const health = $("health");
     health.replaceChildren();
     for (const [name, h] of Object.entries(st.health || {})) {
-      const li = el("li", h.ok ? "ok" : "bad");
+      const advisory = h.required === false;  // shown, not counted against readiness
+      const li = el("li", "");
+      li.className = h.ok ? "ok" : advisory ? "warn" : "bad";
       li.dataset.name = name;
-      li.append(el("span", "", name), el("span", "detail", h.ok ? h.detail : `down: ${h.detail}`));
+      li.title = advisory ? "advisory: readiness does not depend on it" : "";
+      li.append(el("span", "", name), el("span", "detail", h.ok || advisory ? h.detail : `down: ${h.detail}`));
       health.appendChild(li);
     }
     const extra = [];

@@ -243,6 +243,8 @@ const SB_MD = (() => {
   const bots = new Map();  // bot message id -> {el, body}
   const texts = new WeakMap();  // bot message element -> the text it shows
   const dropped = new Set();  // bot ids of an abandoned conversation (New), whose late edits are ignored
+  let markedAt = 0;  // when a stop mark was last shown live
+  const toolRows = new Map();  // tool call id -> {el, time, stop, result, state, started (ms), elapsed}
   let typing = null;
 
   const LABELS = {
@@ -278,6 +280,7 @@ const SB_MD = (() => {
   function clearView() {
     log.replaceChildren();
     bots.clear();
+    toolRows.clear();
     typing = null;
     userCount = 0;
     empty.hidden = false;
@@ -295,10 +298,92 @@ const SB_MD = (() => {
   function addNotice(kind, text, mark) {
     const node = document.createElement("div");
     node.className = mark ? "notice mark" : "notice";
+    if (text.includes("\n")) node.classList.add("multi");  // /help and the like keep their lines
     node.dataset.kind = kind || "info";
     node.textContent = text;
     return place(node);
   }
+
+  /* --- tool calls: a row each, live (`tool` frames) and from the history alike --- */
+
+  function elapsedText(s) {
+    s = Math.max(0, Math.floor(s));
+    if (s < 60) return `${s} s`;
+    const m = Math.floor(s / 60);
+    if (m < 60) return s % 60 ? `${m} min ${s % 60} s` : `${m} min`;
+    return `${Math.floor(m / 60)} h ${m % 60} min`;
+  }
+
+  const CUT = { stopped: "stopped", restart: "cut off by a restart", interrupted: "interrupted" };
+
+  function toolTime(row) {
+    if (row.state === "running") return elapsedText((Date.now() - row.started) / 1000);
+    const took = row.elapsed == null ? "" : elapsedText(row.elapsed);
+    if (row.state !== "interrupted") return took;
+    const cut = CUT[row.cut] || "interrupted";
+    return took ? `${cut} after ${took}` : cut;
+  }
+
+  function upsertTool(t) {
+    let row = toolRows.get(t.id);
+    if (!row) {
+      const el = document.createElement("div");
+      el.className = "tool";
+      el.dataset.id = t.id;
+      const head = document.createElement("div");
+      head.className = "tool-head";
+      const icon = document.createElement("span");
+      icon.className = "tool-icon";
+      icon.setAttribute("aria-hidden", "true");
+      const name = document.createElement("span");
+      name.className = "tool-name";
+      name.textContent = t.name;
+      const args = document.createElement("code");
+      args.className = "tool-args";
+      args.textContent = t.summary || "";
+      args.title = t.summary || "";
+      const time = document.createElement("span");
+      time.className = "tool-time";
+      const stop = document.createElement("button");
+      stop.type = "button";
+      stop.className = "tool-stop";
+      stop.textContent = "Stop";
+      stop.title = `Stop ${t.name} and the answer it is for`;
+      stop.addEventListener("click", () => {
+        if (sendFrame({ type: "command", name: "stop" })) { stop.disabled = true; stopBtn.disabled = true; }
+      });
+      head.append(icon, name, args, time, stop);
+      el.append(head);
+      row = { el, time, stop, result: null, state: "", started: Date.now(), elapsed: null, cut: "" };
+      toolRows.set(t.id, row);
+      place(el);
+    }
+    const stick = nearBottom();
+    row.state = t.state;
+    row.el.dataset.state = t.state;
+    row.elapsed = t.elapsed_s ?? null;
+    row.cut = t.interrupted ? t.interrupted.kind : "";
+    if (t.state === "running") row.started = Date.now() - (Number(t.elapsed_s) || 0) * 1000;
+    row.stop.hidden = t.state !== "running";
+    row.stop.disabled = !(connected && running);
+    row.time.textContent = toolTime(row);
+    if (t.result != null && !row.result) {
+      row.result = document.createElement("details");
+      row.result.className = "tool-result";
+      const summary = document.createElement("summary");
+      summary.textContent = "Result";
+      const pre = document.createElement("pre");
+      pre.textContent = t.result;
+      row.result.append(summary, pre);
+      row.el.append(row.result);
+    }
+    if (stick) scroller.scrollTop = scroller.scrollHeight;
+    return row;
+  }
+
+  setInterval(() => {
+    for (const row of toolRows.values()) if (row.state === "running") row.time.textContent = toolTime(row);
+  }, 1000);
 
   function botBubble(id) {
     const node = document.createElement("div");
@@ -351,6 +436,7 @@ const SB_MD = (() => {
   function buttons() {
     stopBtn.disabled = !(connected && running);
     newBtn.disabled = !connected;
+    for (const row of toolRows.values()) row.stop.disabled = !(connected && running);
   }
 
   function setConn(state) {
@@ -397,6 +483,7 @@ const SB_MD = (() => {
         historyReply(m);
       }
     }
+    for (const t of f.tools || []) upsertTool(t);  // the running turn's calls, not recorded yet
     userCount = users.length;
     // Messages never acknowledged: drop those the history shows arrived, show and resend the rest.
     const claimed = new Set();
@@ -428,9 +515,12 @@ const SB_MD = (() => {
       const bot = botBubble(null);
       if (failed) bot.el.classList.add("error");
       showBot(bot, failed ? "⚠️ The agent failed: " + m.text.slice(8, -1) : m.text, m.interruption);
+      for (const call of m.calls || []) upsertTool(call);
       return;
     }
-    if (m.tools && m.tools.length) {
+    if (m.calls && m.calls.length) {
+      for (const call of m.calls) upsertTool(call);
+    } else if (m.tools && m.tools.length) {
       const t = addNotice("info", "Used " + m.tools.join(", "));
       t.classList.add("tools");
     }
@@ -491,9 +581,18 @@ const SB_MD = (() => {
       case "user":
         if (!outbox.some((e) => e.id === f.id)) { addUser(f.text, f.id, false); userCount++; }
         break;
+      case "tool": upsertTool(f); break;
       case "notice":
-        if (f.interrupted) addNotice(f.interrupted.kind, interruptionLabel(f.interrupted), true);
-        else addNotice(f.kind, f.text);
+        if (f.interrupted) {
+          const last = log.lastElementChild === typing ? typing?.previousElementSibling : log.lastElementChild;
+          if (last && last.matches(".notice[data-kind=stopped]:not(.mark)") && last.textContent === "Stopped.") {
+            last.remove();  // the mark says it: one stop notice per stop
+          }
+          addNotice(f.interrupted.kind, interruptionLabel(f.interrupted), true);
+          markedAt = Date.now();
+        } else if (!(f.kind === "stopped" && f.text === "Stopped." && Date.now() - markedAt < 3000)) {
+          addNotice(f.kind, f.text);  // (a "Stopped." right after a stop mark is that stop, said already)
+        }
         break;
       default: break;  // a newer daemon's frame: ignore
     }

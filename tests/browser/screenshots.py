@@ -1,7 +1,8 @@
 """Regenerate the README's screenshots in docs/: `python -m tests.browser.screenshots [outdir]`.
 
 Runs a daemon against the fake provider and drives Debian's Chromium through the main states:
-a reply streaming, a stopped reply, a restart mid-turn, the console, and a phone-sized chat.
+a reply streaming, a stopped reply, a restart mid-turn, tool calls (one done, one running), the
+console, and a phone-sized chat.
 Not part of the test suite, so the suite never rewrites docs/.
 """
 
@@ -12,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from playwright.async_api import Page, async_playwright, expect
+from playwright.async_api import Browser, Page, async_playwright, expect
 
 from gateway.ops.config import load_config
 from gateway.ops.daemon import Daemon
@@ -48,6 +49,25 @@ async def _shoot(page: Page, out: Path, name: str) -> None:
     print(f"wrote {out / name}")
 
 
+async def _tools(browser: Browser, base: str, provider: FakeProvider, out: Path) -> None:
+    """A finished tool call with its result, and a long one running: its time ticking, its Stop."""
+    page = await open_chat(await browser.new_context(viewport={"width": 1000, "height": 560}), base)
+    provider.then(Script(tool_calls=[("shell", {"command": "du -sh * | sort -rh | head -3"})]))
+    provider.then(Script(text="`switchboard.db.reserve` takes the most room (16 MB): the store keeps that much disk "
+                                "free for itself. Then come the database and its log."))
+    await say(page, "What takes the most room here?")
+    await expect(page.locator(".msg.bot .body")).to_contain_text("and its log")
+    await expect(page.locator("body[data-running=false]")).to_have_count(1)
+    await page.locator(".tool-result summary").click()
+    provider.then(Script(tool_calls=[("shell", {"command": "sleep 30; pytest -q tests/"})]))
+    await say(page, "Run the test suite, please.")
+    await expect(page.locator(".tool[data-state=running] .tool-time")).to_have_text("4 s", timeout=10_000)
+    await _shoot(page, out, "webchat-tools.png")
+    await page.locator(".tool[data-state=running] .tool-stop").click()
+    await expect(page.locator(".tool[data-state=interrupted]")).to_have_count(1)
+    await page.close()
+
+
 async def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     async with FakeProvider(delay_s=0.06) as provider:
@@ -55,12 +75,13 @@ async def main(out: Path) -> None:
         provider.by_text["Tell me a story about switchboards."] = Script(text=STORY)
         provider.by_text["And a long one about telegraphs?"] = Script(text=STORY, delay_s=0.12)
         provider.by_text["Write me a haiku about queues."] = Script(
-            text="Messages in line —\neach one waits its turn to speak,\nthe lane keeps its word.", delay_s=0.25)
+            text="Messages in line —\neach one waits its turn to speak,\nthe lane keeps its word.", delay_s=0.6)
         with tempfile.TemporaryDirectory() as data:
             env = {"SWITCHBOARD_HTTP__PORT": str(free_port()), "SWITCHBOARD_ADMIN__PORT": str(free_port()),
                    "SWITCHBOARD_STORE__DATA_DIR": data, "SWITCHBOARD_AGENT__KIND": "openai",
                    "SWITCHBOARD_AGENT__BASE_URL": provider.base_url, "SWITCHBOARD_AGENT__MODEL": "llama3.2",
-                   "SWITCHBOARD_AGENT__RETRIES": "0"}
+                   "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_TOOLS__SHELL": "true",
+                   "SWITCHBOARD_TOOLS__SHELL_CWD": data}
             daemon = Daemon(load_config(None, env))
             await daemon.start()
             base = f"http://127.0.0.1:{daemon.config.http.port}"
@@ -90,6 +111,7 @@ async def main(out: Path) -> None:
                 daemon = Daemon(daemon.config)
                 await daemon.start()
                 await expect(page.locator("#conn")).to_have_attribute("data-state", "connected", timeout=15_000)
+                await _tools(browser, base, provider, out)
 
                 other = await open_chat(await browser.new_context(), base)
                 await say(other, "Write me a haiku about queues.")

@@ -82,3 +82,21 @@ async def test_with_a_token_the_console_asks_to_sign_in_and_keeps_an_httponly_co
     assert other.url == admin + "/admin"
     await expect(other.locator("#live")).to_have_attribute("data-state", "live")
     await expect(other.locator("#no-sessions")).to_be_visible()
+
+
+async def test_an_unreachable_provider_shows_in_the_console_as_a_warning_and_the_root_leads_there(
+        browser: Browser, make_daemon: DaemonFactory) -> None:
+    from tests.support.ports import free_port
+
+    port = free_port()  # nothing listens there
+    daemon = await make_daemon(agent={"base_url": f"http://127.0.0.1:{port}/v1", "probe_interval_s": 0.2})
+    console = await browser.new_page()
+    errors: list[str] = []
+    console.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    await console.goto(f"http://127.0.0.1:{daemon.config.admin.port}/")  # the listener's root
+    assert console.url.endswith("/admin")
+    provider = console.locator("#health li[data-name=provider]")
+    await expect(provider).to_have_class(re.compile(r"\bwarn\b"))  # advisory: not "down"
+    await expect(provider.locator(".detail")).to_have_text(re.compile(rf"^cannot reach http://127\.0\.0\.1:{port}/v1"))
+    await expect(console.locator("#health li[data-name=webchat]")).to_have_class(re.compile(r"\bok\b"))
+    assert not [e for e in errors if "favicon" in e or "404" in e], errors  # the favicon is served

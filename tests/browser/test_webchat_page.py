@@ -287,11 +287,14 @@ async def test_a_stopped_tool_turn_keeps_its_mark_after_a_reload(
         assert time.monotonic() < deadline, "the tool never started"
         await asyncio.sleep(0.01)
     await page.locator("#stop").click()
-    await expect(page.locator(".notice[data-kind=stopped]")).to_have_text(["Stopped."])
+    # Live as after a reload: the call's row, cut short, and the mark below it (one stop notice).
+    await expect(page.locator(".notice[data-kind=stopped]")).to_have_text(["Stopped"])
     await expect(page.locator("#stop")).to_be_disabled()
+    await expect(page.locator(".tool")).to_have_attribute("data-state", "interrupted")
     await page.reload()
     await expect(page.locator("#conn")).to_have_attribute("data-state", "connected")
-    await expect(page.locator(".notice.tools")).to_have_text(["Used sleep"])
+    await expect(page.locator(".tool .tool-name")).to_have_text(["sleep"])
+    await expect(page.locator(".tool")).to_have_attribute("data-state", "interrupted")
     mark = page.locator(".notice.mark")
     await expect(mark).to_have_text(["Stopped"])
     await expect(mark).to_have_attribute("data-kind", "stopped")
