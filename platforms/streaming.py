@@ -199,15 +199,12 @@ class EditStreamReply(Reply):
         self._final = task = self._outbox.adopt(delivery)
         await asyncio.wait({task}, timeout=self.SETTLE_S)
 
-    async def _drain(self, within_s: float) -> None:
-        """Wait (up to `within_s`) until the final state or stop mark has been delivered."""
-        if self._final is not None and not self._final.done():
-            await asyncio.wait({self._final}, timeout=within_s)
-
-    async def delivered(self) -> bool:
+    async def delivered(self, within_s: float | None = None) -> bool:
+        """Wait (up to `within_s`, or as long as it takes) until the final state or stop mark has
+        been delivered; whether the final state was."""
         final = self._final
-        if final is not None:
-            await asyncio.wait({final})  # (not `await final`: its cancel must not cancel the waiter)
+        if final is not None and not final.done():
+            await asyncio.wait({final}, timeout=within_s)  # (not `await final`: its cancel is not ours)
         return self._final_shown
 
     async def _deliver_final(self) -> None:

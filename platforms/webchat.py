@@ -371,7 +371,7 @@ class _WebReply(EditStreamReply):
 
     async def settled(self, problem: str | None = None) -> None:
         await super().settled(problem)
-        await self._drain(5.0)  # the final state first, then idle
+        await self.delivered(5.0)  # the final state first, then idle
         self._web.forget_tools(self._chat_id, self._calls)  # recorded: the history has them now
         await self._idle()  # idle only once recorded: a reload right now shows the whole turn
 
