@@ -19,6 +19,7 @@ from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.transcript import AgentEvent, ChatMessage
+from gateway.core.turn_options import TurnOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,11 @@ class TurnContext(Protocol):
     def note_result(self, call_id: str, text: str) -> None:
         """What became of a tool call if the turn is stopped before it returns (its command moved to
         the background, say): recorded with the call's interrupted marker."""
+
+    @property
+    def options(self) -> TurnOptions | None:
+        """What the client asked of this turn beyond its message, and where the agent reports
+        back (an HTTP API request); None for a chat message."""
 
 
 class Agent(Protocol):

@@ -51,6 +51,7 @@ from gateway.core.ports import (
 )
 from gateway.core.settings import CoreSettings
 from gateway.core.transcript import ROUND_SEPARATOR, ChatMessage, Interjection, TextDelta, TurnRecorder, Usage
+from gateway.core.turn_options import TurnOptions, options_of
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,10 @@ class _Context:
 
     def note_result(self, call_id: str, text: str) -> None:
         self._turn.notes[call_id] = text
+
+    @property
+    def options(self) -> TurnOptions | None:
+        return options_of(self._turn.msg)
 
 
 class TurnRunner:
