@@ -279,7 +279,7 @@ class Submitted:
     outcome: Outcome
     detail: str = ""
     run: Run | None = None
-    retry_after_s: float | None = None  # with UNAVAILABLE: when trying again makes sense
+    retry_after_s: float | None = None  # with UNAVAILABLE or REJECTED (rate limited): when trying again makes sense
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,14 +15,16 @@ UNAVAILABLE_NOTICE_EVERY_S = 60.0
 
 
 async def reject(outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
-                 kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
+                 kind: NoticeKind = NoticeKind.ERROR, detail: str = "",
+                 retry_after_s: float | None = None) -> Submitted:
     """Tell the user why (unless `text` is None: already told recently) and say so in the log.
+    `retry_after_s`: the same message would be taken after this long (a rate limit).
     Said by whichever worker received the message: it answers the message, not the session (so it
     goes straight to the outlet, not through a session's speaker)."""
     log.info("rejected a message: %s", text or detail, extra={"session": key})
     if text:
         await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
-    return Submitted(Outcome.REJECTED, text or detail)
+    return Submitted(Outcome.REJECTED, text or detail, retry_after_s=retry_after_s)
 
 
 class Answers:

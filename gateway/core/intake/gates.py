@@ -62,6 +62,7 @@ class Refusal:
     text: str | None  # what the user is told (None: they were told recently)
     kind: NoticeKind = NoticeKind.ERROR
     detail: str = ""  # for the log when nothing is said
+    retry_after_s: float | None = None  # the same message would be taken after this long (rate limited)
 
 
 Gate = Callable[[Arrival], Awaitable[Refusal | None]]
@@ -143,7 +144,10 @@ class Gates:
         if a.cmd is not None:  # commands always get through: /stop must work
             return None
         allowed, notice = self._rate_limit.check(a.msg.platform, a.msg.user_id)
-        return None if allowed else Refusal(notice, detail="rate limited (notice already sent)")
+        if allowed:
+            return None
+        return Refusal(notice, detail="rate limited (notice already sent)",
+                       retry_after_s=self._rate_limit.retry_after(a.msg.platform, a.msg.user_id))
 
 
 def _encodable(text: str | None) -> bool:

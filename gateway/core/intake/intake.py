@@ -51,7 +51,7 @@ class Intake:
         refusal = await self._gates.screen(arrival, stateless=True)
         if refusal is not None:
             result = await self._answers.reject(outlet, arrival.msg, arrival.key, refusal.text, kind=refusal.kind,
-                                                detail=refusal.detail)
+                                                detail=refusal.detail, retry_after_s=refusal.retry_after_s)
         elif arrival.cmd is not None:
             result = (Submitted(Outcome.DUPLICATE) if self._recent.seen(arrival.msg, 0) else
                       await self._commands.dispatch(arrival.cmd, arrival.key, arrival.msg, Speaker(outlet)))
@@ -63,7 +63,7 @@ class Intake:
         refusal = await self._gates.screen(a)
         if refusal is not None:
             return await self._answers.reject(a.outlet, a.msg, a.key, refusal.text, kind=refusal.kind,
-                                              detail=refusal.detail)
+                                              detail=refusal.detail, retry_after_s=refusal.retry_after_s)
         placed = await self._owners.place(a)
         if isinstance(placed, Submitted):  # not ours: forwarded, or refused with a reason
             return placed
