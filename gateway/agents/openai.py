@@ -108,12 +108,14 @@ class OpenAIAgent:
         turn = _Turn(s, history, message, context)
         for _round in range(s.max_tool_rounds + 1):
             rnd = Round()
-            async with contextlib.aclosing(self._completion(turn, rnd)) as events:
-                async for event in events:
-                    yield event
+            try:
+                async with contextlib.aclosing(self._completion(turn, rnd)) as events:
+                    async for event in events:
+                        yield event
+            finally:  # a round cut short used tokens too
+                turn.round_done(rnd)
             calls = rnd.tool_calls()
             text = "".join(rnd.text)
-            turn.round_done(text, calls)
             if calls and turn.client_tools:  # the client runs its own tools: the answer ends with the calls
                 turn.report.tool_calls = calls
                 return
@@ -288,12 +290,15 @@ class _Turn:
         self.report.add(usage.prompt_tokens, usage.completion_tokens)
         self.round_counted = True
 
-    def round_done(self, text: str, calls: tuple[ToolCall, ...]) -> None:
-        """A round ended: if the provider did not count it, our estimate stands in (and says so)."""
-        if not self.round_counted:
-            answer = estimate(text) + sum(estimate(c.name) + estimate(c.arguments) for c in calls)
+    def round_done(self, rnd: Round) -> None:
+        """A round ended, or was cut short: if the provider did not count it, our estimate stands in
+        (and says so)."""
+        if not self.round_counted and self.estimated:
+            answer = estimate("".join(rnd.text)) + sum(estimate(c.name) + estimate(c.arguments)
+                                                       for c in rnd.tool_calls())
             self.report.add(self.estimated, answer, estimated=True)
         self.round_counted = False
+        self.estimated = 0
 
     def shrink(self, error: str, estimated: int) -> None:
         """The provider refused `estimated` tokens as too long: the rest of the turn fits a smaller budget."""

@@ -321,7 +321,8 @@ class Daemon:
         # Room for an API request carrying images as base64 (a third larger than the bytes).
         max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
         app = build_app(self.readiness, [route for a in self.adapters.values() for route in a.routes()],
-                        max_body=max_body, hosts=http_hosts(self.config))
+                        max_body=max_body, hosts=http_hosts(self.config),
+                        middlewares=[m for a in self.adapters.values() for m in a.middlewares()])
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]
