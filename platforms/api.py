@@ -189,6 +189,8 @@ class ApiAdapter(Adapter):
             await events.end(reply.text, end, reply.report)
         except (ConnectionError, RuntimeError):
             run.cancel(CLIENT_DISCONNECTED)
+        finally:
+            events.stop_pinging()  # also when the handler is cancelled (the client has gone)
         await events.close()
         return events.response
 
@@ -203,6 +205,8 @@ class ApiAdapter(Adapter):
             await events.end(text, end, report)
         except (ConnectionError, RuntimeError):
             pass  # nothing runs for it: the client has gone, and that is all
+        finally:
+            events.stop_pinging()
         await events.close()
         return events.response
 

@@ -171,7 +171,7 @@ class EventStream:
     async def end(self, text: str, end: End, report: TurnReport) -> None:
         """The last events: the client's tool calls, the finish reason, the token counts, [DONE] —
         or, for a failure, an error event."""
-        self._stop_pinging()
+        self.stop_pinging()
         if end.error is not None:
             event = error_body(end.error, error_kind(end)[1])
             if end.retry_after_s is not None:
@@ -188,7 +188,7 @@ class EventStream:
         await self._resp.write(b"data: [DONE]\n\n")
 
     async def close(self) -> None:
-        self._stop_pinging()
+        self.stop_pinging()
         with contextlib.suppress(ConnectionError, RuntimeError):
             await self._resp.write_eof()
 
@@ -219,6 +219,6 @@ class EventStream:
                     self._last_write = time.monotonic()
                     await self._resp.write(b": keepalive\n\n")
 
-    def _stop_pinging(self) -> None:
+    def stop_pinging(self) -> None:
         if self._pinger is not None:
             self._pinger.cancel()
