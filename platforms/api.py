@@ -65,10 +65,12 @@ class ApiAdapter(Adapter):
     answers_later = False  # ...on its own connection: a replay elsewhere or later reaches nobody
 
     def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
-                 model_name: str = "switchboard", max_attachment_bytes: int = 10 * MB) -> None:
+                 model_name: str = "switchboard", more_models: tuple[str, ...] = (),
+                 max_attachment_bytes: int = 10 * MB) -> None:
         self._keys = ApiKeys(keys, tenants)
         self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
         self.model_name = model_name
+        self.models = (model_name, *more_models)  # what clients may name, the default first
         self._replies: dict[str, ApiReply] = {}
 
     def routes(self) -> list[web.RouteDef]:
@@ -99,13 +101,13 @@ class ApiAdapter(Adapter):
     async def _models(self, request: web.Request) -> web.Response:
         if self._tenant(request) is None:
             return _unauthorized()
-        return _json_response({"object": "list", "data": [self._model_entry(self.model_name)]})
+        return _json_response({"object": "list", "data": [self._model_entry(name) for name in self.models]})
 
     async def _model(self, request: web.Request) -> web.Response:
         if self._tenant(request) is None:
             return _unauthorized()
         name = request.match_info["model"]
-        if name != self.model_name:
+        if name not in self.models:
             return _error(404, f"The model `{name}` does not exist or you do not have access to it.",
                           code="model_not_found", param="model")
         return _json_response(self._model_entry(name))
@@ -138,7 +140,7 @@ class ApiAdapter(Adapter):
         if isinstance(body, web.Response):
             return body
         try:
-            req = read_request(body, session_header=request.headers.get("X-Session-Id"), models=(self.model_name,),
+            req = read_request(body, session_header=request.headers.get("X-Session-Id"), models=self.models,
                                max_bytes=self.max_attachment_bytes)
         except BadRequest as exc:
             return _error(exc.status, exc.message, param=exc.param, code=exc.code)

@@ -77,7 +77,8 @@ def read_request(body: Any, *, session_header: str | None, models: Collection[st
         raise BadRequest("Client tools need the client's own history: send this request without a session "
                          "(no X-Session-Id or metadata.session_id), with the tool results in 'messages'.",
                          param="tools" if tools is not None else "messages")
-    options = TurnOptions(instructions=instructions, continuation=continuation, tools=tools, params=params)
+    options = TurnOptions(instructions=instructions, continuation=continuation, tools=tools, params=params,
+                          model=None if model == next(iter(models)) else model)
     return ChatRequest(history, new.text, new.attachments, options, stream, _include_usage(body, stream), session,
                        _end_user(body), model)
 

@@ -205,6 +205,26 @@ async def test_parameters_reach_the_provider_or_are_refused_and_unknown_models_a
     assert len(provider.connections) == 1
 
 
+async def test_several_models_behind_one_gateway(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    provider.words = 1
+    models = [{"name": "fast", "model": "tiny-1b"},
+              {"name": "other", "model": "big-70b", "base_url": f"http://127.0.0.1:{provider.port}/elsewhere/v1",
+               "api_key": "sk-elsewhere"}]
+    daemon = await make_daemon(api=API, agent={"models": models, "model": "own-8b", "api_key": "sk-own"})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(_url(daemon, "/v1/models"), headers=_auth()) as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["switchboard", "fast", "other"]
+        async with http.get(_url(daemon, "/v1/models/other"), headers=_auth()) as resp:
+            assert resp.status == 200
+        for name in ("switchboard", "fast", "other", None):
+            body = {"messages": [{"role": "user", "content": f"to {name}"}], **({"model": name} if name else {})}
+            status, out = await _post(http, daemon, body)
+            assert status == 200 and out["model"] == (name or "switchboard"), out
+    seen = [(c.body["model"], c.via, c.authorization) for c in provider.connections]
+    assert seen == [("own-8b", None, "Bearer sk-own"), ("tiny-1b", None, "Bearer sk-own"),
+                    ("big-70b", "elsewhere", "Bearer sk-elsewhere"), ("own-8b", None, "Bearer sk-own")]
+
+
 # --- 4. sessions are asked for; `user` names the end user ------------------------------------------
 
 

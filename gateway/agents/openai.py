@@ -48,6 +48,17 @@ _dumps = jsonfast.dumps
 
 
 @dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """A further model a client may name: the provider's name for it, and its provider when not the
+    agent's own (`[[agent.models]]`)."""
+
+    name: str
+    model: str
+    base_url: str | None = None
+    api_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class OpenAISettings:
     base_url: str
     model: str
@@ -63,6 +74,7 @@ class OpenAISettings:
     include_usage: bool = True  # ask for token counts (stream_options.include_usage)
     parallel_tools: bool = True
     max_parallel_tools: int = 4
+    models: tuple[ModelRoute, ...] = ()
 
 
 class ContextTooLong(AgentError):
@@ -80,10 +92,12 @@ class OpenAIAgent:
         self.tools = tools
         self._session: aiohttp.ClientSession | None = None
         self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
-        self._url = URL(settings.base_url.rstrip("/") + "/chat/completions")  # parsed once, not per request
-        self._headers = {"Content-Type": "application/json"}
-        if settings.api_key:
-            self._headers["Authorization"] = f"Bearer {settings.api_key}"
+        # Where each model's requests go: the agent's own (None), and each further one, by the name
+        # clients use; URLs parsed once, not per request.
+        self._routes: dict[str | None, _Route] = {None: _route(settings.model, settings.base_url, settings.api_key)}
+        for m in settings.models:
+            key = settings.api_key if m.base_url is None else m.api_key
+            self._routes[m.name] = _route(m.model, m.base_url or settings.base_url, key)
 
     @property
     def description(self) -> str:
@@ -137,8 +151,10 @@ class OpenAIAgent:
         for attempt in range(2):
             messages, estimated = turn.request()
             try:
-                body = self._body_head(turn.options) + messages + b"}"
-                async with contextlib.aclosing(self._complete(body, rnd, estimated)) as events:
+                route = self._routes.get(turn.options.model if turn.options is not None else None) \
+                    or self._routes[None]
+                body = self._body_head(turn.options, route.model) + messages + b"}"
+                async with contextlib.aclosing(self._complete(route, body, rnd, estimated)) as events:
                     async for event in events:
                         if isinstance(event, Usage):
                             turn.counted(event)
@@ -196,22 +212,23 @@ class OpenAIAgent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _body_head(self, options: TurnOptions | None = None) -> bytes:
+    def _body_head(self, options: TurnOptions | None = None, model: str | None = None) -> bytes:
         """The request body up to its messages: model, stream options and tool schemas, encoded
-        once (again only if the tools change) — or, for a client that asked for its own tools or
-        parameters, made for its request."""
+        once (again only if the tools change) — or, for a client that asked for its own tools,
+        parameters or model, made for its request."""
         s = self.settings
         registered = tuple(self.tools.available().values())  # asked every round: MCP servers come and go
-        if options is not None and (options.tools is not None or options.params):
+        if options is not None and (options.tools is not None or options.params or options.model is not None):
             schemas = list(options.tools) if options.tools is not None else [t.schema() for t in registered]
-            return _head(s, options.params, schemas)
+            return _head(s, options.params, schemas, model or s.model)
         if self._head is None or self._head[0] != registered:
-            self._head = (registered, _head(s, {}, [t.schema() for t in registered]))
+            self._head = (registered, _head(s, {}, [t.schema() for t in registered], s.model))
         return self._head[1]
 
-    async def _complete(self, body: bytes, rnd: Round, estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
-        """One streamed completion of the request `body`."""
-        resp = await self._post(body)
+    async def _complete(self, route: _Route, body: bytes, rnd: Round,
+                        estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
+        """One streamed completion of the request `body`, from the route's provider."""
+        resp = await self._post(route, body)
         run = get_run()
         async with resp:
             with run.on_cancel(resp.close) if run else contextlib.nullcontext():
@@ -225,7 +242,7 @@ class OpenAIAgent:
                     async for event in events:
                         yield event
 
-    async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+    async def _post(self, route: _Route, body: bytes) -> aiohttp.ClientResponse:
         """The provider's response, once it is not one worth retrying — or the last retry's.
         Retries wait `backoff_s`, doubling (or what the provider's Retry-After says)."""
         s = self.settings
@@ -233,7 +250,7 @@ class OpenAIAgent:
         while True:
             checkpoint()  # a stopped run opens no new provider request, whatever cancel it swallowed
             try:
-                resp = await self._http().post(self._url, data=body, headers=self._headers)
+                resp = await self._http().post(route.url, data=body, headers=route.headers)
             except aiohttp.ClientError as exc:
                 if backoff.attempt >= s.retries:
                     raise AgentError(f"the model provider is unreachable ({type(exc).__name__})") from exc
@@ -306,10 +323,24 @@ class _Turn:
         log.warning("the provider said the context is too long; retrying with %d tokens", self.budget)
 
 
-def _head(s: OpenAISettings, params: Mapping[str, Any], tools: list[Any]) -> bytes:
+@dataclass(frozen=True, slots=True)
+class _Route:
+    model: str
+    url: URL
+    headers: dict[str, str]
+
+
+def _route(model: str, base_url: str, api_key: str | None) -> _Route:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return _Route(model, URL(base_url.rstrip("/") + "/chat/completions"), headers)
+
+
+def _head(s: OpenAISettings, params: Mapping[str, Any], tools: list[Any], model: str) -> bytes:
     """The start of a request body, up to `"messages":`: the model, the client's parameters, streaming
     (with token counts if configured) and the tools."""
-    head: dict[str, Any] = {"model": s.model, **params, "stream": True}
+    head: dict[str, Any] = {"model": model, **params, "stream": True}
     if s.include_usage:
         head["stream_options"] = {"include_usage": True}
     encoded = b',"tools":' + _dumps(tools) if tools else b""

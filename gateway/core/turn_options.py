@@ -44,12 +44,14 @@ class TurnOptions:
     client's tool calls and their results), sent after it. `tools`: the client's tool schemas, offered
     instead of the agent's own (None: the agent's; empty: none at all); a round that calls them ends
     the turn with the calls in the report. `params`: provider parameters (temperature, max_tokens,
-    tool_choice...) passed as the client gave them."""
+    tool_choice...) passed as the client gave them. `model`: a further model the client named (None:
+    the agent's own)."""
 
     instructions: tuple[ChatMessage, ...] = ()
     continuation: tuple[ChatMessage, ...] = ()
     tools: tuple[Mapping[str, Any], ...] | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
+    model: str | None = None
     report: TurnReport = field(default_factory=TurnReport)
 
     def on(self, msg: InboundMessage) -> InboundMessage:

@@ -25,7 +25,7 @@ from yarl import URL
 from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.mcp_servers import McpCollector, McpHub
-from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.openai import ModelRoute, OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
@@ -74,7 +74,9 @@ def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None
             base_url=a.base_url, model=a.model, api_key=a.api_key.reveal() if a.api_key else None,
             system_prompt=a.system_prompt, max_tool_rounds=a.max_tool_rounds, retries=a.retries,
             read_timeout_s=a.read_timeout_s, context_tokens=a.context_tokens, reply_tokens=a.reply_tokens,
-            include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel), tools)
+            include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel,
+            models=tuple(ModelRoute(m.name, m.model, m.base_url, m.api_key.reveal() if m.api_key else None)
+                         for m in a.models)), tools)
     return EchoAgent(tools, delay_s=a.echo_delay_s)
 
 
