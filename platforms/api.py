@@ -15,6 +15,7 @@ the connection's loss cancels the request's handler, and the handler cancels the
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,15 +24,15 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.core import jsonfast
 from gateway.core.attachments import MB
 from gateway.core.cancellation import CLIENT_DISCONNECTED, Run
 from gateway.core.ids import unique_id
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
-from gateway.core.ports import Outcome, Reply, Submitted
+from gateway.core.ports import UNAVAILABLE_RETRY_S, Outcome, Reply, StoreError, Submitted
 from gateway.core.turn_options import TurnReport, options_of
-from platforms.api_reply import ApiReply, End, EventStream, completion, error_body, error_kind
+from platforms.api_reply import ApiReply, ChatShape, Shape, error_response, json_response
 from platforms.api_request import BadRequest, ChatRequest, read_request
+from platforms.api_responses import ResponsesShape, read_responses
 from platforms.base import Adapter
 from platforms.http_input import read_json
 from platforms.tenants import ApiKeys
@@ -43,19 +44,8 @@ PLATFORM = "api"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _json_response(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    # Text as text in every body: no \\uXXXX escapes for the languages people write in.
-    return web.Response(body=jsonfast.dumps(payload), status=status, headers=headers,
-                        content_type="application/json", charset="utf-8")
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-           headers: dict[str, str] | None = None, code: str | None = None) -> web.Response:
-    return _json_response(error_body(message, kind, param, code), status=status, headers=headers)
-
-
 def _unauthorized() -> web.Response:
-    return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+    return error_response(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
 class ApiAdapter(Adapter):
@@ -74,8 +64,8 @@ class ApiAdapter(Adapter):
         self._replies: dict[str, ApiReply] = {}
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/v1/chat/completions", self._completions), web.get("/v1/models", self._models),
-                web.get("/v1/models/{model}", self._model)]
+        return [web.post("/v1/chat/completions", self._completions), web.post("/v1/responses", self._responses),
+                web.get("/v1/models", self._models), web.get("/v1/models/{model}", self._model)]
 
     def middlewares(self) -> list[Middleware]:
         return [api_errors]
@@ -101,49 +91,74 @@ class ApiAdapter(Adapter):
     async def _models(self, request: web.Request) -> web.Response:
         if self._tenant(request) is None:
             return _unauthorized()
-        return _json_response({"object": "list", "data": [self._model_entry(name) for name in self.models]})
+        return json_response({"object": "list", "data": [self._model_entry(name) for name in self.models]})
 
     async def _model(self, request: web.Request) -> web.Response:
         if self._tenant(request) is None:
             return _unauthorized()
         name = request.match_info["model"]
         if name not in self.models:
-            return _error(404, f"The model `{name}` does not exist or you do not have access to it.",
+            return error_response(404, f"The model `{name}` does not exist or you do not have access to it.",
                           code="model_not_found", param="model")
-        return _json_response(self._model_entry(name))
+        return json_response(self._model_entry(name))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         if tenant is None:
             return _unauthorized()
-        ask = await self._read(request, tenant)
-        if isinstance(ask, web.Response):
-            return ask
-        mid = ask.msg.message_id
-        reply = self._replies[mid] = ApiReply(ask.request.options.report, ask.request.stream)
-        try:
-            submitted = await self._submit(ask)
-            if submitted.outcome is Outcome.COMMAND:
-                return await self._respond_text(request, ask.request, submitted.detail)
-            refusal = _refusal(submitted)
-            if refusal is not None:
-                return refusal
-            if submitted.run is None:
-                return _error(409, "Duplicate request.")
-            return await self._answer(request, ask.request, submitted.run, reply)
-        finally:
-            self._replies.pop(mid, None)
-
-    async def _read(self, request: web.Request, tenant: str) -> _Ask | web.Response:
-        """The request as a message for the router, or the error response saying what is wrong."""
-        body = await read_json(request, lambda status, problem: _error(status, problem))
+        body = await read_json(request, lambda status, problem: error_response(status, problem))
         if isinstance(body, web.Response):
             return body
         try:
             req = read_request(body, session_header=request.headers.get("X-Session-Id"), models=self.models,
                                max_bytes=self.max_attachment_bytes)
         except BadRequest as exc:
-            return _error(exc.status, exc.message, param=exc.param, code=exc.code)
+            return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        shape = ChatShape(req.model, streamed=req.stream, include_usage=req.include_usage)
+        return await self._handle(request, self._ask(req, tenant), shape)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        if tenant is None:
+            return _unauthorized()
+        body = await read_json(request, lambda status, problem: error_response(status, problem))
+        if isinstance(body, web.Response):
+            return body
+        try:
+            asked = read_responses(body)
+            req = read_request(asked.chat, session_header=None, models=self.models, max_bytes=self.max_attachment_bytes)
+        except BadRequest as exc:
+            return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        if asked.previous is not None and req.session is not None:
+            try:  # a chain this tenant never started (or another tenant's) has nothing stored here
+                known = bool(await self.gateway.history(f"{PLATFORM}:dm:{_scoped(tenant, req.session)}"))
+            except StoreError as exc:
+                return error_response(503, f"The conversation could not be read ({exc}).", "service_unavailable",
+                                      headers={"Retry-After": f"{UNAVAILABLE_RETRY_S:.0f}"})
+            if not known:
+                return error_response(404, f"Previous response with id '{asked.previous}' not found.",
+                                      param="previous_response_id", code="previous_response_not_found")
+        return await self._handle(request, self._ask(req, tenant), ResponsesShape(asked, req))
+
+    async def _handle(self, request: web.Request, ask: _Ask, shape: Shape) -> web.StreamResponse:
+        """Route the request's message and answer it in the shape of its API."""
+        mid = ask.msg.message_id
+        reply = self._replies[mid] = ApiReply(ask.request.options.report, ask.request.stream)
+        try:
+            submitted = await self._submit(ask)
+            if submitted.outcome is Outcome.COMMAND:
+                return await shape.command(request, submitted.detail)
+            refusal = _refusal(submitted)
+            if refusal is not None:
+                return refusal
+            if submitted.run is None:
+                return error_response(409, "Duplicate request.")
+            return await self._answer(request, ask.request, submitted.run, reply, shape)
+        finally:
+            self._replies.pop(mid, None)
+
+    def _ask(self, req: ChatRequest, tenant: str) -> _Ask:
+        """The request as a message for the router, carrying its options."""
         mid = unique_id()
         chat_id = _scoped(tenant, req.session or f"ephemeral-{mid}")
         # The end user names whose messages these are (the rate limit counts per end user); a
@@ -167,50 +182,15 @@ class ApiAdapter(Adapter):
             submit.add_done_callback(_client_gone)
             raise
 
-    async def _answer(self, request: web.Request, req: ChatRequest, run: Run, reply: ApiReply) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, req: ChatRequest, run: Run, reply: ApiReply,
+                      shape: Shape) -> web.StreamResponse:
         try:
             if req.stream:
-                return await self._stream(request, req, run, reply)
-            return await self._complete(reply, req.model)
+                return await shape.stream(request, reply, functools.partial(run.cancel, CLIENT_DISCONNECTED))
+            return await shape.whole(reply)
         except asyncio.CancelledError:  # the connection is gone (handler_cancellation)
             run.cancel(CLIENT_DISCONNECTED)
             raise
-
-    async def _complete(self, reply: ApiReply, model: str) -> web.StreamResponse:
-        end = await reply.outcome()
-        if end.error is not None:
-            status, kind = error_kind(end)
-            headers = {"Retry-After": f"{end.retry_after_s:.0f}"} if end.retry_after_s is not None else None
-            return _error(status, end.error, kind, headers=headers)
-        return _json_response(completion(model, reply.text, end, reply.report))
-
-    async def _stream(self, request: web.Request, req: ChatRequest, run: Run, reply: ApiReply) -> web.StreamResponse:
-        events = await EventStream.open(request, req.model, req.include_usage)
-        try:
-            end = await reply.outcome(events.text)
-            await events.end(reply.text, end, reply.report)
-        except (ConnectionError, RuntimeError):
-            run.cancel(CLIENT_DISCONNECTED)
-        finally:
-            events.stop_pinging()  # also when the handler is cancelled (the client has gone)
-        await events.close()
-        return events.response
-
-    async def _respond_text(self, request: web.Request, req: ChatRequest, text: str) -> web.StreamResponse:
-        """A command's answer, at once."""
-        end, report = End("stop"), TurnReport()
-        if not req.stream:
-            return _json_response(completion(req.model, text, end, report))
-        events = await EventStream.open(request, req.model, req.include_usage)
-        try:
-            await events.text(text)
-            await events.end(text, end, report)
-        except (ConnectionError, RuntimeError):
-            pass  # nothing runs for it: the client has gone, and that is all
-        finally:
-            events.stop_pinging()
-        await events.close()
-        return events.response
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,13 +207,13 @@ def _scoped(tenant: str, name: str) -> str:
 def _refusal(submitted: Submitted) -> web.Response | None:
     """The response to a message the router did not take (storage down, or refused), else None."""
     if submitted.outcome is Outcome.UNAVAILABLE:
-        return _error(503, submitted.detail, "service_unavailable",
+        return error_response(503, submitted.detail, "service_unavailable",
                       headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
     if submitted.outcome is Outcome.REJECTED and submitted.retry_after_s is not None:  # the rate limit
-        return _error(429, submitted.detail, "rate_limit_exceeded", code="rate_limit_exceeded",
+        return error_response(429, submitted.detail, "rate_limit_exceeded", code="rate_limit_exceeded",
                       headers={"Retry-After": f"{max(1.0, submitted.retry_after_s):.0f}"})
     if submitted.outcome is Outcome.REJECTED:
-        return _error(400, submitted.detail)
+        return error_response(400, submitted.detail)
     return None
 
 
@@ -264,11 +244,11 @@ async def api_errors(request: web.Request, handler: Handler) -> web.StreamRespon
         what = f"{request.method} {request.path}"
         message = {404: f"Unknown request URL: {what}.", 405: f"Method not allowed: {what}."}.get(exc.status,
                                                                                                  exc.reason)
-        return _error(exc.status, message, _STATUS_TYPES.get(exc.status, "server_error" if exc.status >= 500
+        return error_response(exc.status, message, _STATUS_TYPES.get(exc.status, "server_error" if exc.status >= 500
                                                              else "invalid_request_error"), headers=headers)
     except Exception:
         if request.writer is not None and request.writer.output_size > 0:
             raise  # the answer has begun: too late for an error body
         log.exception("request failed: %s %s", request.method, request.path)
-        return _error(500, "The server had an error while processing your request.", "server_error")
+        return error_response(500, "The server had an error while processing your request.", "server_error")
 

@@ -1,5 +1,6 @@
-"""The answer to one chat completion request: the turn's `Reply`, and the answer in OpenAI's shapes —
-a `chat.completion` object, or `chat.completion.chunk` events.
+"""The answer to one API request: the turn's `Reply`, and the answer in OpenAI's shapes — here a
+`chat.completion` object or `chat.completion.chunk` events (`ChatShape`); the Responses API's are in
+`platforms/api_responses.py`.
 
 How an answer ends, as a client sees it:
 
@@ -20,7 +21,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -142,26 +143,98 @@ def completion(model: str, text: str, end: End, report: TurnReport) -> dict[str,
     return out
 
 
-class EventStream:
-    """A streamed answer: `chat.completion.chunk` events on a prepared response, with a comment
-    line whenever it has been silent for `KEEPALIVE_S`. Writes raise ConnectionError (or
-    RuntimeError) once the client has gone."""
+class Shape(Protocol):
+    """How one API shapes its answers: OpenAI's chat completions (`ChatShape`) or its Responses
+    (`platforms.api_responses.ResponsesShape`)."""
+
+    async def whole(self, reply: ApiReply) -> web.StreamResponse:
+        """The answer once the turn has settled (an error status if it failed)."""
+
+    async def stream(self, request: web.Request, reply: ApiReply, gone: Callable[[], object]) -> web.StreamResponse:
+        """The answer as events while the turn runs; `gone()` when the client can no longer be written to."""
+
+    async def command(self, request: web.Request, text: str) -> web.StreamResponse:
+        """A command's answer, at once."""
+
+
+def json_response(payload: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    # Text as text in every body: no \\uXXXX escapes for the languages people write in.
+    return web.Response(body=jsonfast.dumps(payload), status=status, headers=headers,
+                        content_type="application/json", charset="utf-8")
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None, code: str | None = None) -> web.Response:
+    return json_response(error_body(message, kind, param, code), status=status, headers=headers)
+
+
+def failure_response(end: End) -> web.Response:
+    """A failed turn's HTTP error: 503 with Retry-After when our side is down for now, else 502."""
+    assert end.error is not None
+    status, kind = error_kind(end)
+    headers = {"Retry-After": f"{end.retry_after_s:.0f}"} if end.retry_after_s is not None else None
+    return error_response(status, end.error, kind, headers=headers)
+
+
+class SseResponse:
+    """A response of server-sent events, with a comment line whenever it has been silent for
+    `KEEPALIVE_S`. Writes raise ConnectionError (or RuntimeError) once the client has gone."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self._resp = resp
+        self._last_write = time.monotonic()
+        self._pinger: asyncio.Task[None] | None = None
+
+    @staticmethod
+    async def prepared(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    def start_pinging(self) -> None:
+        self._pinger = asyncio.get_running_loop().create_task(self._keepalive())
+
+    def stop_pinging(self) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+
+    @property
+    def response(self) -> web.StreamResponse:
+        return self._resp
+
+    async def close(self) -> None:
+        self.stop_pinging()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self._resp.write_eof()
+
+    async def write(self, payload: dict[str, Any], event: str | None = None) -> None:
+        self._last_write = time.monotonic()
+        head = b"event: " + event.encode() + b"\n" if event else b""
+        await self._resp.write(head + b"data: " + jsonfast.dumps(payload) + b"\n\n")
+
+    async def _keepalive(self) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # gone: the handler hears it too
+            while True:
+                await asyncio.sleep(max(0.0, self._last_write + KEEPALIVE_S - time.monotonic()))
+                if time.monotonic() - self._last_write >= KEEPALIVE_S:
+                    self._last_write = time.monotonic()
+                    await self._resp.write(b": keepalive\n\n")
+
+
+class EventStream(SseResponse):
+    """A streamed chat completion: `chat.completion.chunk` events."""
 
     def __init__(self, resp: web.StreamResponse, model: str, include_usage: bool) -> None:
-        self._resp = resp
+        super().__init__(resp)
         self._id = f"chatcmpl-{unique_id()}"
         self._created = int(time.time())
         self._model = model
         self._include_usage = include_usage  # then every chunk has "usage" (null until the last)
-        self._last_write = time.monotonic()
-        self._pinger: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, request: web.Request, model: str, include_usage: bool) -> EventStream:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        stream = cls(resp, model, include_usage)
-        stream._pinger = asyncio.get_running_loop().create_task(stream._keepalive())
+        stream = cls(await cls.prepared(request), model, include_usage)
+        stream.start_pinging()
         await stream._chunk({"role": "assistant", "content": ""})
         return stream
 
@@ -176,7 +249,7 @@ class EventStream:
             event = error_body(end.error, error_kind(end)[1])
             if end.retry_after_s is not None:
                 event["switchboard"] = {"retry_after_s": end.retry_after_s}
-            await self._write(event)
+            await self.write(event)
             return
         if end.finish_reason == "tool_calls":
             calls = [{"index": i, **call.to_dict()} for i, call in enumerate(report.tool_calls)]
@@ -184,17 +257,8 @@ class EventStream:
         extra = switchboard(end, report, streamed=True)
         await self._chunk({}, end.finish_reason, **({"switchboard": extra} if extra else {}))
         if self._include_usage:
-            await self._write(self._payload([], usage=usage(report)))
+            await self.write(self._payload([], usage=usage(report)))
         await self._resp.write(b"data: [DONE]\n\n")
-
-    async def close(self) -> None:
-        self.stop_pinging()
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await self._resp.write_eof()
-
-    @property
-    def response(self) -> web.StreamResponse:
-        return self._resp
 
     def _payload(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self._id, "object": "chat.completion.chunk", "created": self._created, "model": self._model,
@@ -204,21 +268,47 @@ class EventStream:
         return out
 
     async def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
-        await self._write(self._payload([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                                        **extra))
+        await self.write(self._payload([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                                       **extra))
 
-    async def _write(self, payload: dict[str, Any]) -> None:
-        self._last_write = time.monotonic()
-        await self._resp.write(b"data: " + jsonfast.dumps(payload) + b"\n\n")
 
-    async def _keepalive(self) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):  # gone: the handler hears it too
-            while True:
-                await asyncio.sleep(max(0.0, self._last_write + KEEPALIVE_S - time.monotonic()))
-                if time.monotonic() - self._last_write >= KEEPALIVE_S:
-                    self._last_write = time.monotonic()
-                    await self._resp.write(b": keepalive\n\n")
+class ChatShape:
+    """Answers as chat completions: a `chat.completion` object, or `chat.completion.chunk` events."""
 
-    def stop_pinging(self) -> None:
-        if self._pinger is not None:
-            self._pinger.cancel()
+    def __init__(self, model: str, *, streamed: bool, include_usage: bool) -> None:
+        self._model = model
+        self._streamed = streamed
+        self._include_usage = include_usage
+
+    async def whole(self, reply: ApiReply) -> web.StreamResponse:
+        end = await reply.outcome()
+        if end.error is not None:
+            return failure_response(end)
+        return json_response(completion(self._model, reply.text, end, reply.report))
+
+    async def stream(self, request: web.Request, reply: ApiReply, gone: Callable[[], object]) -> web.StreamResponse:
+        events = await EventStream.open(request, self._model, self._include_usage)
+        try:
+            end = await reply.outcome(events.text)
+            await events.end(reply.text, end, reply.report)
+        except (ConnectionError, RuntimeError):
+            gone()
+        finally:
+            events.stop_pinging()  # also when the handler is cancelled (the client has gone)
+        await events.close()
+        return events.response
+
+    async def command(self, request: web.Request, text: str) -> web.StreamResponse:
+        end, report = End("stop"), TurnReport()
+        if not self._streamed:
+            return json_response(completion(self._model, text, end, report))
+        events = await EventStream.open(request, self._model, self._include_usage)
+        try:
+            await events.text(text)
+            await events.end(text, end, report)
+        except (ConnectionError, RuntimeError):
+            pass  # nothing runs for it: the client has gone, and that is all
+        finally:
+            events.stop_pinging()
+        await events.close()
+        return events.response

@@ -369,3 +369,17 @@ async def test_node_sdk_interruption_errors_and_abort(
     (conn,) = provider.requests_for("node abort")
     await provider.wait_closed(conn, timeout=5)
     assert not conn.completed
+
+
+async def test_node_sdk_responses_api(make_daemon: DaemonFactory, provider: FakeProvider, node_sdk: Path) -> None:
+    provider.words = 1
+    provider.script_for = lambda conn: Script(tool_calls=[("get_weather", {"city": "Oslo"})]) if (
+        conn.last_user == "node weather?" and not any(m["role"] == "tool" for m in conn.body["messages"])) else None
+    daemon = await make_daemon(api=API)
+    result = await _node(node_sdk, daemon, "responses")
+    assert result == {"first": ["completed", "reply to: node first w0 ", 4], "second": "reply to: node second w0 ",
+                      "chained": True, "streamed": ["completed", "reply to: node stream w0 "],
+                      "calls": [["get_weather", {"city": "Oslo"}]], "answered": "reply to: node weather? w0 "}
+    # The continuation had the chain's history; the tool round trip was stateless.
+    assert [m["content"] for m in provider.connections[1].body["messages"]][-3:] == [
+        "node first", "reply to: node first w0 ", "node second"]

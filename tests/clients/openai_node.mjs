@@ -113,7 +113,26 @@ async function abort() {
   return { text, error, aborted: controller.signal.aborted };
 }
 
-const scenarios = { plain, streamed, tools, interrupted, errors, abort };
+async function responses() {
+  const first = await client.responses.create({ model, input: "node first", instructions: "Be brief." });
+  const second = await client.responses.create({ model, input: "node second", previous_response_id: first.id });
+  const streamed = await client.responses.stream({ model, input: "node stream" }).finalResponse();
+  const tool = { type: "function", name: WEATHER.function.name, description: WEATHER.function.description,
+                 parameters: WEATHER.function.parameters };
+  const input = [{ role: "user", content: "node weather?" }];
+  const asked = await client.responses.create({ model, input, tools: [tool] });
+  const calls = asked.output.filter((item) => item.type === "function_call");
+  input.push(...calls);
+  for (const call of calls) input.push({ type: "function_call_output", call_id: call.call_id, output: "rain, 7 C" });
+  const answered = await client.responses.create({ model, input, tools: [tool] });
+  return {
+    first: [first.status, first.output_text, first.usage.output_tokens], second: second.output_text,
+    chained: second.previous_response_id === first.id, streamed: [streamed.status, streamed.output_text],
+    calls: calls.map((c) => [c.name, JSON.parse(c.arguments)]), answered: answered.output_text,
+  };
+}
+
+const scenarios = { plain, streamed, tools, interrupted, errors, abort, responses };
 try {
   console.log(JSON.stringify(await scenarios[scenario]()));
 } catch (e) {
