@@ -106,10 +106,11 @@ def _chain(body: dict[str, Any], chat: dict[str, Any]) -> tuple[str | None, str 
         if chain is None:
             raise BadRequest(f"Previous response with id '{previous}' not found.", status=404,
                              param="previous_response_id", code="previous_response_not_found")
-        if not one_message:
+        if not one_message or body.get("tools") is not None:
             raise BadRequest("With previous_response_id, 'input' is one user message (and instructions): the "
-                             "conversation is kept here. Tool results need the whole conversation as input, "
-                             "without previous_response_id.", param="input")
+                             "conversation is kept here. Client tools and their results need the whole "
+                             "conversation as input, without previous_response_id.",
+                             param="input" if not one_message else "tools")
         return previous, chain
     if body.get("store") is False or not one_message or body.get("tools") is not None:
         return None, None
@@ -170,11 +171,12 @@ def _content(j: int, content: Any) -> Any:
 
 
 def _function_call(j: int, item: dict[str, Any], out: list[dict[str, Any]]) -> None:
-    """A call the model made: on the assistant message before it, or a message of its own."""
+    """A call the model made: on the assistant message just before it (the Responses API gives an
+    answer's text and its calls as items of their own; a chat message holds both), else on one of its own."""
     call = {"id": item.get("call_id"), "type": "function",
             "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
     last = out[-1] if out else None
-    if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not out[-1].get("content")):
+    if last is not None and last["role"] == "assistant":
         last.setdefault("tool_calls", []).append(call)
     else:
         out.append({"role": "assistant", "content": None, "tool_calls": [call]})

@@ -71,6 +71,8 @@ async def test_previous_response_id_continues_the_chain_and_only_for_its_tenant(
             await sdk.responses.create(model=MODEL, input=[{"role": "user", "content": "a"},
                                                            {"role": "user", "content": "b"}],
                                        previous_response_id=second.id)
+        with pytest.raises(openai.BadRequestError) as tools:
+            await sdk.responses.create(model=MODEL, input="weather?", previous_response_id=second.id, tools=[WEATHER])
         stateless = await sdk.responses.create(model=MODEL, input="no chain", store=False)
         with pytest.raises(openai.NotFoundError):
             await sdk.responses.create(model=MODEL, input="hi", previous_response_id=stateless.id)
@@ -80,7 +82,7 @@ async def test_previous_response_id_continues_the_chain_and_only_for_its_tenant(
                     {"role": "user", "content": "what is my pin?"}]
     assert second.previous_response_id == first.id
     assert foreign.value.code == "previous_response_not_found" and unknown.value.code == "previous_response_not_found"
-    assert two.value.param == "input"
+    assert two.value.param == "input" and tools.value.param == "tools"
     chain = first.id.split("_")[1]
     _conversation, rows = await daemon.store.conversation(f"api:dm:{key_id(KEY)}/resp-{chain}")
     assert [r.content for r in rows if r.role == "user"] == ["my pin is 4711", "what is my pin?"]
