@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.core.attachments import Attachment
 from gateway.core.cancellation import Run, ToolReason
@@ -70,6 +71,10 @@ class Adapter(ABC):
 
     def routes(self) -> list[web.RouteDef]:
         """HTTP routes for the daemon's listener (web chat, API, webhooks)."""
+        return []
+
+    def middlewares(self) -> list[Middleware]:
+        """Middlewares for that listener, inside its Host and Origin checks (the API's error shape)."""
         return []
 
     def health(self) -> Health:

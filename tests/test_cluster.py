@@ -83,7 +83,7 @@ async def test_stop_sent_to_another_worker_reaches_the_owners_turn(workers: Any,
         status, body = await b.ask(http, "s1", "/stop")
         assert (status, content(body)) == (200, "Stopped.")
         status, body = await asyncio.wait_for(first, 5)
-    assert body["switchboard"] == {"interrupted_by": "user", "reason": "stopped by user (/stop)"}
+    assert body["switchboard"].items() >= {"interrupted_by": "user", "reason": "stopped by user (/stop)"}.items()
     conn = provider.requests_for("long answer")[0]
     await provider.wait_closed(conn)
     assert not conn.completed
@@ -150,7 +150,7 @@ async def test_a_paused_owner_that_wakes_after_losing_its_lease_cannot_write_or_
         woke = time.monotonic()
         a.signal(signal.SIGCONT)
         last = await asyncio.wait_for(streaming, 10)
-    assert last["switchboard"] == {"interrupted_by": "system", "reason": "session lease lost"}
+    assert last["switchboard"].items() >= {"interrupted_by": "system", "reason": "session lease lost"}.items()
     assert [d for t, d in deltas if t > woke] == [], "the zombie kept sending after it woke"
     rows = await _transcript(redis_server, "api:dm:s3", 4)
     # The zombie's turn is closed by the new owner; nothing the zombie did after waking is there.
@@ -480,7 +480,7 @@ async def test_a_worker_stopped_for_a_rolling_restart_hands_its_cut_off_turns_to
         await until(lambda: bool(provider.requests_for("essay please")), 10, "the essay was never asked for")
         assert await a.stop() == 0  # SIGTERM: the turn is cut off with "gateway restart"
         answer = await (await pending).json()
-        assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
+        assert answer["switchboard"].items() >= {"interrupted_by": "system", "reason": "gateway restart"}.items()
         provider.delay_s, provider.words = 0.0, 2
         status, body2 = await b.ask(http, "roll", "are you back?")
     assert status == 200 and content(body2).startswith("reply to: are you back?")

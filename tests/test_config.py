@@ -222,3 +222,26 @@ def test_a_broken_rule_is_the_config_error(env: dict[str, str], message: str | N
     with pytest.raises(ConfigError) as info:
         load_config(None, env)
     assert message in str(info.value)
+
+
+def test_further_models_are_tables_checked_and_their_keys_kept_secret(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[agent]\nkind = "openai"\n[[agent.models]]\nname = "fast"\nmodel = "llama3.2:1b"\n'
+                   '[[agent.models]]\nname = "gpt-4o-mini"\nmodel = "gpt-4o-mini"\n'
+                   'base_url = "https://api.example.com/v1"\napi_key = "sk-other-provider"\n')
+    c = load_config(cfg, {})
+    assert [(m.name, m.model, m.base_url) for m in c.agent.models] == [
+        ("fast", "llama3.2:1b", None), ("gpt-4o-mini", "gpt-4o-mini", "https://api.example.com/v1")]
+    assert "sk-other-provider" in c.secrets()  # masked in the logs
+    assert len(c.agent.models) == 2  # (reading them left the config as it was)
+    assert "sk-other-provider" not in _check("--config", str(cfg)).stdout
+    for models, message in (
+            ('[{"name": "switchboard", "model": "m"}]', "agent.models[0].name: 'switchboard' is named twice"),
+            ('[{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]', "agent.models[1].name: 'a' is named"),
+            ('[{"name": "a b", "model": "m"}]', "agent.models[0].name: letters, digits"),
+            ('[{"name": "a"}]', "agent.models[0].model: the provider's name for the model is required"),
+            ('[{"name": "a", "model": "m", "base_url": "ftp://x"}]', "agent.models[0].base_url: must be an http(s)"),
+            ('[{"name": "a", "model": "m", "colour": "red"}]', "agent.models[0].colour: unknown key")):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, {"SWITCHBOARD_AGENT__MODELS": models})
+        assert message in str(info.value)

@@ -42,7 +42,7 @@ class Daemon:
 
     def post(self, http: aiohttp.ClientSession, text: str, user: str) -> asyncio.Task[aiohttp.ClientResponse]:
         """A chat completion, sent in the background."""
-        body = {"messages": [{"role": "user", "content": text}], "user": user}
+        body = {"messages": [{"role": "user", "content": text}], "metadata": {"session_id": user}}
         return asyncio.create_task(http.post(self.base + "/v1/chat/completions", json=body))
 
     def logs(self) -> str:
@@ -133,7 +133,7 @@ async def test_sigterm_mid_turn_cancels_with_the_system_reason_and_leaves_no_orp
             assert not running_in_group(tool.pgid), "the tool's process group outlived the daemon"
             resp = await request
             answer = await resp.json()
-            assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
+            assert answer["switchboard"].items() >= {"interrupted_by": "system", "reason": "gateway restart"}.items()
     finally:
         daemon.end()
     db = sqlite3.connect(tmp_path / ".switchboard" / "switchboard.db")

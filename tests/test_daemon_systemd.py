@@ -75,7 +75,7 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
         assert "restart needed" not in reloaded
 
         async with aiohttp.ClientSession() as http:
-            body = {"messages": [{"role": "user", "content": "a long one"}], "user": "zed"}
+            body = {"messages": [{"role": "user", "content": "a long one"}], "metadata": {"session_id": "zed"}}
             request = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body))
             await until(lambda: bool(provider.requests_for("a long one")), 10, "the turn never started")
             await until(lambda: provider.requests_for("a long one")[0].words >= 3, 10, "the answer never streamed")
@@ -84,7 +84,7 @@ async def test_notify_states_reload_and_sigterm_mid_turn(tmp_path: Path, provide
             assert await asyncio.to_thread(proc.wait, 20) == 0
             assert time.monotonic() - started < 10  # well inside TimeoutStopSec
             answer = await (await request).json()
-        assert answer["switchboard"] == {"interrupted_by": "system", "reason": "gateway restart"}
+        assert answer["switchboard"].items() >= {"interrupted_by": "system", "reason": "gateway restart"}.items()
         assert any("STOPPING=1" in m for m in systemd.messages())
         conn = provider.requests_for("a long one")[0]
         await provider.wait_closed(conn)

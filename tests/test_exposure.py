@@ -273,9 +273,10 @@ async def test_text_that_cannot_be_stored_is_never_left_accepted_nor_replayed_af
     daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
     port = daemon.config.http.port
     base = f"http://127.0.0.1:{port}"
-    poisons = [b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "user": "p1"}',
-               b'{"messages": [{"role": "user", "content": "hi"}], "user": "p\\udfff2"}',
-               b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}], "user": "p3"}']
+    poisons = [b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "metadata": {"session_id": "p1"}}',
+               b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"session_id": "p\\udfff2"}}',
+               b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}], '
+               b'"metadata": {"session_id": "p3"}}']
     for body in poisons:
         status, response = await _raw(port, _post(CHAT, port, body))
         assert status == 400 and b"not valid text" in response, response
@@ -292,7 +293,7 @@ async def test_text_that_cannot_be_stored_is_never_left_accepted_nor_replayed_af
         assert any(f["type"] == "notice" and f["kind"] == "error" and "could not read" in f["text"] for f in frames)
         # A good message on the same session, so the restart below has something it could replay.
         status, _ = await _raw(port, _post(CHAT, port, b'{"messages": [{"role": "user", "content": "fine"}], '
-                                                       b'"user": "p1"}'))
+                                                       b'"metadata": {"session_id": "p1"}}'))
         assert status == 200
     assert await daemon.store.unfinished_inbound() == [], "a refused message was left accepted"
     requests = len(provider.connections)

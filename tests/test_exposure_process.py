@@ -64,7 +64,7 @@ class _Daemon:
 
 async def _ask(http: aiohttp.ClientSession, port: int, key: str, text: str) -> tuple[int, dict[str, Any]]:
     async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                         json={"messages": [{"role": "user", "content": text}], "user": "alice"},
+                         json={"messages": [{"role": "user", "content": text}], "metadata": {"session_id": "alice"}},
                          headers={"Authorization": f"Bearer {key}"}) as resp:
         return resp.status, dict(await resp.json())
 
@@ -111,7 +111,8 @@ async def test_the_findings_as_black_box_probes_against_a_daemon_process(
         # 4 and 5. Poison text and hostile input: each a clean 4xx.
         for what, request, expected in (
                 ("a lone surrogate", _post("/v1/chat/completions", port, b'{"messages": [{"role": "user", '
-                                           b'"content": "\\ud800"}], "user": "p"}', auth=K1.encode()), 400),
+                                           b'"content": "\\ud800"}], "metadata": {"session_id": "p"}}',
+                                           auth=K1.encode()), 400),
                 ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 400),
                 ("charset=bogus", _post("/v1/chat/completions", port, b"{}", auth=K1.encode(),
                                         content_type=b"application/json; charset=bogus"), 415),

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from gateway.agents.mcp_config import McpServerConfig
+from gateway.agents.mcp_sdk import V2
 from gateway.agents.mcp_servers import McpHub, tool_name
 from gateway.agents.processes import ProcessReaper, group_alive
 from gateway.core.cancellation import STOPPED_BY_USER, Run, current_run
@@ -342,8 +343,10 @@ async def test_calls_stopped_at_random_offsets_each_reach_the_server(tmp_path: P
 
 
 async def test_an_answer_that_arrives_after_the_stop_is_dropped(tmp_path: Path, record: Record) -> None:
-    """The SDK's server answers a cancelled request anyway (an error, "Request cancelled"): it comes
-    after the call was given up, finds no waiter, and is dropped without harm to the connection."""
+    """SDK 1.x's server answers a cancelled request anyway (an error, "Request cancelled"): it comes
+    after the call was given up, finds no waiter, and is dropped (and counted) without harm to the
+    connection. SDK 2.x's server answers nothing once told: then nothing comes, and the connection
+    is just as unharmed. (The fake server runs on the same SDK as the daemon.)"""
     reaper = ProcessReaper(grace_s=0.5)
     hub = McpHub.build([McpServerConfig(**stdio_server(record))], reaper, max_output=1000)
     hub.start()
@@ -361,7 +364,8 @@ async def test_an_answer_that_arrives_after_the_stop_is_dropped(tmp_path: Path, 
         run.cancel(STOPPED_BY_USER)
         assert await run.join(2.0) and task.cancelled()  # the stop does not wait for the server
         await record.wait("slow_cancelled", timeout=10)
-        await until(lambda: server.late_results >= 1, 10, "the late answer never arrived")
+        if not V2:
+            await until(lambda: server.late_results >= 1, 10, "the late answer never arrived")
         assert await server.call("echo", {"text": "next"}) == "next"  # the connection is unharmed
         assert server.up and server.restarts == 0
     finally:
@@ -498,7 +502,9 @@ async def test_a_server_that_never_starts_is_logged_once_and_retried_with_backof
 
 async def test_a_server_that_stops_answering_pings_is_restarted(tmp_path: Path, record: Record) -> None:
     reaper = ProcessReaper(grace_s=0.5)
-    settings = McpServerConfig(**stdio_server(record, ping_interval_s=0.2, connect_timeout_s=2, max_backoff_s=0.5))
+    # The connect deadline is also a ping's: long enough for a server on SDK 2.x to start on a busy
+    # machine (its imports take seconds), short enough to notice the hang soon.
+    settings = McpServerConfig(**stdio_server(record, ping_interval_s=0.2, connect_timeout_s=8, max_backoff_s=0.5))
     hub = McpHub.build([settings], reaper, max_output=1000)
     hub.start()
     server = hub.servers[0]
@@ -507,7 +513,7 @@ async def test_a_server_that_stops_answering_pings_is_restarted(tmp_path: Path, 
         pid = server.pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)  # hung: alive, silent
-        await until(lambda: server.state == "down", 15, "the hang was never noticed")
+        await until(lambda: server.state == "down", 20, "the hang was never noticed")
         assert "ping" in server.detail
         await until(lambda: server.up, 30, f"never back: {server.detail}")
         await until(lambda: not group_alive(pid), 10, "the hung server's group was not killed")

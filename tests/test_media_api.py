@@ -34,7 +34,7 @@ def _data(data: bytes, mime: str) -> str:
 
 async def _post(http: aiohttp.ClientSession, daemon: Any, messages: list[dict[str, Any]],
                 **extra: Any) -> tuple[int, dict[str, Any]]:
-    async with http.post(_url(daemon), json={"model": "x", "messages": messages, **extra},
+    async with http.post(_url(daemon), json={"model": "switchboard", "messages": messages, **extra},
                          headers={"Authorization": f"Bearer {KEY}"}) as resp:
         return resp.status, await resp.json()
 

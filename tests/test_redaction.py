@@ -49,7 +49,7 @@ async def test_secrets_stay_out_of_logs_errors_and_replies(tmp_path: Path, provi
             async with http.get(base + "/readyz") as resp:  # Telegram unreachable: health says why
                 _clean(await resp.text())
             provider.then(Script(echo_key=True))  # the provider quotes our key back in its error
-            body = {"messages": [{"role": "user", "content": "hi"}], "user": "u1"}
+            body = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"session_id": "u1"}}
             async with http.post(base + "/v1/chat/completions", json=body,
                                  headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
                 answer = await resp.text()

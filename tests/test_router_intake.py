@@ -208,8 +208,10 @@ async def test_a_non_streaming_provider_answer_is_accepted(make_router: RouterFa
 async def test_a_flooding_user_gets_one_notice_then_silence_but_commands_still_work(
         make_router: RouterFactory, chat: MemoryChat) -> None:
     router = await make_router(agent="echo", messages_per_minute=2)
-    outcomes = [(await router.submit(chat.message("c1", f"m{i}", user="flood"), chat)).outcome for i in range(4)]
-    assert outcomes == [Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.REJECTED, Outcome.REJECTED]
+    submitted = [await router.submit(chat.message("c1", f"m{i}", user="flood"), chat) for i in range(4)]
+    assert [s.outcome for s in submitted] == [Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.REJECTED, Outcome.REJECTED]
+    # A refusal says when the same message would be taken (the HTTP API's 429 and Retry-After).
+    assert [s.retry_after_s is not None and 55 < s.retry_after_s <= 60 for s in submitted] == [False, False, True, True]
     notices = [t for t in chat.texts("c1") if "faster than I can take them" in t]
     assert len(notices) == 1
     assert (await router.submit(chat.message("c1", "/status", user="flood"), chat)).outcome is Outcome.COMMAND

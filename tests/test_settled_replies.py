@@ -61,7 +61,8 @@ async def ask(http: aiohttp.ClientSession, daemon: Any, session: str, text: str,
 
 
 def interruption(out: dict[str, Any]) -> dict[str, Any] | None:
-    return out.get("switchboard")
+    extra = out.get("switchboard")
+    return {k: v for k, v in extra.items() if k in ("interrupted_by", "reason")} if extra else None
 
 
 async def until(condition: Any, timeout: float = 5.0) -> None:

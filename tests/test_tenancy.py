@@ -40,7 +40,7 @@ async def _ask(http: aiohttp.ClientSession, daemon: Any, key: str, text: str, *,
     if via == "header":
         headers["X-Session-Id"] = session
     else:
-        body["user"] = session
+        body["metadata"] = {"session_id": session}
     async with http.post(_url(daemon), json=body, headers=headers) as resp:
         return resp.status, dict(await resp.json())
 
@@ -49,7 +49,7 @@ def _content(answer: dict[str, Any]) -> str:
     return str(answer["choices"][0]["message"]["content"])
 
 
-@pytest.mark.parametrize("via", ["header", "user"])
+@pytest.mark.parametrize("via", ["header", "metadata"])
 async def test_another_key_with_the_same_session_id_never_sees_the_first_keys_history(
         make_daemon: DaemonFactory, provider: FakeProvider, via: str) -> None:
     provider.words = 1
@@ -82,10 +82,10 @@ async def test_another_keys_stop_status_and_new_cannot_touch_a_running_turn(
     provider.delay_s, provider.words = 0.05, 40
     daemon = await make_daemon(api=API)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(30)) as http:
-        running = asyncio.create_task(_ask(http, daemon, K1, "a long answer", via="user"))
+        running = asyncio.create_task(_ask(http, daemon, K1, "a long answer", via="metadata"))
         await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "K1's turn never started")
         for command in ("/stop", "/new", "/status"):
-            status, answer = await _ask(http, daemon, K2, command, via="user")
+            status, answer = await _ask(http, daemon, K2, command, via="metadata")
             assert status == 200, command
             if command == "/stop":
                 assert _content(answer) == "Nothing is running."
@@ -99,7 +99,7 @@ async def test_another_keys_stop_status_and_new_cannot_touch_a_running_turn(
     assert conversation == 1 and [r.role for r in rows] == ["user", "assistant"]  # K2's /new archived nothing
     # And the owner's own /stop still works on its own session.
     async with aiohttp.ClientSession() as http:
-        assert _content((await _ask(http, daemon, K1, "/stop", via="user"))[1]) == "Nothing is running."
+        assert _content((await _ask(http, daemon, K1, "/stop", via="metadata"))[1]) == "Nothing is running."
 
 
 async def test_keys_and_tenants_are_checked_and_no_key_means_one_shared_namespace(
@@ -114,8 +114,8 @@ async def test_keys_and_tenants_are_checked_and_no_key_means_one_shared_namespac
         async with http.get(_url(daemon, "/v1/models"), headers={"Authorization": f"bearer {K1}"}) as resp:
             assert resp.status == 200  # the scheme is case-insensitive (RFC 9110)
         # A session id past the limit is refused, not made into a key of any length.
-        status, answer = await _ask(http, daemon, K1, "hi", session="x" * 300, via="user")
-        assert status == 400 and answer["error"]["param"] == "user"
+        status, answer = await _ask(http, daemon, K1, "hi", session="x" * 300, via="metadata")
+        assert status == 400 and answer["error"]["param"] == "metadata"
     await daemon.stop()
     open_api = await make_daemon(api={"enabled": True})  # no keys: a single anonymous tenant, keys as before
     async with aiohttp.ClientSession() as http:

@@ -23,20 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mcp import McpError, types
+from mcp import types
 from mcp.client.stdio import get_default_environment
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.agents.mcp_config import McpServerConfig
-from gateway.agents.mcp_session import (
-    CancellingSession,
-    ProcessPipes,
-    call_deadline,
-    http_streams,
-    is_transport_error,
-    stdio_streams,
-)
+from gateway.agents.mcp_sdk import MCPError, attr, http_streams, inner, list_tools
+from gateway.agents.mcp_session import CancellingSession, ProcessPipes, call_deadline, is_transport_error, stdio_streams
 from gateway.agents.processes import ProcessReaper
 from gateway.agents.tools import Tool
 from gateway.core.backoff import Backoff
@@ -85,7 +79,7 @@ def _wanted(tool: str, settings: McpServerConfig) -> bool:
 
 
 def _schema(tool: types.Tool) -> dict[str, Any]:
-    schema = dict(tool.inputSchema or {})
+    schema = dict(attr(tool, "input_schema") or {})
     schema.setdefault("type", "object")
     if schema.get("type") == "object":
         schema.setdefault("properties", {})
@@ -99,18 +93,19 @@ def format_result(result: types.CallToolResult, max_output: int) -> str:
         if isinstance(item, types.TextContent):
             parts.append(item.text)
         elif isinstance(item, (types.ImageContent, types.AudioContent)):
-            parts.append(f"[{item.type}: {item.mimeType}, {len(item.data) * 3 // 4} bytes, not shown]")
+            parts.append(f"[{item.type}: {attr(item, 'mime_type')}, {len(item.data) * 3 // 4} bytes, not shown]")
         elif isinstance(item, types.EmbeddedResource):
             res = item.resource
             parts.append(res.text if isinstance(res, types.TextResourceContents) else f"[resource {res.uri}]")
         elif isinstance(item, types.ResourceLink):
             parts.append(f"[resource {item.uri}]")
-    if not parts and result.structuredContent is not None:
-        parts.append(json.dumps(result.structuredContent, ensure_ascii=False))
+    structured = attr(result, "structured_content")
+    if not parts and structured is not None:
+        parts.append(json.dumps(structured, ensure_ascii=False))
     text = "\n".join(parts) or "(no output)"
     if len(text) > max_output:
         text = text[:max_output] + "\n[output truncated]"
-    return f"error: {text}" if result.isError else text
+    return f"error: {text}" if attr(result, "is_error") else text
 
 
 class McpServer:
@@ -209,12 +204,12 @@ class McpServer:
                     headers = read_pairs(s.headers_file, ":") if s.headers_file else {}
                     read, write = await stack.enter_async_context(http_streams(s.url, headers, s.connect_timeout_s))
                 session = await stack.enter_async_context(
-                    CancellingSession(read, write, message_handler=self._on_message))
+                    CancellingSession(read, write, message_handler=self._on_message, on_late_result=self._late))
                 stack.push_async_callback(session.settle)
                 try:
                     await session.initialize()
                     await self._list(session)
-                except McpError:
+                except MCPError:
                     if pipes is not None and pipes.ended.is_set():  # it exited: say how, not "connection closed"
                         return await pipes.exit_reason()
                     raise
@@ -250,7 +245,7 @@ class McpServer:
                     await asyncio.wait_for(session.send_ping(), s.connect_timeout_s)
                 except TimeoutError:
                     return f"did not answer a ping within {s.connect_timeout_s:g} s"
-                except McpError as exc:
+                except MCPError as exc:
                     return _describe(exc)
         finally:
             lost.cancel()
@@ -267,21 +262,21 @@ class McpServer:
             self._lost.set()
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, types.ServerNotification) and isinstance(message.root,
-                                                                       types.ToolListChangedNotification):
+        if isinstance(inner(message), types.ToolListChangedNotification):
             self._listed.set()
-        elif isinstance(message, RuntimeError) and "unknown request ID" in str(message):
-            # The answer to a call that was stopped or timed out: nobody waits for it any more.
-            self.late_results += 1
-            log.debug("MCP server %s: a late result was dropped", self.settings.name)
+
+    def _late(self) -> None:
+        """The answer to a call that was stopped or timed out: nobody waits for it any more."""
+        self.late_results += 1
+        log.debug("MCP server %s: a late result was dropped", self.settings.name)
 
     async def _list(self, session: CancellingSession) -> None:
         listed: list[types.Tool] = []
         cursor: str | None = None
         while True:
-            page = await session.list_tools(cursor=cursor) if cursor else await session.list_tools()
+            page = await list_tools(session, cursor)
             listed += page.tools
-            cursor = page.nextCursor
+            cursor = attr(page, "next_cursor")
             if not cursor:
                 break
         tools: dict[str, Tool] = {}
@@ -335,7 +330,7 @@ class McpServer:
         except TimeoutError:
             return "timeout", (f"error: {s.name}__{remote} timed out after {s.timeout_s:g} s "
                                "(the server was told to stop)")
-        except McpError as exc:
+        except MCPError as exc:
             if exc.error.code == types.CONNECTION_CLOSED:
                 self.mark_lost("connection closed")
                 return "error", f"error: MCP server {s.name} closed the connection during the call"
@@ -347,13 +342,13 @@ class McpServer:
             return "error", f"error: {s.name}__{remote} failed: {_describe(exc)}"
         finally:
             call_deadline.reset(token)
-        return ("tool_error" if result.isError else "ok"), format_result(result, self.max_output)
+        return ("tool_error" if attr(result, "is_error") else "ok"), format_result(result, self.max_output)
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
-    if isinstance(exc, McpError):
+    if isinstance(exc, MCPError):
         return redactor(exc.error.message)[:200]
     if isinstance(exc, ExceptionGroup):
         inner = exc.exceptions[0] if exc.exceptions else exc

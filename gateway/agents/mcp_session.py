@@ -1,13 +1,15 @@
-"""Connections to MCP servers with the official SDK: its `ClientSession` over its streamable HTTP
-transport, or over the pipes of a server process the daemon started itself.
+"""Connections to MCP servers with the official SDK (1.x or 2.x, see `mcp_sdk`): its `ClientSession`
+over its streamable HTTP transport, or over the pipes of a server process the daemon started itself.
 
-Two things the SDK (1.x) leaves to its caller are done here:
+Two things are done here beyond what the SDK does:
 
-- **Stopping a call tells the server.** `ClientSession.send_request` forgets a request whose
-  awaiting task is cancelled without telling the server (modelcontextprotocol/python-sdk#2507),
-  which would go on working for nobody. `CancellingSession` sends `notifications/cancelled` for it
-  at once, from a task of its own, so the run's repeated cancels cannot interrupt the send. A
-  result that arrives after that finds no waiter and is dropped by the SDK.
+- **Stopping a call tells the server why.** SDK 1.x's `ClientSession.send_request` forgets a
+  request whose awaiting task is cancelled without telling the server
+  (modelcontextprotocol/python-sdk#2507), which would go on working for nobody: `CancellingSession`
+  sends `notifications/cancelled` for it at once, from a task of its own, so the run's repeated
+  cancels cannot interrupt the send. SDK 2.x's dispatcher sends that notice itself, saying only
+  "caller cancelled": the session's dispatcher puts the run's reason in it instead. Either way a
+  result that arrives after that finds no waiter, is dropped by the SDK, and is counted.
 - **A stdio server is one of our tool process groups.** The SDK's `stdio_client` starts the
   process itself, out of reach of the daemon's process ledger. Here the `ProcessReaper` starts it
   (its own process group, PDEATHSIG, recorded for the sentinel, TERM then KILL at the end) and the
@@ -18,23 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
-from datetime import timedelta
 from typing import Any
 
 import anyio
-import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from mcp import ClientSession, types
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, create_mcp_http_client
+from mcp import ClientSession
 from mcp.shared.message import SessionMessage
-from mcp.shared.session import ProgressFnT
 
+from gateway.agents.mcp_sdk import V2, http, parse_message, sdk_types
 from gateway.agents.processes import ProcessReaper, Spawn
 from gateway.core.cancellation import get_run
 from gateway.core.logs import redactor
@@ -63,29 +62,48 @@ def _cancel_reason() -> str:
     return "the client stopped waiting"
 
 
+MessageHandler = Callable[[Any], Awaitable[None]]
+
+
 class CancellingSession(ClientSession):
-    """`ClientSession` that tells the server about every request it stops waiting for."""
+    """`ClientSession` that tells the server about every request it stops waiting for, with the
+    reason, and counts the answers that come after that (`on_late_result`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, read: Any, write: Any, *, message_handler: MessageHandler,
+                 on_late_result: Callable[[], None]) -> None:
         self._notices: set[asyncio.Task[None]] = set()
+        self._on_late_result = on_late_result
+        self._handler = message_handler
         self.cancels_sent = 0
+        # Keyword arguments of one SDK version or the other: checked by the SDK, not here.
+        options: dict[str, Any] = (
+            {"message_handler": message_handler, "dispatcher": _ReasonGivingDispatcher(read, write, session=self)}
+            if V2 else {"read_stream": read, "write_stream": write, "message_handler": self._on_message})
+        super().__init__(**options)
 
-    async def send_request(self, request: Any, result_type: Any,
-                           request_read_timeout_seconds: timedelta | None = None, metadata: Any = None,
-                           progress_callback: ProgressFnT | None = None) -> Any:
-        request_id = self._request_id  # the id `super().send_request` takes before its first await
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, RuntimeError) and "unknown request ID" in str(message):
+            self._on_late_result()  # 1.x: the answer to a call that was stopped or timed out
+            return
+        await self._handler(message)
+
+    async def send_request(self, request: Any, result_type: Any, request_read_timeout_seconds: Any = None,
+                           metadata: Any = None, progress_callback: Any = None) -> Any:
+        if V2:  # its dispatcher tells the server (`_ReasonGivingDispatcher`)
+            return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
+                                              progress_callback)
+        request_id = vars(self)["_request_id"]  # 1.x: the id `super().send_request` takes before its first await
         try:
             return await super().send_request(request, result_type, request_read_timeout_seconds, metadata,
                                               progress_callback)
         except asyncio.CancelledError:
-            if not isinstance(request.root, types.InitializeRequest):  # the spec forbids cancelling initialize
+            if not isinstance(request.root, sdk_types.InitializeRequest):  # the spec forbids cancelling initialize
                 self._notify_cancelled(request_id, _cancel_reason())
             raise
 
     def _notify_cancelled(self, request_id: int, reason: str) -> None:
-        notice = types.ClientNotification(types.CancelledNotification(
-            params=types.CancelledNotificationParams(requestId=request_id, reason=reason)))
+        notice = sdk_types.ClientNotification(sdk_types.CancelledNotification(
+            params=sdk_types.CancelledNotificationParams(requestId=request_id, reason=reason)))
 
         async def send() -> None:
             try:
@@ -104,6 +122,38 @@ class CancellingSession(ClientSession):
         """Wait for cancel notices still being sent (before the connection closes)."""
         if self._notices:
             await asyncio.wait(list(self._notices), timeout=1.0)
+
+
+def _reason_giving_dispatcher() -> Any:
+    """2.x: the SDK's JSON-RPC dispatcher, its cancel notices carrying the run's reason (it says
+    "caller cancelled"), counting them, and counting answers that come for nobody. It hooks two
+    methods of the dispatcher's own: should an SDK release rename them, the SDK's notice still goes
+    out, with its own words."""
+    if not V2:
+        return None
+    module = importlib.import_module("mcp.shared.jsonrpc_dispatcher")
+    coerce = getattr(module, "coerce_request_id", lambda request_id: request_id)
+
+    class ReasonGiving(module.JSONRPCDispatcher):  # type: ignore[misc, name-defined]
+        def __init__(self, read: Any, write: Any, *, session: CancellingSession) -> None:
+            super().__init__(read, write)
+            self._session = session
+
+        async def _cancel_outbound(self, request_id: Any, reason: str, related_request_id: Any) -> None:
+            if reason == "caller cancelled":
+                reason = _cancel_reason()  # in the caller's task: its run says why
+            await super()._cancel_outbound(request_id, reason, related_request_id)
+            self._session.cancels_sent += 1
+
+        def _resolve_pending(self, request_id: Any, outcome: Any) -> None:
+            if request_id is not None and self._pending.get(coerce(request_id)) is None:
+                self._session._on_late_result()
+            super()._resolve_pending(request_id, outcome)
+
+    return ReasonGiving
+
+
+_ReasonGivingDispatcher: Any = _reason_giving_dispatcher()
 
 
 # --- stdio over a process of our own -------------------------------------------------------------
@@ -175,21 +225,9 @@ async def stdio_streams(reaper: ProcessReaper, argv: Sequence[str], env: Mapping
             await stream.aclose()
 
 
-@contextlib.asynccontextmanager
-async def http_streams(url: str, headers: Mapping[str, str], timeout_s: float
-                       ) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
-                                                MemoryObjectSendStream[SessionMessage]]]:
-    """The SDK's streamable HTTP transport (the session is ended with a DELETE when it closes). Reads
-    may wait long (a call's result streams when it is ready): calls have their own deadline."""
-    timeout = httpx.Timeout(timeout_s, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
-    async with create_mcp_http_client(headers=dict(headers), timeout=timeout) as client, \
-            streamable_http_client(url, http_client=client) as (read, write, _session_id):
-        yield read, write
-
-
 def is_transport_error(exc: BaseException) -> bool:
     """Did a call fail because the connection did (rather than the tool)?"""
-    return isinstance(exc, (httpx.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
+    return isinstance(exc, (http.TransportError, anyio.ClosedResourceError, anyio.BrokenResourceError,
                             ConnectionError, ServerGone))
 
 
@@ -216,7 +254,7 @@ async def _read_messages(stdout: asyncio.StreamReader,
 
 def _message(line: bytes) -> SessionMessage | Exception:
     try:
-        return SessionMessage(types.JSONRPCMessage.model_validate_json(line))
+        return SessionMessage(parse_message(line))
     except ValueError as exc:
         return exc
 

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from gateway.agents.tools import ToolRegistry
 from gateway.core import jsonfast
 from gateway.core.backoff import Backoff
 from gateway.core.cancellation import checkpoint, get_run
-from gateway.core.context import encode, estimate, fit
+from gateway.core.context import encode, estimate, fit, message_tokens
 from gateway.core.ports import AgentError, TurnContext
 from gateway.core.transcript import (
     AgentEvent,
@@ -39,11 +39,23 @@ from gateway.core.transcript import (
     ToolResult,
     Usage,
 )
+from gateway.core.turn_options import TurnOptions, TurnReport
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _dumps = jsonfast.dumps
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """A further model a client may name: the provider's name for it, and its provider when not the
+    agent's own (`[[agent.models]]`)."""
+
+    name: str
+    model: str
+    base_url: str | None = None
+    api_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +74,7 @@ class OpenAISettings:
     include_usage: bool = True  # ask for token counts (stream_options.include_usage)
     parallel_tools: bool = True
     max_parallel_tools: int = 4
+    models: tuple[ModelRoute, ...] = ()
 
 
 class ContextTooLong(AgentError):
@@ -79,10 +92,12 @@ class OpenAIAgent:
         self.tools = tools
         self._session: aiohttp.ClientSession | None = None
         self._head: tuple[tuple[object, ...], bytes] | None = None  # (the tools, the body up to "messages")
-        self._url = URL(settings.base_url.rstrip("/") + "/chat/completions")  # parsed once, not per request
-        self._headers = {"Content-Type": "application/json"}
-        if settings.api_key:
-            self._headers["Authorization"] = f"Bearer {settings.api_key}"
+        # Where each model's requests go: the agent's own (None), and each further one, by the name
+        # clients use; URLs parsed once, not per request.
+        self._routes: dict[str | None, _Route] = {None: _route(settings.model, settings.base_url, settings.api_key)}
+        for m in settings.models:
+            key = settings.api_key if m.base_url is None else m.api_key
+            self._routes[m.name] = _route(m.model, m.base_url or settings.base_url, key)
 
     @property
     def description(self) -> str:
@@ -107,11 +122,17 @@ class OpenAIAgent:
         turn = _Turn(s, history, message, context)
         for _round in range(s.max_tool_rounds + 1):
             rnd = Round()
-            async with contextlib.aclosing(self._completion(turn, rnd)) as events:
-                async for event in events:
-                    yield event
+            try:
+                async with contextlib.aclosing(self._completion(turn, rnd)) as events:
+                    async for event in events:
+                        yield event
+            finally:  # a round cut short used tokens too
+                turn.round_done(rnd)
             calls = rnd.tool_calls()
             text = "".join(rnd.text)
+            if calls and turn.client_tools:  # the client runs its own tools: the answer ends with the calls
+                turn.report.tool_calls = calls
+                return
             joined = context.take_interjection() if context is not None else None
             if calls:
                 async with contextlib.aclosing(self._tool_round(turn, text, calls, joined)) as steps:
@@ -130,8 +151,13 @@ class OpenAIAgent:
         for attempt in range(2):
             messages, estimated = turn.request()
             try:
-                async with contextlib.aclosing(self._complete(messages, rnd, estimated)) as events:
+                route = self._routes.get(turn.options.model if turn.options is not None else None) \
+                    or self._routes[None]
+                body = self._body_head(turn.options, route.model) + messages + b"}"
+                async with contextlib.aclosing(self._complete(route, body, rnd, estimated)) as events:
                     async for event in events:
+                        if isinstance(event, Usage):
+                            turn.counted(event)
                         yield event
                 return
             except ContextTooLong as exc:
@@ -186,23 +212,23 @@ class OpenAIAgent:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _body_head(self) -> bytes:
+    def _body_head(self, options: TurnOptions | None = None, model: str | None = None) -> bytes:
         """The request body up to its messages: model, stream options and tool schemas, encoded
-        once (again only if the tools change)."""
+        once (again only if the tools change) — or, for a client that asked for its own tools,
+        parameters or model, made for its request."""
         s = self.settings
         registered = tuple(self.tools.available().values())  # asked every round: MCP servers come and go
+        if options is not None and (options.tools is not None or options.params or options.model is not None):
+            schemas = list(options.tools) if options.tools is not None else [t.schema() for t in registered]
+            return _head(s, options.params, schemas, model or s.model)
         if self._head is None or self._head[0] != registered:
-            head: dict[str, Any] = {"model": s.model, "stream": True}
-            if s.include_usage:
-                head["stream_options"] = {"include_usage": True}
-            tools = b',"tools":' + _dumps([t.schema() for t in registered]) if registered else b""
-            self._head = (registered, _dumps(head)[:-1] + tools + b',"messages":')
+            self._head = (registered, _head(s, {}, [t.schema() for t in registered], s.model))
         return self._head[1]
 
-    async def _complete(self, messages: bytes, rnd: Round,
+    async def _complete(self, route: _Route, body: bytes, rnd: Round,
                         estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
-        """One streamed completion; `messages` is the JSON array to send."""
-        resp = await self._post(self._body_head() + messages + b"}")
+        """One streamed completion of the request `body`, from the route's provider."""
+        resp = await self._post(route, body)
         run = get_run()
         async with resp:
             with run.on_cancel(resp.close) if run else contextlib.nullcontext():
@@ -216,7 +242,7 @@ class OpenAIAgent:
                     async for event in events:
                         yield event
 
-    async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+    async def _post(self, route: _Route, body: bytes) -> aiohttp.ClientResponse:
         """The provider's response, once it is not one worth retrying — or the last retry's.
         Retries wait `backoff_s`, doubling (or what the provider's Retry-After says)."""
         s = self.settings
@@ -224,7 +250,7 @@ class OpenAIAgent:
         while True:
             checkpoint()  # a stopped run opens no new provider request, whatever cancel it swallowed
             try:
-                resp = await self._http().post(self._url, data=body, headers=self._headers)
+                resp = await self._http().post(route.url, data=body, headers=route.headers)
             except aiohttp.ClientError as exc:
                 if backoff.attempt >= s.retries:
                     raise AgentError(f"the model provider is unreachable ({type(exc).__name__})") from exc
@@ -240,21 +266,32 @@ class OpenAIAgent:
 
 
 class _Turn:
-    """What one turn sends each round: the system prompt, the history fitted to the budget, and
-    this turn's own messages so far (the user's, then each round's answer, tool results and
-    interjections). The budget shrinks if the provider finds a request too long."""
+    """What one turn sends each round: the system prompt (and the client's own instructions), the
+    history fitted to the budget, and this turn's own messages so far (the user's, the client's
+    tool rounds after it, then each round's answer, tool results and interjections). The budget
+    shrinks if the provider finds a request too long. Token counts go to the client's report."""
 
     def __init__(self, s: OpenAISettings, history: Sequence[ChatMessage], message: ChatMessage,
                  context: TurnContext | None) -> None:
         self.history = history
         self.message = message
         self.context = context
+        self.options = options = context.options if context is not None else None
+        self.report = options.report if options is not None else TurnReport()
+        self.client_tools = options is not None and options.tools is not None
+        instructions = options.instructions if options is not None else ()
         self.system_prompt = s.system_prompt
-        self.budget = s.context_tokens - s.reply_tokens
+        # The client's instructions are always sent, like the system prompt: the budget is what is left.
+        self.budget = s.context_tokens - s.reply_tokens - sum(message_tokens(m) for m in instructions)
         self.ratio = context.token_ratio if context is not None else 1.0
         self.memo = context.history_memo if context is not None else None
         self.system = [_dumps({"role": "system", "content": s.system_prompt})] if s.system_prompt else []
+        self.system += [encode(m) for m in instructions]
         self.sent: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
+        if options is not None:
+            self.sent += [m.to_openai() for m in options.continuation]
+        self.estimated = 0  # our count of the last request's prompt
+        self.round_counted = False  # the provider gave token counts for the current round
 
     def request(self) -> tuple[bytes, int]:
         """The messages to send, as a JSON array, and our estimate of their tokens."""
@@ -263,12 +300,51 @@ class _Turn:
                      ratio=self.ratio, memo=self.memo)
         rows = fitted.encoded if fitted.encoded is not None else b",".join(map(encode, fitted.messages))
         messages = b"[" + b",".join([*self.system, *([rows] if rows else []), *map(_dumps, self.sent)]) + b"]"
-        return messages, fitted.estimated_tokens + extra
+        self.estimated = fitted.estimated_tokens + extra
+        return messages, self.estimated
+
+    def counted(self, usage: Usage) -> None:
+        self.report.add(usage.prompt_tokens, usage.completion_tokens)
+        self.round_counted = True
+
+    def round_done(self, rnd: Round) -> None:
+        """A round ended, or was cut short: if the provider did not count it, our estimate stands in
+        (and says so)."""
+        if not self.round_counted and self.estimated:
+            answer = estimate("".join(rnd.text)) + sum(estimate(c.name) + estimate(c.arguments)
+                                                       for c in rnd.tool_calls())
+            self.report.add(self.estimated, answer, estimated=True)
+        self.round_counted = False
+        self.estimated = 0
 
     def shrink(self, error: str, estimated: int) -> None:
         """The provider refused `estimated` tokens as too long: the rest of the turn fits a smaller budget."""
         self.budget = _smaller_budget(error, estimated)
         log.warning("the provider said the context is too long; retrying with %d tokens", self.budget)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    model: str
+    url: URL
+    headers: dict[str, str]
+
+
+def _route(model: str, base_url: str, api_key: str | None) -> _Route:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return _Route(model, URL(base_url.rstrip("/") + "/chat/completions"), headers)
+
+
+def _head(s: OpenAISettings, params: Mapping[str, Any], tools: list[Any], model: str) -> bytes:
+    """The start of a request body, up to `"messages":`: the model, the client's parameters, streaming
+    (with token counts if configured) and the tools."""
+    head: dict[str, Any] = {"model": model, **params, "stream": True}
+    if s.include_usage:
+        head["stream_options"] = {"include_usage": True}
+    encoded = b',"tools":' + _dumps(tools) if tools else b""
+    return _dumps(head)[:-1] + encoded + b',"messages":'
 
 
 async def _refusal(resp: aiohttp.ClientResponse) -> AgentError:

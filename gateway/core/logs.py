@@ -92,9 +92,9 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Library chatter (httpx logs every Telegram request URL, which holds the token) stays quiet
-    # unless debugging; the redactor guards it anyway.
-    for noisy in ("httpx", "httpcore", "discord", "telegram", "aiohttp.access"):
+    # Library chatter (httpx logs every Telegram request URL, which holds the token; httpx2 every
+    # request of the MCP SDK 2.x) stays quiet unless debugging; the redactor guards it anyway.
+    for noisy in ("httpx", "httpcore", "httpx2", "httpcore2", "discord", "telegram", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
     pool = logging.getLogger("asyncpg.pool")
     if not any(isinstance(f, _OneLine) for f in pool.filters):

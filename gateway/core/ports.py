@@ -19,6 +19,7 @@ from gateway.core.context import HistoryMemo
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.transcript import AgentEvent, ChatMessage, ToolCall
+from gateway.core.turn_options import TurnOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,11 @@ class TurnContext(Protocol):
     def note_result(self, call_id: str, text: str) -> None:
         """What became of a tool call if the turn is stopped before it returns (its command moved to
         the background, say): recorded with the call's interrupted marker."""
+
+    @property
+    def options(self) -> TurnOptions | None:
+        """What the client asked of this turn beyond its message, and where the agent reports
+        back (an HTTP API request); None for a chat message."""
 
 
 class Agent(Protocol):
@@ -289,7 +295,7 @@ class Submitted:
     outcome: Outcome
     detail: str = ""
     run: Run | None = None
-    retry_after_s: float | None = None  # with UNAVAILABLE: when trying again makes sense
+    retry_after_s: float | None = None  # with UNAVAILABLE or REJECTED (rate limited): when trying again makes sense
 
 
 @dataclass(frozen=True, slots=True)

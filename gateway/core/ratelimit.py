@@ -35,6 +35,11 @@ class UserRateLimit:
         return False, (f"You're sending messages faster than I can take them ({per_minute} a minute). "
                        f"I'll ignore new ones for about {wait:.0f} s.")
 
+    def retry_after(self, platform: str, user_id: str) -> float:
+        """Seconds until the user's current window ends (0: not limited now)."""
+        window = self._windows.get((platform, user_id))
+        return 0.0 if window is None else max(0.0, 60.0 - (self._clock() - window[0]))
+
     def prune(self) -> None:
         """Forget windows that have ended (called by the router's sweeper)."""
         now = self._clock()

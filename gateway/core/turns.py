@@ -63,6 +63,7 @@ from gateway.core.transcript import (
     Usage,
     without_prompt,
 )
+from gateway.core.turn_options import TurnOptions, options_of
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,10 @@ class _Context:
 
     def note_result(self, call_id: str, text: str) -> None:
         self._turn.notes[call_id] = text
+
+    @property
+    def options(self) -> TurnOptions | None:
+        return options_of(self._turn.msg)
 
 
 class TurnRunner:

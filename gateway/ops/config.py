@@ -58,6 +58,17 @@ class AdminConfig:
 
 
 @dataclass
+class AgentModel:
+    """A further model clients may name (`[[agent.models]]`): the name they send as `model` and see
+    in /v1/models, the provider's name for it, and the provider, if not the agent's own."""
+
+    name: str = ""
+    model: str = ""
+    base_url: str | None = None  # default: agent.base_url (and agent.api_key)
+    api_key: Secret | None = None  # for base_url's provider
+
+
+@dataclass
 class AgentConfig:
     kind: Literal["echo", "openai"] = "echo"
     base_url: str = "http://127.0.0.1:11434/v1"
@@ -73,6 +84,7 @@ class AgentConfig:
     include_usage: bool = True  # ask the provider for token counts (stream_options.include_usage)
     vision: bool = False  # the model reads images: photos go to it as image_url parts
     probe_interval_s: float = 30.0  # "openai": how often the provider's reachability is checked (0: never)
+    models: list[AgentModel] = field(default_factory=list)  # more models behind the HTTP API ("openai")
 
 
 @dataclass
@@ -149,8 +161,9 @@ class Config:
         found: list[str] = []
         for section in dataclasses.fields(self):
             for value in vars(getattr(self, section.name)).values():
-                items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) \
+                items = list(value) if isinstance(value, list) else list(value.values()) if isinstance(value, dict) \
                     else [value]
+                items += [v for item in items if dataclasses.is_dataclass(item) for v in vars(item).values()]
                 found += [v.reveal() for v in items if isinstance(v, Secret)]
         return found
 
@@ -338,6 +351,26 @@ def _mime_types(c: Config) -> str | None:
                  for key in ("image_types", "file_types") for mime in getattr(c.media, key) if "/" not in mime), None)
 
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")
+
+
+def _models(c: Config) -> str | None:
+    """`[[agent.models]]`: named, each name once (and not `api.model_name`), each with a provider model."""
+    seen = {c.api.model_name}
+    for i, m in enumerate(c.agent.models):
+        where = f"agent.models[{i}]"
+        if not MODEL_NAME.fullmatch(m.name):
+            return f"{where}.name: letters, digits and . _ : / - (got {m.name!r})"
+        if m.name in seen:
+            return f"{where}.name: {m.name!r} is named twice (api.model_name included)"
+        seen.add(m.name)
+        if not m.model:
+            return f"{where}.model: the provider's name for the model is required"
+        if m.base_url is not None and not m.base_url.startswith(("http://", "https://")):
+            return f"{where}.base_url: must be an http(s) URL (got {m.base_url!r})"
+    return None
+
+
 def _mcp(c: Config) -> str | None:
     try:
         check_mcp(c.mcp)
@@ -413,6 +446,7 @@ RULES: tuple[Rule, ...] = (
         lambda c: 0 < c.telegram.draft_refresh_s < 30,
         lambda c: "telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")),
     Rule("MCP servers are well formed", _mcp),
+    Rule("further models are well formed", _models),
     Rule("the OpenAI agent has an http(s) URL", _unless(
         lambda c: c.agent.kind != "openai" or c.agent.base_url.startswith(("http://", "https://")),
         lambda c: f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")),

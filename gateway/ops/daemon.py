@@ -25,7 +25,7 @@ from yarl import URL
 from gateway.agents.echo import EchoAgent
 from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.mcp_servers import McpCollector, McpHub
-from gateway.agents.openai import OpenAIAgent, OpenAISettings
+from gateway.agents.openai import ModelRoute, OpenAIAgent, OpenAISettings
 from gateway.agents.probe import ProbeTarget, ProviderProbe
 from gateway.agents.processes import GroupLedger, ProcessReaper
 from gateway.agents.tools import ProcessToolSettings, builtin_registry
@@ -76,7 +76,9 @@ def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None
             base_url=a.base_url, model=a.model, api_key=a.api_key.reveal() if a.api_key else None,
             system_prompt=a.system_prompt, max_tool_rounds=a.max_tool_rounds, retries=a.retries,
             read_timeout_s=a.read_timeout_s, context_tokens=a.context_tokens, reply_tokens=a.reply_tokens,
-            include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel), tools)
+            include_usage=a.include_usage, parallel_tools=t.parallel, max_parallel_tools=t.max_parallel,
+            models=tuple(ModelRoute(m.name, m.model, m.base_url, m.api_key.reveal() if m.api_key else None)
+                         for m in a.models)), tools)
     return EchoAgent(tools, delay_s=a.echo_delay_s)
 
 
@@ -327,7 +329,8 @@ class Daemon:
         max_body = max(1 << 20, self.config.media.max_message_bytes * 4 // 3 + (1 << 20))
         routes = [route for a in self.adapters.values() for route in a.routes()]
         app = build_app(self.readiness, [*routes, web.get("/favicon.ico", favicon)], max_body=max_body,
-                        hosts=http_hosts(self.config))
+                        hosts=http_hosts(self.config),
+                        middlewares=[m for a in self.adapters.values() for m in a.middlewares()])
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
         runners = [web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=True)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.core.ports import Health
 from gateway.ops.client_faults import client_faults
@@ -14,10 +15,12 @@ ReadinessCheck = Callable[[], Awaitable[dict[str, Health]]]
 
 
 def build_app(readiness: ReadinessCheck, routes: Sequence[web.AbstractRouteDef] = (), *,
-              max_body: int = 1 << 20, hosts: HostPolicy | None = None) -> web.Application:
-    # Outermost first: a foreign Host is refused before anything else runs.
+              max_body: int = 1 << 20, hosts: HostPolicy | None = None,
+              middlewares: Sequence[Middleware] = ()) -> web.Application:
+    # Outermost first: a foreign Host is refused before anything else runs; the platforms'
+    # `middlewares` see what the handlers raise once client faults are answered.
     app = web.Application(client_max_size=max_body,
-                          middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults])
+                          middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), *middlewares, client_faults])
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

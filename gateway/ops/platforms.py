@@ -96,6 +96,7 @@ def _api(config: Config, _cluster: Cluster | None) -> Adapter:
     return ApiAdapter(keys=[k.reveal() for k in config.api.keys],
                       tenants={name: k.reveal() for name, k in config.api.tenants.items()},
                       model_name=config.api.model_name,
+                      more_models=tuple(m.name for m in config.agent.models) if config.agent.kind == "openai" else (),
                       max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes))
 
 

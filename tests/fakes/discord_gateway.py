@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import importlib
 import itertools
 import json
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -73,13 +75,32 @@ class _Session:
     link: ShardLink | None = None
 
 
-class _Conn:
-    """One websocket connection; frames are zlib-stream compressed when requested."""
+def _stream_compressor(kind: str | None) -> Callable[[bytes], bytes] | None:
+    """One connection's transport compression, as discord.py asks for it: `zlib-stream`, or
+    `zstd-stream` (what it asks for when `zstandard` or Python 3.14's `compression.zstd` is
+    importable): one stream for the connection, flushed after each message."""
+    if kind == "zlib-stream":
+        zobj = zlib.compressobj()
+        return lambda data: zobj.compress(data) + zobj.flush(zlib.Z_SYNC_FLUSH)
+    if kind != "zstd-stream":
+        return None
+    try:
+        zstandard: Any = importlib.import_module("zstandard")
+        cobj = zstandard.ZstdCompressor().compressobj()
+        return lambda data: cobj.compress(data) + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    except ModuleNotFoundError:
+        stdlib: Any = importlib.import_module("compression.zstd")
+        compressor = stdlib.ZstdCompressor()
+        return lambda data: compressor.compress(data, mode=stdlib.ZstdCompressor.FLUSH_BLOCK)
 
-    def __init__(self, ws: web.WebSocketResponse, zlib_stream: bool) -> None:
+
+class _Conn:
+    """One websocket connection; frames are compressed (zlib-stream or zstd-stream) when requested."""
+
+    def __init__(self, ws: web.WebSocketResponse, compress: str | None) -> None:
         self.ws = ws
         self.session: _Session | None = None
-        self._zlib = zlib.compressobj() if zlib_stream else None
+        self._compress = _stream_compressor(compress)
         self._lock = asyncio.Lock()
 
     async def send(self, payload: Json) -> None:
@@ -88,11 +109,10 @@ class _Conn:
             if self.ws.closed:
                 return
             try:
-                if self._zlib is None:
+                if self._compress is None:
                     await self.ws.send_str(text)
                 else:
-                    data = self._zlib.compress(text.encode()) + self._zlib.flush(zlib.Z_SYNC_FLUSH)
-                    await self.ws.send_bytes(data)
+                    await self.ws.send_bytes(self._compress(text.encode()))
             except (ConnectionError, RuntimeError):
                 pass  # connection is going away; the event stays buffered for RESUME
 
@@ -326,7 +346,7 @@ class GatewayMixin(FakeState):
         await ws.prepare(request)
         self.connections += 1
         self.gateway_queries.append(dict(request.query))
-        conn = _Conn(ws, request.query.get("compress") == "zlib-stream")
+        conn = _Conn(ws, request.query.get("compress"))
         self._conns.add(conn)
         try:
             await conn.send({"op": 10, "d": {"heartbeat_interval": self.heartbeat_interval_ms}, "s": None, "t": None})

@@ -1,4 +1,5 @@
-"""A small MCP server written with the official SDK's FastMCP, for the tests (stdio or streamable HTTP).
+"""A small MCP server written with the official SDK's high-level server, for the tests (stdio or
+streamable HTTP): `FastMCP` in SDK 1.x, `MCPServer` (its new name) in 2.x.
 
     python -m tests.fakes.mcp_server --record FILE [--http PORT] [--fail-if FILE]
 
@@ -11,14 +12,22 @@ to the record file, so a test can await it.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
-from mcp.server.fastmcp import Context, FastMCP
+
+V2 = int(importlib.metadata.version("mcp").split(".")[0]) >= 2
+_high_level: Any = importlib.import_module("mcp.server.mcpserver" if V2 else "mcp.server.fastmcp")
+Handler = TypeVar("Handler", bound=Callable[..., Any])
+Context = _high_level.Context  # the SDK finds the parameter that gets the call's context by this class
 
 
 def main() -> None:
@@ -36,20 +45,28 @@ def main() -> None:
         with open(args.record, "a") as fh:
             fh.write(json.dumps({"event": event, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
 
-    server = FastMCP(args.name, host="127.0.0.1", port=args.http or 8000, log_level="WARNING")
+    server: Any
+    if V2:  # the address moved from the constructor to run()
+        server = _high_level.MCPServer(args.name, log_level="WARNING")
+    else:
+        server = _high_level.FastMCP(args.name, host="127.0.0.1", port=args.http or 8000, log_level="WARNING")
 
-    @server.tool()
+    def tool() -> Callable[[Handler], Handler]:
+        decorator: Callable[[Handler], Handler] = server.tool()
+        return decorator
+
+    @tool()
     def echo(text: str) -> str:
         """Return the text unchanged."""
         record("echo", text=text)
         return text
 
-    @server.tool()
+    @tool()
     def add(a: int, b: int) -> int:
         """Add two integers."""
         return a + b
 
-    @server.tool()
+    @tool()
     async def slow(seconds: float, tag: str = "") -> str:
         """Sleep for a number of seconds, then say so."""
         record("slow_started", tag=tag)
@@ -61,40 +78,40 @@ def main() -> None:
         record("slow_finished", tag=tag)
         return f"slept {seconds:g} s"
 
-    @server.tool()
+    @tool()
     def crash() -> str:
         """Exit the server process at once."""
         record("crash")
         os._exit(3)
 
-    @server.tool()
+    @tool()
     def spawn_child() -> int:
         """Start a long sleep in this server's process group and return its PID."""
         child = subprocess.Popen(["sleep", "300"])
         record("child", child=child.pid)
         return child.pid
 
-    @server.tool()
+    @tool()
     def getenv(name: str) -> str:
         """The value of an environment variable of the server ("" if unset)."""
         return os.environ.get(name, "")
 
-    @server.tool()
-    def header(name: str, ctx: Context) -> str:  # type: ignore[type-arg]
+    @tool()
+    def header(name: str, ctx: Context) -> str:  # type: ignore[valid-type]
         """A header of the HTTP request that carried this call ("" over stdio)."""
-        request = ctx.request_context.request
+        request = ctx.request_context.request  # type: ignore[attr-defined]
         return str(request.headers.get(name, "")) if request is not None else ""
 
-    @server.tool()
+    @tool()
     def secret() -> str:
         """A tool the filter tests hide."""
         return "hidden"
 
     record("started", transport="http" if args.http else "stdio")
     if args.http:
-        server.run(transport="streamable-http")
+        server.run("streamable-http", **({"host": "127.0.0.1", "port": args.http} if V2 else {}))
     else:
-        server.run(transport="stdio")
+        server.run("stdio")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ class Connection:
     completed_at: float | None = None
     words: int = 0  # words of a text answer written so far
     via: str | None = None  # the path prefix the client used (`/<via>/v1/...`): which client it was
+    authorization: str | None = None  # the request's Authorization header
 
     @property
     def ended_at(self) -> float | None:
@@ -137,7 +138,8 @@ class FakeProvider:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         body = json.loads(raw)
-        conn = Connection(time.perf_counter(), body, via=request.match_info.get("via"))
+        conn = Connection(time.perf_counter(), body, via=request.match_info.get("via"),
+                          authorization=request.headers.get("Authorization"))
         if self.record:
             self.connections.append(conn)
             self._hook_close(request, conn)

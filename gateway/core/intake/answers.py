@@ -16,14 +16,16 @@ UNAVAILABLE_NOTICE_EVERY_S = 60.0
 
 
 async def reject(outlet: Outlet, msg: InboundMessage, key: str, text: str | None, *,
-                 kind: NoticeKind = NoticeKind.ERROR, detail: str = "") -> Submitted:
+                 kind: NoticeKind = NoticeKind.ERROR, detail: str = "",
+                 retry_after_s: float | None = None) -> Submitted:
     """Tell the user why (unless `text` is None: already told recently) and say so in the log.
+    `retry_after_s`: the same message would be taken after this long (a rate limit).
     Said by whichever worker received the message: it answers the message, not the session (so it
     goes straight to the outlet, not through a session's speaker)."""
     log.info("rejected a message: %s", text or detail, extra={"session": key})
     if text:
         await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
-    return Submitted(Outcome.REJECTED, text or detail)
+    return Submitted(Outcome.REJECTED, text or detail, retry_after_s=retry_after_s)
 
 
 class Answers:
@@ -35,10 +37,11 @@ class Answers:
     reject = staticmethod(reject)
 
     async def refuse(self, outlet: Outlet, msg: InboundMessage, key: str, refusal: Refusal) -> Submitted:
-        """A gate's refusal: retryable ones (the gateway restarting) are "not now", with a time to
-        come back — never a rejection of the message itself."""
-        if refusal.retry_after_s is None:
-            return await reject(outlet, msg, key, refusal.text, kind=refusal.kind, detail=refusal.detail)
+        """A gate's refusal: the message's own (rejected; with a retry time when rate limited), or
+        "not now" when the gateway cannot take anything (restarting) — never a rejection then."""
+        if refusal.outcome is not Outcome.UNAVAILABLE:
+            return await reject(outlet, msg, key, refusal.text, kind=refusal.kind, detail=refusal.detail,
+                                retry_after_s=refusal.retry_after_s)
         log.info("not taken now: %s", refusal.text or refusal.detail, extra={"session": key})
         if refusal.text:
             await outlet.notify(msg.chat, refusal.text, reply_to=msg.message_id, kind=refusal.kind)

@@ -20,7 +20,7 @@ from gateway.core.attachments import refusal_sentence, screen
 from gateway.core.commands import Command, parse_command
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage
-from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outlet
+from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outcome, Outlet
 from gateway.core.ratelimit import UserRateLimit
 from gateway.core.settings import CoreSettings
 
@@ -62,7 +62,10 @@ class Refusal:
     text: str | None  # what the user is told (None: they were told recently)
     kind: NoticeKind = NoticeKind.ERROR
     detail: str = ""  # for the log when nothing is said
-    retry_after_s: float | None = None  # set: not the message's fault — the same message may come again
+    retry_after_s: float | None = None  # the same message would be taken after this long
+    # REJECTED: the message is refused (with a retry time: rate limited); UNAVAILABLE: not the
+    # message's fault — the gateway cannot take anything now (restarting).
+    outcome: Outcome = Outcome.REJECTED
 
 
 Gate = Callable[[Arrival], Awaitable[Refusal | None]]
@@ -128,7 +131,8 @@ class Gates:
 
     async def _open(self, a: Arrival) -> Refusal | None:
         if self._closing.is_set() and a.cmd is None:  # commands still work while turns drain: /stop must stop
-            return Refusal(RESTARTING, NoticeKind.RESTART, retry_after_s=UNAVAILABLE_RETRY_S)
+            return Refusal(RESTARTING, NoticeKind.RESTART, retry_after_s=UNAVAILABLE_RETRY_S,
+                           outcome=Outcome.UNAVAILABLE)
         return None
 
     async def _allowed(self, a: Arrival) -> Refusal | None:
@@ -144,7 +148,10 @@ class Gates:
         if a.cmd is not None:  # commands always get through: /stop must work
             return None
         allowed, notice = self._rate_limit.check(a.msg.platform, a.msg.user_id)
-        return None if allowed else Refusal(notice, detail="rate limited (notice already sent)")
+        if allowed:
+            return None
+        return Refusal(notice, detail="rate limited (notice already sent)",
+                       retry_after_s=self._rate_limit.retry_after(a.msg.platform, a.msg.user_id))
 
 
 def _encodable(text: str | None) -> bool:
