@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -284,6 +285,9 @@ def _refusal(submitted: Submitted) -> web.Response | None:
     if submitted.outcome is Outcome.UNAVAILABLE:
         return _error(503, submitted.detail, "service_unavailable",
                       headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
+    if submitted.outcome is Outcome.LIMITED:  # the tenant's rate limit or a quota: try again later
+        return _error(429, submitted.detail, "rate_limit_exceeded",
+                      headers={"Retry-After": f"{math.ceil(submitted.retry_after_s or 1):.0f}"})
     if submitted.outcome is Outcome.REJECTED:
         return _error(400, submitted.detail)
     return None

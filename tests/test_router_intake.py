@@ -209,7 +209,7 @@ async def test_a_flooding_user_gets_one_notice_then_silence_but_commands_still_w
         make_router: RouterFactory, chat: MemoryChat) -> None:
     router = await make_router(agent="echo", messages_per_minute=2)
     outcomes = [(await router.submit(chat.message("c1", f"m{i}", user="flood"), chat)).outcome for i in range(4)]
-    assert outcomes == [Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.REJECTED, Outcome.REJECTED]
+    assert outcomes == [Outcome.ACCEPTED, Outcome.ACCEPTED, Outcome.LIMITED, Outcome.LIMITED]
     notices = [t for t in chat.texts("c1") if "faster than I can take them" in t]
     assert len(notices) == 1
     assert (await router.submit(chat.message("c1", "/status", user="flood"), chat)).outcome is Outcome.COMMAND

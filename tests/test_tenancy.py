@@ -21,7 +21,7 @@ import pytest
 from platforms.tenants import ApiKeys, key_id
 from platforms.webchat_sessions import SECRET_FILE
 from tests.conftest import DaemonFactory
-from tests.fakes.openai_provider import FakeProvider
+from tests.fakes.openai_provider import FakeProvider, Script
 from tests.support.procs import until
 
 K1, K2 = "sk-tenant-one-0123456789", "sk-tenant-two-9876543210"
@@ -266,3 +266,124 @@ async def test_cluster_workers_share_one_webchat_secret_through_redis(
     ids = {w.adapters["webchat"].session_id(cookie) for w in workers}  # type: ignore[attr-defined]
     assert len(ids) == 1, "two workers name one browser's session differently"
     assert not any((tmp_path / f"w{i}" / SECRET_FILE).exists() for i in (1, 2))  # it lives in Redis
+
+
+# --- issue 31: tenants cannot take what another one needs -----------------------------------------
+
+
+async def _flood(http: aiohttp.ClientSession, daemon: Any, key: str, count: int,
+                 text: str = "a long one") -> list[asyncio.Task[tuple[int, dict[str, Any], str | None]]]:
+    """`count` requests of one tenant, each in a session of its own, all at once."""
+    async def one(i: int) -> tuple[int, dict[str, Any], str | None]:
+        body = {"messages": [{"role": "user", "content": f"{text} {i}"}], "user": f"{text}-{i}"}
+        async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+    return [asyncio.create_task(one(i)) for i in range(count)]
+
+
+async def _end(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_flood_of_new_sessions_from_one_tenant_leaves_another_tenants_answer_whole(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 1 as it was found, with the shipped defaults (256 agent slots): tenant A streams a
+    long answer; tenant B starts 255 long turns in 255 new sessions, then one more. A's answer was
+    cut ("evicted from agent cache"); now it is whole, and B hears 429 with Retry-After past its
+    turns in flight."""
+    provider.delay_s, provider.words = 0.2, 60  # B's turns: 12 s each
+    provider.by_text["the victim's answer"] = Script(delay_s=0.1)  # A's: 6 s
+    daemon = await make_daemon(api=API)
+
+    def landed() -> bool:  # every turn of B's running, or refused
+        running = sum(s.running for s in daemon.router.sessions())
+        return running + sum(t.done() for t in flood) >= 256
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(60)) as http:
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
+        flood = await _flood(http, daemon, K2, 255)
+        try:
+            await until(landed, 30, "B's turns neither ran nor were refused")
+            flood += await _flood(http, daemon, K2, 1, "one more")
+            status, answer = await asyncio.wait_for(victim, 30)
+            assert status == 200 and "switchboard" not in answer, f"A's answer was cut: {answer.get('switchboard')}"
+            assert _content(answer).endswith("w59 ")
+            refused = [t.result() for t in flood if t.done()]
+            assert len(refused) == 256 - 128 and all(status == 429 and retry is not None and int(retry) >= 1
+                                                    for status, _, retry in refused), refused[:3]
+            assert "at once (128)" in refused[0][1]["error"]["message"]
+        finally:
+            await _end(flood)
+
+
+async def test_a_full_agent_cache_evicts_a_running_turn_of_the_same_tenant_only(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """The cache's own rule, with the quotas off: when every slot runs a turn, a new session of
+    tenant B cuts B's oldest running turn, never tenant A's."""
+    provider.delay_s, provider.words = 0.05, 100
+    daemon = await make_daemon(api=API, agent_cache={"max_agents": 4},
+                               quotas={"running_turns": 0, "live_sessions": 0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(60)) as http:
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
+        first = await _flood(http, daemon, K2, 3, "b first")
+        last: list[asyncio.Task[tuple[int, dict[str, Any], str | None]]] = []
+        try:
+            await until(lambda: sum(s.running for s in daemon.router.sessions()) == 4, 10, "B's turns did not start")
+            last = await _flood(http, daemon, K2, 1, "b last")
+            status, answer = await asyncio.wait_for(victim, 30)
+            assert status == 200 and "switchboard" not in answer, f"A's answer was cut: {answer.get('switchboard')}"
+            cut = [t.result() for t in first if t.done()]
+            assert [body.get("switchboard", {}).get("reason") for _, body, _ in cut] == ["evicted from agent cache"]
+            assert (await asyncio.wait_for(last[0], 30))[0] == 200
+        finally:
+            await _end(first + last)
+
+
+async def _post(http: aiohttp.ClientSession, daemon: Any, key: str, text: str,
+                session: str | None = None) -> tuple[int, dict[str, Any], str | None]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+    if session is not None:
+        body["user"] = session
+    async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+
+async def test_a_rate_limit_answers_429_with_retry_after(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 5, first half: over the limit, the API answered 400 without Retry-After."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, router={"messages_per_minute": 3})
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            assert (await _post(http, daemon, K2, f"m{i}", "s1"))[0] == 200
+        status, body, retry = await _post(http, daemon, K2, "m3", "s1")
+        assert status == 429 and retry is not None and 1 <= int(retry) <= 60, (status, body)
+        assert body["error"]["type"] == "rate_limit_exceeded" and "3 messages a minute" in body["error"]["message"]
+        status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")  # commands get through
+        assert status == 200 and _content(answer) == "Nothing is running."
+
+
+async def test_a_tenants_rate_counts_every_session_stateless_requests_and_commands_but_not_stop(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 5, second half: the limit counted per session, so a new session id reset it, and
+    stateless requests and commands were never counted. `/stop` still gets through."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, quotas={"messages_per_minute": 4})
+    async with aiohttp.ClientSession() as http:
+        assert (await _post(http, daemon, K2, "x", "s1"))[0] == 200
+        assert (await _post(http, daemon, K2, "y", "s2"))[0] == 200
+        assert (await _post(http, daemon, K2, "stateless"))[0] == 200
+        assert (await _post(http, daemon, K2, "/status", "s3"))[0] == 200  # the fourth: the minute is full
+        for text, session in (("a new session", "s4"), ("stateless again", None), ("/status", "s5"),
+                              ("/new", "s6")):
+            status, answer, retry = await _post(http, daemon, K2, text, session)
+            assert status == 429 and retry is not None, (text, status, answer)
+            assert "4 messages a minute" in answer["error"]["message"]
+        status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")
+        assert status == 200 and _content(answer) == "Nothing is running."
+        assert (await _post(http, daemon, K1, "tenant A is fine", "s1"))[0] == 200

@@ -264,6 +264,7 @@ class Outcome(StrEnum):
     STEERED = "steered"  # handed to the answer being written (busy policy "steer")
     REJECTED = "rejected"  # the message itself was refused (empty, too long, not allowed...)
     UNAVAILABLE = "unavailable"  # not taken now (storage or Redis down): the same message may come again
+    LIMITED = "limited"  # over a rate limit or a quota of its tenant: the same message may come again later
     COMMAND = "command"
     FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
 
@@ -273,7 +274,7 @@ class Submitted:
     outcome: Outcome
     detail: str = ""
     run: Run | None = None
-    retry_after_s: float | None = None  # with UNAVAILABLE: when trying again makes sense
+    retry_after_s: float | None = None  # with UNAVAILABLE or LIMITED: when trying again makes sense
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from agent_cache import CacheSettings
 from gateway.agents.mcp_config import McpConfig, check_mcp
 from gateway.core.attachments import MediaSettings
+from gateway.core.quotas import QuotaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
@@ -136,6 +137,7 @@ class Config:
     media: MediaSettings = field(default_factory=MediaSettings)
     mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -288,6 +290,11 @@ def _tenants(c: Config) -> str | None:
     return tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
 
 
+def _tenant_quotas(c: Config) -> str | None:
+    return next((f"quotas.tenants.{name}.{key}: must not be negative" for name, quota in c.quotas.tenants.items()
+                 for key, value in vars(quota).items() if value is not None and value < 0), None)
+
+
 def _mime_types(c: Config) -> str | None:
     return next((f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)"
                  for key in ("image_types", "file_types") for mime in getattr(c.media, key) if "/" not in mime), None)
@@ -337,6 +344,9 @@ RULES: tuple[Rule, ...] = (
     Rule("the rate limit is not negative", _unless(
         lambda c: c.router.messages_per_minute >= 0,
         lambda c: "router.messages_per_minute: must not be negative (0 turns the limit off)")),
+    Rule("quotas are not negative", _not_negative(
+        "quotas.messages_per_minute", "quotas.running_turns", "quotas.live_sessions", "quotas.media_mb")),
+    Rule("tenant quotas are not negative", _tenant_quotas),
     Rule("the answer fits the context", _unless(
         lambda c: c.agent.reply_tokens < c.agent.context_tokens,
         lambda c: "agent.reply_tokens: must be less than agent.context_tokens")),

@@ -80,7 +80,8 @@ def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None
 
 def core_settings(config: Config, agent: Agent) -> CoreSettings:
     """What the core reads live: replaced whole on a reload."""
-    return CoreSettings(agent=agent, router=config.router, media=config.media, vision=config.agent.vision,
+    return CoreSettings(agent=agent, router=config.router, media=config.media, quotas=config.quotas,
+                        vision=config.agent.vision,
                         cancel_grace_s=config.tools.tool_kill_grace_s,
                         resume_max_age_s=config.daemon.resume_max_age_s)
 
@@ -150,7 +151,7 @@ def tune_gc() -> None:
 
 
 # What SIGHUP can change in place; everything else is reported as needing a restart.
-RELOADABLE = frozenset({"agent", "tools", "router", "log", "daemon"})
+RELOADABLE = frozenset({"agent", "tools", "router", "quotas", "log", "daemon"})
 
 
 class Daemon:
