@@ -107,9 +107,11 @@ class ApiAdapter(Adapter):
     answers_later = False  # ...on its own connection: a replay elsewhere or later reaches nobody
 
     def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
-                 model_name: str = "switchboard", max_attachment_bytes: int = 10 * MB) -> None:
+                 model_name: str = "switchboard", max_attachment_bytes: int = 10 * MB,
+                 max_body_bytes: int = 4 * MB) -> None:
         self._keys = ApiKeys(keys, tenants)
         self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
+        self.max_body_bytes = max_body_bytes  # a bigger body is refused (413) before it is read
         self.model_name = model_name
         self._replies: dict[str, _ApiReply] = {}
 
@@ -160,7 +162,7 @@ class ApiAdapter(Adapter):
 
     async def _read(self, request: web.Request, tenant: str) -> _Ask | web.Response:
         """The request as a message for the router, or the error response saying what is wrong."""
-        body = await read_json(request, lambda status, problem: _error(status, problem))
+        body = await read_json(request, lambda status, problem: _error(status, problem), max_bytes=self.max_body_bytes)
         if isinstance(body, web.Response):
             return body
         parsed = _parse(body, self.max_attachment_bytes)

@@ -58,7 +58,7 @@ from gateway.core.transcript import ChatMessage
 from platforms.assets import static_response
 from platforms.base import Adapter
 from platforms.content_parts import BadContent, parse_content
-from platforms.http_input import served_over_https
+from platforms.http_input import BadJson, served_over_https, too_many_values
 from platforms.streaming import EditStreamReply
 from platforms.webchat_sessions import session_id
 
@@ -223,6 +223,7 @@ class WebchatAdapter(Adapter):
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
+            await too_many_values(data)  # no frame holds the loop: refused unparsed past the bounds
             frame = json.loads(data)
             kind = frame["type"]
             attachments: tuple[Attachment, ...] = ()
@@ -246,7 +247,7 @@ class WebchatAdapter(Adapter):
                     await ws.send_json({"type": "ack", "id": client_id, "outcome": Outcome.REJECTED.value},
                                        dumps=_dumps)
                     return
-        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
+        except (ValueError, KeyError, TypeError, RecursionError, BadJson):  # RecursionError: nested too deeply
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
             return

@@ -112,12 +112,12 @@ async def test_the_findings_as_black_box_probes_against_a_daemon_process(
         for what, request, expected in (
                 ("a lone surrogate", _post("/v1/chat/completions", port, b'{"messages": [{"role": "user", '
                                            b'"content": "\\ud800"}], "user": "p"}', auth=K1.encode()), 400),
-                ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 400),
+                ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 413),
                 ("charset=bogus", _post("/v1/chat/completions", port, b"{}", auth=K1.encode(),
                                         content_type=b"application/json; charset=bogus"), 415),
                 ("a non-ASCII bearer", _post("/v1/chat/completions", port, b"{}", auth=b"\xff\xfe"), 401),
                 ("admin login with a lone surrogate", _post("/admin/login", aport, b'{"token": "\\ud800"}',
-                                                            auth=None), 401),
+                                                            auth=None), 400),
                 ("a NUL in a header", _post("/v1/chat/completions", port, b"{}", headers=b"X-A: \x00\r\n"), 400),
                 ("Content-Length: -1", b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400)):
             status, response = await _raw(port if b"/admin" not in request[:40] else aport, request)

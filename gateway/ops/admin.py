@@ -24,9 +24,9 @@ from gateway.core.ports import Store
 from gateway.core.router import Router
 from gateway.ops.client_faults import client_faults
 from gateway.ops.hosts import HostPolicy, host_guard
-from gateway.ops.http import ReadinessCheck
+from gateway.ops.http import EdgeSettings, ReadinessCheck
 from platforms.assets import static_response
-from platforms.http_input import read_json, served_over_https
+from platforms.http_input import BODY_LIMITS, BodyLimits, read_json, served_over_https
 from platforms.tenants import as_bytes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -39,11 +39,12 @@ _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps,
 
 def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
                     extra_stats: Callable[[], dict[str, Any]] | None = None,
-                    hosts: HostPolicy | None = None) -> web.Application:
+                    hosts: HostPolicy | None = None, edge: EdgeSettings | None = None) -> web.Application:
     console = AdminConsole(router, metrics, store, readiness, token=token, extra_stats=extra_stats)
     # Host and Origin first (another site's page must not drive a loopback console through the
     # operator's browser, by rebinding its name or by posting across sites), then client faults.
     app = web.Application(middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults, console.auth])
+    app[BODY_LIMITS] = BodyLimits(64 * 1024, (edge or EdgeSettings()).body_timeout_s)  # a token, a session key
     app.router.add_get("/metrics", console.prometheus)
     app.router.add_get("/admin/api/sessions", console.sessions)
     app.router.add_post("/admin/api/sessions/stop", console.stop)

@@ -25,6 +25,7 @@ from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
 from gateway.ops.coercion import coerce, is_secret
+from gateway.ops.http import EdgeSettings
 from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
@@ -44,6 +45,17 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
+    # The edge (both listeners): a request's head within header_timeout_s of the connection opening or
+    # of its previous answer (idle keep-alive connections close then), its body within body_timeout_s.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    max_body_bytes: int = 4 * 1024 * 1024  # an API request without attachments (media adds room for them)
+    max_connections_per_address: int = 64  # 0: no cap
+    uncapped_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1", "::1"])  # a proxy on this host
+
+    def edge(self) -> EdgeSettings:
+        return EdgeSettings(self.header_timeout_s, self.body_timeout_s, self.max_connections_per_address,
+                            tuple(self.uncapped_addresses))
 
 
 @dataclass
@@ -290,6 +302,15 @@ def _tenants(c: Config) -> str | None:
     return tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
 
 
+def _addresses(c: Config) -> str | None:
+    for address in c.http.uncapped_addresses:
+        try:
+            ipaddress.ip_network(address, strict=False)
+        except ValueError:
+            return f"http.uncapped_addresses: {address!r} is not an IP address or network"
+    return None
+
+
 def _tenant_quotas(c: Config) -> str | None:
     return next((f"quotas.tenants.{name}.{key}: must not be negative" for name, quota in c.quotas.tenants.items()
                  for key, value in vars(quota).items() if value is not None and value < 0), None)
@@ -322,6 +343,10 @@ RULES: tuple[Rule, ...] = (
         "agent_cache.idle_ttl_s", "tools.shell_timeout_s", "agent.max_tool_rounds", "agent.context_tokens",
         "agent.reply_tokens", "tools.max_parallel")),
     Rule("the HTTP port is a port", _port("http.port")),
+    Rule("the edge's deadlines and sizes are positive", _positive(
+        "http.header_timeout_s", "http.body_timeout_s", "http.max_body_bytes")),
+    Rule("the connection cap is not negative", _not_negative("http.max_connections_per_address")),
+    Rule("uncapped addresses are addresses", _addresses),
     Rule("daemon timings are not negative", _not_negative(
         "daemon.drain_timeout_s", "daemon.resume_max_age_s", "daemon.shutdown_grace_s")),
     Rule("a lease lives at least 3 s", _unless(

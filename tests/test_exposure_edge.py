@@ -1,0 +1,206 @@
+"""Issue 31's findings 2, 3 and 4 as black-box probes against a daemon: one request must not stall
+every other client, slow or silent connections must not be held, and no client input may cause a
+5xx (or an error line, or a traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gzip
+import logging
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from gateway.ops import client_faults
+from tests.conftest import DaemonFactory
+from tests.fakes.openai_provider import FakeProvider
+from tests.test_exposure import CHAT, KEY, _no_error_records, _post, _raw
+
+ADMIN_TOKEN = "admin-edge-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_throttle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_faults, "_throttle", client_faults._Throttle())
+
+
+def _p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def _send_blocking(port: int, request: bytes, timeout: float = 60) -> tuple[int, bytes]:
+    """`_raw` on a plain socket, for a thread: the hostile client's own work (writing 27 MB) must
+    not run on the event loop the daemon and the /healthz client share."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data
+
+
+async def _healthz_while(port: int, work: asyncio.Future[list[tuple[int, bytes]]]) -> list[float]:
+    """/healthz latencies (s), one request every 5 ms, while `work` runs and half a second after."""
+    samples: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:  # the connection is made before
+            await resp.read()
+        until = None
+        while until is None or time.perf_counter() < until:
+            started = time.perf_counter()
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert resp.status == 200
+                await resp.read()
+            samples.append(time.perf_counter() - started)
+            if until is None and work.done():
+                until = time.perf_counter() + 0.5
+            await asyncio.sleep(0.005)
+    return samples
+
+
+async def test_a_27_mb_body_of_empty_lists_is_refused_without_stalling_anyone_else(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 2: 9 M empty lists in a 27 MB body were parsed on the event loop (/healthz p99 7-8 s,
+    every stream and /stop behind it). Now the body is refused (413) as soon as it is seen to hold
+    more values than any request does, and /healthz keeps its p99 under 50 ms meanwhile — with
+    three such bodies at once, twice."""
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    port = daemon.config.http.port
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "x": [' + b"[]," * 9_000_000 + b"[]]}"
+    assert len(body) > 27_000_000
+    request = _post(CHAT, port, body)
+
+    def hostile() -> list[tuple[int, bytes]]:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            return [r for _ in range(2) for r in pool.map(lambda _i: _send_blocking(port, request), range(3))]
+
+    started = time.perf_counter()
+    work = asyncio.ensure_future(asyncio.to_thread(hostile))
+    samples = await _healthz_while(port, work)
+    answers = await work
+    elapsed = time.perf_counter() - started
+    print(f"6 bodies of 27 MB: {[status for status, _ in answers]} in {elapsed:.2f} s; /healthz p99 "
+          f"{_p99(samples) * 1000:.1f} ms, max {max(samples) * 1000:.1f} ms over {len(samples)} requests")
+    assert all(status == 413 and b"more JSON values" in response for status, response in answers), answers[0]
+    assert len(samples) >= 50 and _p99(samples) < 0.050, f"/healthz p99 {_p99(samples) * 1000:.0f} ms"
+    assert provider.connections == []
+
+
+async def test_a_body_without_media_is_capped_small(make_daemon: DaemonFactory) -> None:
+    """Finding 2: the body cap was ~29 MB even for a request that can carry no media."""
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, media={"enabled": False})
+    port = daemon.config.http.port
+    status, response = await _raw(port, _post(CHAT, port, b'{"x": "' + b"a" * (5 << 20) + b'"}'))
+    assert status == 413, response[:300]
+    # The other routes of the listener take 1 MiB: a Telegram update or a login is small.
+    status, _ = await _raw(daemon.config.admin.port, _post("/admin/login", daemon.config.admin.port,
+                                                           b'{"token": "' + b"a" * (1 << 20) + b'"}', auth=None))
+    assert status == 413
+
+
+async def _held_for(port: int, request: bytes, deadline: float) -> float:
+    """Open a connection, send `request` (maybe nothing), then wait for the daemon to close it;
+    how long it took (or `deadline`, if it was still open then)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    try:
+        if request:
+            writer.write(request)
+            await writer.drain()
+        try:
+            async with asyncio.timeout(deadline):
+                while await reader.read(65536):
+                    pass
+        except TimeoutError:
+            return deadline
+        except ConnectionError:
+            pass
+        return time.monotonic() - started
+    finally:
+        writer.close()
+
+
+async def test_400_slow_or_silent_connections_are_closed_within_15_s(
+        make_daemon: DaemonFactory, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 3: 400 half-sent heads, 400 silent connections, 400 POSTs declaring 100,000 bytes of
+    body and sending one were all still open after 90-121 s. Now each is closed within 15 s (the
+    10 s deadlines), and the listener serves others meanwhile."""
+    caplog.set_level(logging.INFO)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    port = daemon.config.http.port
+    half_head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: applica"
+    slow_body = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    kinds = {"silent": b"", "half a head": half_head, "1 byte of 100,000": slow_body}
+    started = time.monotonic()
+    held = {kind: [asyncio.create_task(_held_for(port, request, 30)) for _ in range(134)]
+            for kind, request in kinds.items()}
+    await asyncio.sleep(1)
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+        assert resp.status == 200  # the listener still serves
+    times = {kind: await asyncio.gather(*tasks) for kind, tasks in held.items()}
+    print(f"{sum(map(len, times.values()))} connections in {time.monotonic() - started:.1f} s: " + ", ".join(
+        f"{kind}: closed after {min(t):.1f}-{max(t):.1f} s" for kind, t in times.items()))
+    for kind, t in times.items():
+        assert max(t) <= 15, f"{kind}: a connection was held {max(t):.1f} s"
+    _no_error_records(caplog)
+
+
+async def test_connections_past_the_cap_per_address_are_refused_at_once(make_daemon: DaemonFactory) -> None:
+    daemon = await make_daemon(http={"max_connections_per_address": 8, "uncapped_addresses": []})
+    port = daemon.config.http.port
+    opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(8)]
+    try:
+        status, response = await _raw(port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status == 503 and b"too many connections" in response
+    finally:
+        for _reader, writer in opened:
+            writer.close()
+    for _ in range(100):  # the server sees the closes a moment later
+        status, _ = await _raw(port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        if status == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert status == 200
+
+
+async def test_client_input_never_causes_a_5xx_nor_a_traceback(
+        make_daemon: DaemonFactory, provider: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 4: a bad gzip body was a 500 and two tracebacks per request, without credentials on
+    /admin/login; a lone surrogate in an earlier message of a stateless request was a 502 (the token
+    estimate raised UnicodeEncodeError)."""
+    caplog.set_level(logging.INFO)
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, admin={"token": ADMIN_TOKEN})
+    port, aport = daemon.config.http.port, daemon.config.admin.port
+    bad_gzip = b"\x1f\x8b\x08\x00" + b"not a gzip stream" * 4
+    gzip_head = b"Content-Encoding: gzip\r\n"
+    earlier = (b'{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "ok"}, '
+               b'{"role": "user", "content": "and now?"}]}')
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
+               + b"\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
+    probes: list[tuple[str, int, bytes, int]] = [
+        ("a bad gzip body on /admin/login, no credentials", aport,
+         _post("/admin/login", aport, bad_gzip, headers=gzip_head, auth=None), 400),
+        ("a bad gzip body on the API", port, _post(CHAT, port, bad_gzip, headers=gzip_head), 400),
+        ("a bad gzip body on an admin route", aport,
+         _post("/admin/api/sessions/stop", aport, bad_gzip, headers=gzip_head, auth=ADMIN_TOKEN.encode()), 400),
+        ("a good gzip body of a bad request", port,
+         _post(CHAT, port, gzip.compress(b'{"messages": 5}'), headers=gzip_head), 400),
+        ("a lone surrogate in an earlier message", port, _post(CHAT, port, earlier % b"\\ud800"), 400),
+        ("a lone low surrogate in an earlier message", port, _post(CHAT, port, earlier % b"x\\udfff"), 400),
+        ("a surrogate in the model name", port, _post(CHAT, port, b'{"model": "\\ud800", "messages": '
+                                                                    b'[{"role": "user", "content": "hi"}]}'), 400),
+        ("broken chunking", port, chunked, 400),
+    ]
+    for what, target, request, expected in probes:
+        status, response = await _raw(target, request)
+        assert status == expected, f"{what}: {status} {response[:300]!r}"
+    assert provider.connections == []
+    _no_error_records(caplog)
+    faults = [r for r in caplog.records if "client fault" in r.getMessage()]
+    assert faults and all(r.levelno == logging.WARNING and not r.exc_info for r in faults)
