@@ -204,3 +204,72 @@ async def test_client_input_never_causes_a_5xx_nor_a_traceback(
     _no_error_records(caplog)
     faults = [r for r in caplog.records if "client fault" in r.getMessage()]
     assert faults and all(r.levelno == logging.WARNING and not r.exc_info for r in faults)
+
+
+# --- the admin listener (finding 7) -----------------------------------------------------------------
+
+
+def _from(address: str) -> aiohttp.ClientSession:
+    """A client whose connections come from `address` (any 127.x.y.z is this machine)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(address, 0), force_close=True),
+                                 cookie_jar=aiohttp.CookieJar(unsafe=True))
+
+
+async def test_the_admin_cookie_is_not_the_token_and_bearer_is_any_case(make_daemon: DaemonFactory) -> None:
+    """Finding 7: the cookie's value was the admin token itself (cookies are not kept apart by port),
+    and a lower-case `bearer` was refused on the admin listener while the API took it."""
+    daemon = await make_daemon(admin={"token": ADMIN_TOKEN})
+    admin = f"http://127.0.0.1:{daemon.config.admin.port}"
+    async with _from("127.0.0.1") as op:
+        async with op.post(admin + "/admin/login", json={"token": ADMIN_TOKEN}) as resp:
+            assert resp.status == 200
+        cookie = next(c.value for c in op.cookie_jar if c.key == "switchboard_admin")
+        assert ADMIN_TOKEN not in cookie and cookie not in ADMIN_TOKEN and len(cookie) == 64
+        async with op.get(admin + "/metrics") as resp:
+            assert resp.status == 200  # the derived cookie opens the listener
+    async with _from("127.0.0.1") as other:
+        async with other.get(admin + "/metrics", headers={"Cookie": f"switchboard_admin={ADMIN_TOKEN}"}) as resp:
+            assert resp.status == 401  # the token is no cookie
+        for scheme in ("bearer", "BEARER", "Bearer"):
+            async with other.get(admin + "/metrics", headers={"Authorization": f"{scheme} {ADMIN_TOKEN}"}) as resp:
+                assert resp.status == 200, scheme
+
+
+async def test_parallel_guessing_of_the_admin_token_is_throttled_per_source_and_in_all(
+        make_daemon: DaemonFactory) -> None:
+    """Finding 7: guesses ran at ~400/s in parallel (the 0.5 s delay was per attempt, not per
+    source) and nothing locked out. Now a source gets five wrong guesses, then 429 with Retry-After
+    (its guesses no longer even checked); sources together get thirty; a source that signed in
+    before still can."""
+    daemon = await make_daemon(admin={"token": ADMIN_TOKEN})
+    admin = f"http://127.0.0.1:{daemon.config.admin.port}"
+
+    async def guess(http: aiohttp.ClientSession, token: str) -> tuple[int, str | None]:
+        async with http.post(admin + "/admin/login", json={"token": token}) as resp:
+            return resp.status, resp.headers.get("Retry-After")
+
+    async with _from("127.0.0.3") as operator:
+        assert (await guess(operator, ADMIN_TOKEN))[0] == 200  # signed in before the attack
+    async with _from("127.0.0.2") as attacker:
+        started = time.monotonic()
+        answers = await asyncio.gather(*(guess(attacker, f"guess-{i}") for i in range(200)))
+        elapsed = time.monotonic() - started
+        statuses = [status for status, _ in answers]
+        print(f"200 parallel guesses in {elapsed:.2f} s: {statuses.count(401)} checked, {statuses.count(429)} "
+              f"throttled, {statuses.count(503)} over the connection cap")
+        # 429: throttled; 503: past the connections one address may hold open (64)
+        assert statuses.count(401) == 5 and statuses.count(429) > 100 and set(statuses) == {401, 429, 503}
+        assert all(retry is not None and int(retry) >= 1 for status, retry in answers if status == 429)
+        assert (await guess(attacker, ADMIN_TOKEN))[0] == 429  # locked: not even the right token is looked at
+        async with attacker.get(admin + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}x"}) as resp:
+            assert resp.status == 429
+    many = [f"127.0.1.{i}" for i in range(1, 41)]  # one guess each from 40 sources
+    statuses = []
+    for address in many:
+        async with _from(address) as source:
+            statuses.append((await guess(source, "wrong"))[0])
+    assert statuses.count(401) == 25 and statuses.count(429) == 15, statuses  # 5 of the 30 were spent above
+    async with _from("127.0.0.3") as operator:
+        assert (await guess(operator, ADMIN_TOKEN))[0] == 200  # the operator is not locked out
+    async with _from("127.0.1.200") as stranger:
+        assert (await guess(stranger, ADMIN_TOKEN))[0] == 429  # everyone else waits
