@@ -255,20 +255,23 @@ async def test_limits_per_session_and_in_total_and_jobs_are_private_to_their_ses
         ctx.run(current_run.set, run)
         return await asyncio.get_running_loop().create_task(s.tools.call(name, json.dumps(args)), context=ctx)
 
-    assert (await call("a", "shell", command="sleep 60", background=True)).startswith("[started in background: job j")
+    assert (await call("a", "shell", command="echo from-a; sleep 60", background=True)).startswith(
+        "[started in background: job j1]")
     refused = await call("a", "shell", command="sleep 60", background=True)
     assert refused.startswith("error: not started: this chat already has 1 background jobs running")
-    assert (await call("b", "shell", command="sleep 60", background=True)).startswith("[started in background")
+    assert (await call("b", "shell", command="echo from-b; sleep 60", background=True)).startswith(
+        "[started in background: job j1]")  # ids count per chat: they say nothing of other chats' jobs
     full = await call("c", "shell", command="sleep 60", background=True)
     assert full.startswith("error: not started: the gateway already runs 2 background jobs")
     (a_job,), (b_job,) = s.jobs.jobs("a"), s.jobs.jobs("b")
-    # Another session can neither see, read, wait for nor kill it.
-    missing = f"error: no job '{a_job.id}' in this chat (job_status lists them)"
-    assert await call("b", "job_kill", job_id=a_job.id) == missing
-    assert (await call("b", "job_read", job_id=a_job.id)).startswith("error: no job")
+    # Another session can neither see, read, wait for nor kill it: its "j1" is its own job.
+    await until(lambda: "from-a" in a_job.out.text and "from-b" in b_job.out.text, 10, "no output")
+    read = await call("b", "job_read", job_id="j1")
+    assert "from-b" in read and "from-a" not in read
+    assert (await call("b", "job_read", job_id="j2")).startswith("error: no job 'j2' in this chat")
     listed = await call("b", "job_status")
-    assert listed.startswith(f"{b_job.id}: running") and f"{a_job.id}:" not in listed
-    assert s.router.kill_job("b", a_job.id) is None
+    assert listed.startswith("j1: running") and listed.count("j1:") == 1
+    assert s.router.kill_job("c", "j1") is None
     assert a_job.state == "running" and s.jobs.count_running("a") == 1
     # Hostile arguments come back as errors the model can read.
     assert (await call("a", "job_wait", job_id=a_job.id, timeout_s="soon")).startswith("error: job_wait failed")

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.core.cancellation import ToolReason
 from platforms.tenants import ApiKeys, key_id
 from platforms.webchat_sessions import SECRET_FILE
 from tests.conftest import DaemonFactory
@@ -387,3 +388,32 @@ async def test_a_tenants_rate_counts_every_session_stateless_requests_and_comman
         status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")
         assert status == 200 and _content(answer) == "Nothing is running."
         assert (await _post(http, daemon, K1, "tenant A is fine", "s1"))[0] == 200
+
+
+async def test_response_and_job_ids_tell_a_tenant_nothing_of_another_tenants_traffic(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 8: response ids were a per-process prefix and one global counter, so tenant B read
+    tenant A's exact request count between two of its own; job ids were one global counter too."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, tools={"shell": True})
+    start_job = Script(tool_calls=[("shell", {"command": "sleep 30", "background": True})])
+    async with aiohttp.ClientSession() as http:
+        _, first = await _ask(http, daemon, K2, "b's first", session="b1")
+        for i in range(5):
+            await _ask(http, daemon, K1, f"a's {i}", session="a1")
+        provider.then(start_job)  # the next request is answered with this tool call, once
+        assert (await _ask(http, daemon, K1, "start a job for a", session="a1"))[0] == 200
+        _, second = await _ask(http, daemon, K2, "b's second", session="b1")
+        provider.then(start_job)
+        assert (await _ask(http, daemon, K2, "start a job for b", session="b1"))[0] == 200
+    ids = [first["id"], second["id"]]
+    assert all(i.startswith("chatcmpl-") and len(i) == len("chatcmpl-") + 32 for i in ids)
+    a, b = (i.removeprefix("chatcmpl-") for i in ids)
+    common = next((n for n, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    assert common < 6, f"two ids share a {common}-digit prefix: {ids}"  # one of a million by chance
+    (b_job,) = {t["content"] for c in provider.connections if c.last_user == "start a job for b"
+                for t in c.body["messages"] if t["role"] == "tool"}
+    assert b_job.startswith("[started in background: job j1]"), b_job  # A's job is not counted
+    for key in ("api:dm:team-a/a1", f"api:dm:{B}/b1"):
+        for job in daemon.jobs.jobs(key):
+            job.kill(ToolReason.system("test over"))
