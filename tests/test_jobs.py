@@ -331,7 +331,7 @@ async def test_a_daemon_stop_kills_jobs_with_its_reason(make_daemon: DaemonFacto
     pidfile = tmp_path / "pids"
     provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {pidfile}; sleep 60", "background": True})]))
     provider.then(Script(text="started"))
-    daemon = await make_daemon(tools={"shell": True}, api={"enabled": True})
+    daemon = await make_daemon(tools={"shell": True, "sandbox": "off"}, api={"enabled": True})  # PIDs in a file
     async with aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
         async with http.post(url, json={"messages": [{"role": "user", "content": "go"}]}) as resp:
@@ -502,7 +502,7 @@ async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_a
     provider.then(Script(tool_calls=[("shell", {"command": gated(pidfile, gate, "compiling", "linked")})]))
     provider.then(Script(text="moved it to the background"))
     provider.words = 2
-    daemon = await make_daemon(router={"busy": "steer"}, tools={"shell": True, "yield_after_s": 0.2})
+    daemon = await make_daemon(router={"busy": "steer"}, tools={"shell": True, "yield_after_s": 0.2, "sandbox": "off"})
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
         page = await Page(http, f"http://127.0.0.1:{daemon.config.http.port}").open()
         try:

@@ -8,6 +8,7 @@ metrics are searched for it).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -417,3 +418,56 @@ async def test_response_and_job_ids_tell_a_tenant_nothing_of_another_tenants_tra
     for key in ("api:dm:team-a/a1", f"api:dm:{B}/b1"):
         for job in daemon.jobs.jobs(key):
             job.kill(ToolReason.system("test over"))
+
+
+def test_an_mcp_server_limited_to_a_tenant_is_in_that_tenants_status() -> None:
+    """Finding 10: a server limited by `allow_tenants` was missing from its own tenant's /status."""
+    from gateway.agents.mcp_config import McpServerConfig
+    from gateway.agents.mcp_servers import McpHub
+    from gateway.agents.processes import ProcessReaper
+
+    hub = McpHub.build([McpServerConfig(name="files", url="http://127.0.0.1:9/mcp", allow_tenants=["team-a"])],
+                       ProcessReaper(), max_output=100)  # never started: only its status line is asked for
+    line = hub.status_line("api:dm:team-a/alice")
+    assert line is not None and line.startswith("MCP: files")
+    assert hub.status_line(f"api:dm:{B}/alice") is None and hub.status_line("webchat:dm:team-a/x") is None
+
+
+def _image_request(text: str, images: int, size: int, session: str | None) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    for _ in range(images):
+        png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + os.urandom(size)).decode()
+        parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}})
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": parts}]}
+    return body if session is None else {**body, "user": session}
+
+
+async def test_media_on_disk_is_held_to_each_tenants_quota_and_stateless_requests_keep_none(
+        make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path) -> None:
+    """Finding 6: 30 stateless requests with nine unique 2 MB images each wrote 527 MB to the media
+    folder in 40 s, kept 72 h, with no quota per tenant."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, agent={"vision": True}, quotas={"media_mb": 2})
+    media = tmp_path / "data" / "media"
+
+    def kept() -> int:
+        return sum(f.stat().st_size for f in media.glob("**/*") if f.is_file())
+
+    async with aiohttp.ClientSession() as http:
+        async def send(key: str, body: dict[str, Any]) -> None:
+            async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == 200, await resp.text()
+
+        await send(K1, _image_request("a's picture", 1, 200_000, "a1"))
+        a_kept = kept()
+        assert 200_000 < a_kept < 300_000  # A's session keeps its copy for a replay
+        for i in range(6):  # B: stateless, three unique images each
+            await send(K2, _image_request(f"stateless {i}", 3, 200_000, None))
+        assert kept() == a_kept, "a stateless request kept copies nothing will replay"
+        for i in range(15):  # B: a session, 3 MB of unique images in all
+            await send(K2, _image_request(f"session {i}", 1, 200_000, "b1"))
+    assert kept() - a_kept <= 2 * 1024 * 1024, f"B keeps {kept() - a_kept} bytes, over its 2 MB"
+    assert kept() - a_kept > 1_500_000  # ...and its newest copies are there
+    # A's copy survived B's flood:
+    folders = [f for f in media.iterdir() if f.is_dir()]
+    assert len(folders) == 2 and any(200_000 < sum(x.stat().st_size for x in f.iterdir()) < 300_000 for f in folders)

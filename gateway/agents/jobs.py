@@ -23,7 +23,7 @@ import contextvars
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -356,7 +356,7 @@ class JobRegistry:
     # --- the shell tool ------------------------------------------------------------------------
 
     async def run_shell(self, argv: Sequence[str], *, command: str, timeout_s: float, max_output: int,
-                        cwd: str | None, background: bool) -> str:
+                        cwd: str | None, background: bool, env: Mapping[str, str] | None = None) -> str:
         """Run a command in its own process group, bound to the current run — until it ends, times
         out, or moves to the background (then the group belongs to the registry)."""
         run = get_run()
@@ -365,7 +365,7 @@ class JobRegistry:
         session = run.session_key if run is not None else "-"
         if background and (full := self.room(session)) is not None:
             return f"error: not started: {full}; end one with job_kill or wait for it"
-        fg = Foreground(session, command, self.reaper.spawn(argv, cwd=cwd), call_note.get())
+        fg = Foreground(session, command, self.reaper.spawn(argv, cwd=cwd, env=env), call_note.get())
         with run.on_cancel(fg.stop) if run is not None else contextlib.nullcontext(), self._listening(fg):
             try:
                 await fg.start(max(self.settings.buffer_chars, max_output))

@@ -69,9 +69,11 @@ class Agent(Protocol):
 class MediaLoader(Protocol):
     """Fetches a message's attachments for its turn (in the run's task, so a stop cancels it)."""
 
-    async def load(self, platform: str, attachments: Sequence[Attachment]) -> tuple[MediaPart, ...]:
+    async def load(self, platform: str, attachments: Sequence[Attachment], *,
+                   keep: bool = True) -> tuple[MediaPart, ...]:
         """One part per attachment not refused: the bytes or text, from the stored copy when there
-        is one, else downloaded — or a note saying why not. Raises only CancelledError."""
+        is one, else downloaded — or a note saying why not. Raises only CancelledError. `keep`: keep
+        a copy for a replay (not for a stateless turn: nothing replays it)."""
 
 
 # --- the store --------------------------------------------------------------------------------

@@ -67,6 +67,15 @@ def tenant_of(platform: str, tenant: str | None) -> str:
     return f"{platform}:{tenant}" if tenant else platform
 
 
+def api_tenant(session_key: str) -> str | None:
+    """The API tenant a session key names (`api:dm:<tenant>/<session id>`: a tenant's name holds no
+    `/`), or None. For what a session is shown only: a decision about access reads the run's tenant."""
+    prefix = "api:dm:"
+    if not session_key.startswith(prefix) or "/" not in session_key:
+        return None
+    return session_key[len(prefix):].split("/", 1)[0]
+
+
 def message_tenant(msg: InboundMessage) -> str:
     return tenant_of(msg.platform, msg.tenant)
 

@@ -438,7 +438,7 @@ class TurnRunner:
         if self._media is None:
             parts = tuple(note(a, "files cannot be fetched here") for a in taken)
         else:
-            parts = await self._media.load(msg.platform, taken)
+            parts = await self._media.load(msg.platform, taken, keep=turn.client_history is None)
         failed = [dataclasses.replace(p.attachment, refused=p.problem) for p in parts if p.kind == "note"]
         if failed and (sentence := refusal_sentence(failed)) is not None and turn.speaker.may_speak():
             log.info("attachments not read: %s", sentence, extra={"session": turn.key})

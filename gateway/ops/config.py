@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from agent_cache import CacheSettings
 from gateway.agents.mcp_config import McpConfig, check_mcp
+from gateway.agents.sandbox import sandbox_problem
 from gateway.core.attachments import MediaSettings
 from gateway.core.quotas import QuotaSettings
 from gateway.core.router import RouterSettings
@@ -93,6 +94,13 @@ class ToolsConfig:
     shell_max_output: int = 16_000
     shell_allow_prefixes: list[str] = field(default_factory=list)
     shell_cwd: str | None = None
+    # Who may use the shell (and the job tools): session-key globs or API tenant names; both empty: all.
+    shell_allow_sessions: list[str] = field(default_factory=list)
+    shell_allow_tenants: list[str] = field(default_factory=list)
+    # Each session's commands in a sandbox of their own (gateway/agents/sandbox.py): "auto" where
+    # bubblewrap works, "bwrap" (refuse to start without it) or "off".
+    sandbox: Literal["auto", "bwrap", "off"] = "auto"
+    sandbox_network: bool = False  # sandboxed commands share the host's network (its listeners too)
     tool_kill_grace_s: float = 2.0
     parallel: bool = True  # several tool calls of one model round run side by side
     max_parallel: int = 4
@@ -302,6 +310,13 @@ def _tenants(c: Config) -> str | None:
     return tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
 
 
+def _sandbox(c: Config) -> str | None:
+    if not c.tools.shell or c.tools.sandbox != "bwrap":
+        return None
+    problem = sandbox_problem("bwrap")
+    return None if problem is None else f"tools.sandbox: \"bwrap\" is required, but {problem}"
+
+
 def _addresses(c: Config) -> str | None:
     for address in c.http.uncapped_addresses:
         try:
@@ -402,6 +417,7 @@ RULES: tuple[Rule, ...] = (
         lambda c: 0 < c.telegram.draft_refresh_s < 30,
         lambda c: "telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")),
     Rule("MCP servers are well formed", _mcp),
+    Rule("a required sandbox is available", _sandbox),
     Rule("the OpenAI agent has an http(s) URL", _unless(
         lambda c: c.agent.kind != "openai" or c.agent.base_url.startswith(("http://", "https://")),
         lambda c: f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")),

@@ -28,7 +28,8 @@ from gateway.agents.jobs import JobRegistry, JobSettings
 from gateway.agents.mcp_servers import McpCollector, McpHub
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
 from gateway.agents.processes import GroupLedger, ProcessReaper
-from gateway.agents.tools import ProcessToolSettings, builtin_registry
+from gateway.agents.sandbox import Sandbox, sandbox_problem
+from gateway.agents.tools import Access, ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
 from gateway.core.access import AccessControl
 from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
@@ -45,6 +46,7 @@ from gateway.ops.hosts import HostPolicy
 from gateway.ops.http import ConnectionGuard, build_app, start_sites
 from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
+from gateway.ops.safety import findings, private_data_dir
 from gateway.ops.sdnotify import Notifier, Watchdog
 from gateway.store.sqlite import RESERVE_BYTES, SqliteStore
 from platforms.media import MediaStore
@@ -59,13 +61,25 @@ def job_settings(config: Config) -> JobSettings:
                        buffer_chars=t.job_buffer_chars, read_chars=t.job_read_chars)
 
 
+def shell_sandbox(config: Config) -> Sandbox | None:
+    """Where the shell's commands run: each session's sandbox, or None (unconfined: tools.sandbox
+    is off, or "auto" on a machine where bubblewrap cannot make one; `switchboard check` says so)."""
+    t = config.tools
+    if not t.shell or sandbox_problem(t.sandbox) is not None:
+        return None
+    return Sandbox(Path(config.store.data_dir).absolute() / "sandbox", network=t.sandbox_network,
+                   shared_cwd=str(Path(t.shell_cwd).absolute()) if t.shell_cwd else None)
+
+
 def build_agent(config: Config, reaper: ProcessReaper, mcp: McpHub | None = None,
                 jobs: JobRegistry | None = None) -> Agent:
     """The one place config sections become agent settings."""
     t = config.tools
     tools = builtin_registry(
         ProcessToolSettings(reaper=reaper, max_output=t.shell_max_output, default_timeout_s=t.shell_timeout_s,
-                            allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd),
+                            allow_prefixes=tuple(t.shell_allow_prefixes), cwd=t.shell_cwd,
+                            sandbox=shell_sandbox(config),
+                            access=Access(tuple(t.shell_allow_sessions), tuple(t.shell_allow_tenants))),
         shell=t.shell, jobs=jobs if t.jobs else None,
         sources=[mcp.tools] if mcp is not None and mcp.servers else [],
         unavailable=mcp.unavailable if mcp is not None and mcp.servers else None)
@@ -192,7 +206,8 @@ class Daemon:
         self.agent = build_agent(config, self.reaper, self.mcp, self.jobs)
         self._agents: list[Agent] = [self.agent]  # every agent built, closed at the end
         # Attachments are fetched in their turn, and a copy kept for replays, under the data dir.
-        self.media = MediaStore(config.media, Path(config.store.data_dir) / "media", self.adapters)
+        self.media = MediaStore(config.media, Path(config.store.data_dir) / "media", self.adapters,
+                                quota=lambda tenant: self.live.value.quotas.limit(tenant, "media_mb"))
         # What a reload may change, in one holder the core reads (never assigned onto a part).
         self.live = Live(core_settings(config, self.agent))
         self.router = Router(self.live, RouterParts(
@@ -258,6 +273,9 @@ class Daemon:
             log.exception("stopping %s failed; carrying on with the rest", what)
 
     async def _store_part(self) -> AsyncIterator[None]:
+        private_data_dir(Path(self.config.store.data_dir))
+        for line in findings(self.config).warnings:
+            log.warning("%s", line)
         self.ledger.sweep_stale()  # before any tool runs: what a daemon that died left behind
         self.notifier.status("opening the store")
         await self.store.open()
