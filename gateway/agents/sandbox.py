@@ -108,6 +108,6 @@ class Sandbox:
         if self.shared_cwd:
             binds += ["--bind", self.shared_cwd, self.shared_cwd]
         wrapped = ["bwrap", "--die-with-parent", *namespaces(self.network), *_system_binds(), "--proc", "/proc",
-                   "--dev", "/dev", *binds, "--hostname", "sandbox", "--chdir", cwd, "--", *argv]
+                   "--dev", "/dev", *binds, "--chdir", cwd, "--", *argv]  # (no --hostname: ProtectHostname= forbids it)
         env = {"PATH": PATH, "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb"}
         return wrapped, env
