@@ -18,8 +18,9 @@ content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`.
   interruption notices also carry `interrupted`.
 - `state` {running}, `typing`.
 - `ack` {id, outcome}: the router took the client message (accepted, queued, duplicate, command or
-  rejected). Until then the page keeps it and resends it, same id, after a reconnect; client ids
-  make such a resend a no-op (router de-duplication). No ack while the gateway restarts.
+  rejected — also over a rate limit or quota). Until then the page keeps it and resends it, same
+  id, after a reconnect; client ids make such a resend a no-op (router de-duplication). No ack
+  while the gateway restarts.
 - `user` {id, text}: a message sent from another tab of the same session.
 
 The browser's cookie is only a credential: sessions are named by a keyed hash of it
@@ -266,8 +267,10 @@ class WebchatAdapter(Adapter):
         result = await self.gateway.submit(msg, self)
         if result.outcome is Outcome.REJECTED and self._closing:
             return  # rejected because we are going down: unacked, so the page sends it again
+        # Over a rate limit or quota the page was told why (a notice): to it, that is a refusal.
+        outcome = Outcome.REJECTED if result.outcome is Outcome.LIMITED else result.outcome
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)
+            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": outcome.value}, dumps=_dumps)
         if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
             # Other tabs of this session show it too (a tab still connecting sees it in its history later).
             shown = with_placeholders(msg.text, msg.attachments)
