@@ -197,3 +197,32 @@ async def test_the_daemons_files_are_private(tmp_path: Path, provider: FakeProvi
     assert "data/switchboard.db-wal" in modes and any(k.startswith("data/media/") for k in modes), modes
     loose = {path: f"{mode:04o}" for path, mode in modes.items() if mode & 0o077}
     assert loose == {}, f"open to others: {loose}"
+
+
+def _rss_kb(pid: int) -> tuple[int, int]:
+    """(peak, current) resident memory of a process, in kB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
+
+
+async def test_ten_large_bodies_at_once_leave_the_daemon_where_it_was(tmp_path: Path, provider: FakeProvider) -> None:
+    """Finding 2: ten concurrent 24 MB bodies took the daemon to 1.67 GB, and it stayed at 1.2 GB idle.
+    Now at most four large bodies are read at once, and their memory goes back to the system."""
+    from tests.test_exposure_edge import _send_blocking
+
+    provider.words = 1
+    daemon = _Daemon(tmp_path, provider)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "padding": "' + b"a" * 24_000_000 + b'"}'
+    try:
+        await daemon.ready()
+        request = _post("/v1/chat/completions", daemon.port, body, auth=K1.encode())
+        await asyncio.to_thread(_send_blocking, daemon.port, request)  # one first: what the daemon holds after
+        _, before = _rss_kb(daemon.proc.pid)
+        answers = await asyncio.gather(*(asyncio.to_thread(_send_blocking, daemon.port, request) for _ in range(10)))
+        peak, after = _rss_kb(daemon.proc.pid)
+    finally:
+        await daemon.stop()
+    print(f"RSS {before} kB before, peak {peak} kB, {after} kB after ten 24 MB bodies at once")
+    assert [status for status, _ in answers] == [200] * 10
+    assert after - before < 16_000, f"{after - before} kB more after the bodies were answered"
+    assert peak - before < 400_000
