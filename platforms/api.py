@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,9 +57,10 @@ class ApiAdapter(Adapter):
 
     def __init__(self, *, keys: list[str], tenants: dict[str, str] | None = None,
                  model_name: str = "switchboard", more_models: tuple[str, ...] = (),
-                 max_attachment_bytes: int = 10 * MB) -> None:
+                 max_attachment_bytes: int = 10 * MB, max_body_bytes: int = 4 * MB) -> None:
         self._keys = ApiKeys(keys, tenants)
         self.max_attachment_bytes = max_attachment_bytes  # a bigger data: URL is refused before it is decoded
+        self.max_body_bytes = max_body_bytes  # a bigger body is refused (413) before it is read
         self.model_name = model_name
         self.models = (model_name, *more_models)  # what clients may name, the default first
         self._replies: dict[str, ApiReply] = {}
@@ -106,7 +108,8 @@ class ApiAdapter(Adapter):
         tenant = self._tenant(request)
         if tenant is None:
             return _unauthorized()
-        body = await read_json(request, lambda status, problem: error_response(status, problem))
+        body = await read_json(request, lambda status, problem: error_response(status, problem),
+                               max_bytes=self.max_body_bytes)
         if isinstance(body, web.Response):
             return body
         try:
@@ -121,7 +124,8 @@ class ApiAdapter(Adapter):
         tenant = self._tenant(request)
         if tenant is None:
             return _unauthorized()
-        body = await read_json(request, lambda status, problem: error_response(status, problem))
+        body = await read_json(request, lambda status, problem: error_response(status, problem),
+                               max_bytes=self.max_body_bytes)
         if isinstance(body, web.Response):
             return body
         try:
@@ -209,9 +213,9 @@ def _refusal(submitted: Submitted) -> web.Response | None:
     if submitted.outcome is Outcome.UNAVAILABLE:
         return error_response(503, submitted.detail, "service_unavailable",
                       headers={"Retry-After": f"{submitted.retry_after_s or 5:.0f}"})
-    if submitted.outcome is Outcome.REJECTED and submitted.retry_after_s is not None:  # the rate limit
+    if submitted.outcome is Outcome.LIMITED:  # the tenant's rate limit or a quota: try again later
         return error_response(429, submitted.detail, "rate_limit_exceeded", code="rate_limit_exceeded",
-                      headers={"Retry-After": f"{max(1.0, submitted.retry_after_s):.0f}"})
+                              headers={"Retry-After": f"{math.ceil(submitted.retry_after_s or 1):.0f}"})
     if submitted.outcome is Outcome.REJECTED:
         return error_response(400, submitted.detail)
     return None

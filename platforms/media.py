@@ -3,10 +3,13 @@
 Runs in the turn's task: a `/stop`, a new message that interrupts, or the turn's timeout cancels
 a download like any other I/O (the connection is closed at once through `Run.on_cancel`). Every
 download is streamed with a byte limit and a timeout. A copy of what was fetched is kept under
-`<data_dir>/media/`, named by the SHA-256 of the platform and its file reference (a Telegram
-file id, a Discord attachment URL, or for inline data its own hash), so a message replayed after
-a restart is read from disk instead of downloaded again. Copies older than the retention period
-are deleted.
+`<data_dir>/media/<tenant>/` (a folder per tenant, named by a hash of its name), named by the
+SHA-256 of the platform and its file reference (a Telegram file id, a Discord attachment URL, or
+for inline data its own hash), so a message replayed after a restart is read from disk instead of
+downloaded again. A stateless turn keeps no copy (nothing replays it). Copies older than the
+retention period are deleted, and each tenant's copies are held to its quota (`quotas.media_mb`):
+past it, the tenant's least recently used copies go (a copy is only a replay's shortcut). Copies
+are 0600 in folders of 0700.
 
 Error texts never contain a download URL: Telegram's carry the bot token.
 """
@@ -18,14 +21,16 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
 
-from gateway.core.attachments import Attachment, MediaPart, MediaSettings, human_size, limit_for, note
+from gateway.core.attachments import MB, Attachment, MediaPart, MediaSettings, human_size, limit_for, note
 from gateway.core.cancellation import get_run
+from gateway.core.quotas import tenant_of
 from platforms.base import Adapter
 from platforms.errors import explain
 
@@ -74,26 +79,31 @@ def inline_text(att: Attachment, data: bytes, budget: int) -> MediaPart:
 class MediaStore:
     """The daemon's `MediaLoader`: local copies first, else the platform's download."""
 
-    def __init__(self, settings: MediaSettings, directory: Path, sources: Mapping[str, Adapter]) -> None:
+    def __init__(self, settings: MediaSettings, directory: Path, sources: Mapping[str, Adapter], *,
+                 quota: Callable[[str], float] | None = None) -> None:
+        """`quota(tenant)`: the bytes of copies a tenant may keep (0: no limit), read at each copy."""
         self.settings = settings
         self.directory = directory
         self._sources = sources
+        self._quota = quota
         self._session: aiohttp.ClientSession | None = None
         self._pruned_at = 0.0
         self.downloads = 0  # fetched from a platform (not from a local copy)
+        self._kept = _Kept()
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    async def load(self, platform: str, attachments: Sequence[Attachment]) -> tuple[MediaPart, ...]:
+    async def load(self, platform: str, attachments: Sequence[Attachment], *,
+                   keep: bool = True) -> tuple[MediaPart, ...]:
         if time.monotonic() - self._pruned_at > PRUNE_EVERY_S:
             self._pruned_at = time.monotonic()
             await asyncio.to_thread(self.prune)
         parts = []
         for att in attachments:
             try:
-                data = await self._bytes(platform, att)
+                data = await self._bytes(platform, att, keep)
             except MediaError as exc:
                 log.info("%s: attachment %s not read: %s", platform, att.name, explain(exc))
                 parts.append(note(att, str(exc)))
@@ -110,15 +120,31 @@ class MediaStore:
         return inline_text(att, data, self.settings.inline_chars)
 
     def path_for(self, platform: str, att: Attachment) -> Path:
-        return self.directory / hashlib.sha256(f"{platform}\0{att.ref}".encode()).hexdigest()
+        """Where the copy of `att` is kept: in the folder of the current run's tenant."""
+        return self._folder(self._tenant(platform)) / hashlib.sha256(f"{platform}\0{att.ref}".encode()).hexdigest()
 
-    async def _bytes(self, platform: str, att: Attachment) -> bytes:
+    def _folder(self, tenant: str) -> Path:
+        return self.directory / hashlib.sha256(tenant.encode()).hexdigest()[:16]
+
+    @staticmethod
+    def _tenant(platform: str) -> str:
+        run = get_run()
+        return tenant_of(platform, run.tenant if run is not None else None)
+
+    def _budget(self, platform: str) -> int:
+        return int(self._quota(self._tenant(platform)) * MB) if self._quota is not None else 0
+
+    async def _bytes(self, platform: str, att: Attachment, keep: bool = True) -> bytes:
         limit = limit_for(att, self.settings)
         path = self.path_for(platform, att)
+        budget = self._budget(platform)
         if att.data is not None:  # came inline (a data: URL): kept so a replay finds it
-            await asyncio.to_thread(self._keep, path, att.data)
+            if keep:
+                await asyncio.to_thread(self._keep, path, att.data, budget)
             return att.data
         cached = await asyncio.to_thread(self._read, path, limit)
+        if cached is None:  # kept by a version that had one folder for every tenant
+            cached = await asyncio.to_thread(self._read, self.directory / path.name, limit)
         if cached is not None:
             return cached
         source = self._sources.get(platform)
@@ -134,7 +160,8 @@ class MediaStore:
         except TimeoutError:
             raise MediaError(f"the download took longer than {timeout:g} s") from None
         self.downloads += 1
-        await asyncio.to_thread(self._keep, path, data)
+        if keep:
+            await asyncio.to_thread(self._keep, path, data, budget)
         return data
 
     async def _download(self, url: str, limit: int) -> bytes:
@@ -166,18 +193,17 @@ class MediaStore:
         except OSError:
             return None
 
-    def _keep(self, path: Path, data: bytes) -> None:
-        """A local copy for replays; a failure to write one only costs a later download."""
+    def _keep(self, path: Path, data: bytes, budget: int = 0) -> None:
+        """A local copy for replays, within the tenant's `budget` of bytes (0: none); a failure to
+        write one only costs a later download."""
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                path.touch()
-                return
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            self._kept.keep(path, data, budget)
         except OSError as exc:
             log.warning("could not keep a copy of an attachment: %s", exc.strerror)
+
+    def usage(self, folder: Path) -> int:
+        """Bytes of copies kept in a tenant's folder."""
+        return self._kept.usage(folder)
 
     def prune(self) -> int:
         """Delete copies older than `retention_hours` (0 keeps them); returns how many went."""
@@ -186,11 +212,64 @@ class MediaStore:
             return 0
         cutoff = time.time() - hours * 3600
         gone = 0
-        for entry in os.scandir(self.directory):
-            with contextlib.suppress(OSError):
-                if entry.stat().st_mtime < cutoff:
-                    os.unlink(entry.path)
-                    gone += 1
+        for folder in [self.directory, *(Path(e.path) for e in os.scandir(self.directory) if e.is_dir())]:
+            for entry in os.scandir(folder):
+                with contextlib.suppress(OSError):
+                    if entry.is_file() and entry.stat().st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        gone += 1
+        self._kept.forget()
         if gone:
             log.info("deleted %d stored attachment(s) older than %g h", gone, hours)
         return gone
+
+
+class _Kept:
+    """What each tenant's folder holds (learnt from the disk on first use), and the rule that keeps
+    it within the tenant's budget. Called from threads: one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._folders: dict[Path, dict[str, int]] = {}  # folder -> name -> size, least recently used first
+
+    def keep(self, path: Path, data: bytes, budget: int) -> None:
+        with self._lock:
+            held = self._held(path.parent)
+            if path.name in held:
+                path.touch()
+                held[path.name] = held.pop(path.name)  # most recently used now
+                return
+            if budget and len(data) > budget:
+                log.info("an attachment of %d bytes is not kept: over its tenant's media quota", len(data))
+                return
+            while budget and held and sum(held.values()) + len(data) > budget:
+                oldest = next(iter(held))
+                with contextlib.suppress(FileNotFoundError):
+                    (path.parent / oldest).unlink()
+                del held[oldest]
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
+            held[path.name] = len(data)
+
+    def usage(self, folder: Path) -> int:
+        with self._lock:
+            return sum(self._held(folder).values())
+
+    def forget(self) -> None:
+        with self._lock:
+            self._folders.clear()
+
+    def _held(self, folder: Path) -> dict[str, int]:
+        held = self._folders.get(folder)
+        if held is None:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            found = []
+            for entry in os.scandir(folder):
+                with contextlib.suppress(OSError):
+                    if entry.is_file() and not entry.name.endswith(".tmp"):
+                        st = entry.stat()
+                        found.append((st.st_mtime, entry.name, st.st_size))
+            held = self._folders[folder] = {name: size for _, name, size in sorted(found)}
+        return held

@@ -24,8 +24,9 @@ content parts with `data:` URLs), `{"type": "command", "name": "stop" | "new"}`.
   interruption notices also carry `interrupted`.
 - `state` {running}, `typing`.
 - `ack` {id, outcome}: the router took the client message (accepted, queued, duplicate, command or
-  rejected). Until then the page keeps it and resends it, same id, after a reconnect; client ids
-  make such a resend a no-op (router de-duplication). No ack while the gateway restarts.
+  rejected — also over a rate limit or quota). Until then the page keeps it and resends it, same
+  id, after a reconnect; client ids make such a resend a no-op (router de-duplication). No ack
+  while the gateway restarts.
 - `user` {id, text}: a message sent from another tab of the same session.
 
 The browser's cookie is only a credential: sessions are named by a keyed hash of it
@@ -67,7 +68,7 @@ from gateway.core.transcript import ChatMessage, ToolCall
 from platforms.assets import static_response
 from platforms.base import Adapter
 from platforms.content_parts import BadContent, parse_content
-from platforms.http_input import served_over_https
+from platforms.http_input import BadJson, served_over_https, too_many_values
 from platforms.streaming import EditStreamReply
 from platforms.tool_progress import preview, summary
 from platforms.webchat_sessions import session_id
@@ -247,6 +248,7 @@ class WebchatAdapter(Adapter):
 
     async def _on_frame(self, ws: web.WebSocketResponse, sid: str, data: str) -> None:
         try:
+            await too_many_values(data)  # no frame holds the loop: refused unparsed past the bounds
             frame = json.loads(data)
             kind = frame["type"]
             attachments: tuple[Attachment, ...] = ()
@@ -270,7 +272,7 @@ class WebchatAdapter(Adapter):
                     await ws.send_json({"type": "ack", "id": client_id, "outcome": Outcome.REJECTED.value},
                                        dumps=_dumps)
                     return
-        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
+        except (ValueError, KeyError, TypeError, RecursionError, BadJson):  # RecursionError: nested too deeply
             await ws.send_json({"type": "notice", "kind": "error", "text": "The page sent something I could not read."},
                                dumps=_dumps)
             return
@@ -289,8 +291,10 @@ class WebchatAdapter(Adapter):
         result = await self.gateway.submit(msg, self)
         if result.outcome in (Outcome.REJECTED, Outcome.UNAVAILABLE) and self._closing:
             return  # rejected because we are going down: unacked, so the page sends it again
+        # Over a rate limit or quota the page was told why (a notice): to it, that is a refusal.
+        outcome = Outcome.REJECTED if result.outcome is Outcome.LIMITED else result.outcome
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": result.outcome.value}, dumps=_dumps)
+            await ws.send_json({"type": "ack", "id": msg.message_id, "outcome": outcome.value}, dumps=_dumps)
         if not is_command and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED):
             # Other tabs of this session show it too (a tab still connecting sees it in its history later).
             shown = with_placeholders(msg.text, msg.attachments)

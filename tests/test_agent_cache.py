@@ -81,3 +81,40 @@ def test_discard_is_silent() -> None:
     cache.put("a", "a")
     assert cache.discard("a") == "a" and evicted == [] and "a" not in cache
     assert cache.discard("a") is None
+
+
+def test_a_running_agent_is_evicted_only_for_a_session_of_its_own_group() -> None:
+    """Issue 31, finding 1: tenant B filling the cache with running turns cut tenant A's."""
+    evicted: list[tuple[str, bool]] = []
+    cache: AgentCache[str] = AgentCache(max_agents=3, on_evict=lambda k, _a, r: evicted.append((k, r)))
+    for key, group in (("a1", "A"), ("b1", "B"), ("b2", "B")):
+        cache.put(key, key, group)
+        cache.mark_running(key, True)
+    cache.put("b3", "b3", "B")  # B's own oldest running turn makes room, never A's
+    assert evicted == [("b1", True)] and "a1" in cache
+    cache.mark_running("b3", True)
+    with pytest.raises(CacheFull):  # a tenant with no running turn of its own to give up waits
+        cache.put("c1", "c1", "C")
+    assert "a1" in cache and len(cache) == 3
+
+
+def test_a_group_at_its_cap_gives_up_its_own_least_recently_used_idle_agent() -> None:
+    evicted: list[tuple[str, bool]] = []
+    cache: AgentCache[str] = AgentCache(max_agents=10, on_evict=lambda k, _a, r: evicted.append((k, r)),
+                                        max_per_group=lambda group: 2 if group == "B" else 0)
+    cache.put("a1", "a1", "A")
+    cache.put("b1", "b1", "B")
+    cache.put("b2", "b2", "B")
+    cache.get("b1")  # b2 is now B's least recently used
+    cache.put("b3", "b3", "B")
+    assert evicted == [("b2", False)] and cache.group_size("B") == 2 and cache.group_size("A") == 1
+    cache.mark_running("b1", True)
+    cache.mark_running("b3", True)
+    cache.put("b4", "b4", "B")  # all of B's running: its oldest running one goes (evict_oldest)
+    assert evicted[-1] == ("b1", True) and "a1" in cache
+    strict: AgentCache[str] = AgentCache(max_agents=10, when_full="reject", max_per_group=lambda _g: 1)
+    strict.put("x", "x", "X")
+    strict.mark_running("x", True)
+    with pytest.raises(CacheFull):
+        strict.put("y", "y", "X")
+    assert cache.discard("b4") == "b4" and cache.group_size("B") == 1

@@ -317,7 +317,7 @@ async def test_a_client_closing_its_socket_mid_tool_signals_the_tool_group_withi
         make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path, stream: bool) -> None:
     script = tmp_path / "spy.py"
     script.write_text(TERM_SPY)
-    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, tools={"shell": True})
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]}, tools={"shell": True, "sandbox": "off"})
     port = daemon.config.http.port
     latencies = []
     for trial in range(TRIALS):

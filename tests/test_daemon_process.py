@@ -86,8 +86,12 @@ class Daemon:
 
 
 def _shell_agent(provider: FakeProvider) -> tuple[tuple[str, str], ...]:
-    return (("SWITCHBOARD_TOOLS__SHELL", "true"), ("SWITCHBOARD_AGENT__KIND", "openai"),
-            ("SWITCHBOARD_AGENT__BASE_URL", provider.base_url), ("SWITCHBOARD_AGENT__RETRIES", "0"))
+    """The shell unconfined: these tests follow a tool's processes by the PIDs it writes to a file of
+    the test's, which a sandboxed command can neither see nor name (tests/test_sandbox.py has the
+    same guarantees for sandboxed commands)."""
+    return (("SWITCHBOARD_TOOLS__SHELL", "true"), ("SWITCHBOARD_TOOLS__SANDBOX", "off"),
+            ("SWITCHBOARD_AGENT__KIND", "openai"), ("SWITCHBOARD_AGENT__BASE_URL", provider.base_url),
+            ("SWITCHBOARD_AGENT__RETRIES", "0"))
 
 
 async def test_embedded_defaults_serve_the_web_chat_and_store_under_dot_switchboard(tmp_path: Path) -> None:

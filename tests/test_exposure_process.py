@@ -6,9 +6,12 @@ error-level line, no key and no cookie."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
+import stat
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import aiohttp
 from tests.conftest import free_port
 from tests.fakes.openai_provider import FakeProvider
 from tests.support.procs import until
+from tests.support.sandbox import ensure_bwrap
 from tests.support.spawn import Group, wait_ready
 from tests.test_exposure import NESTED, _post, _raw
 
@@ -27,7 +31,7 @@ ADMIN_TOKEN = "admin-proc-token-0123456789"
 
 
 class _Daemon:
-    def __init__(self, cwd: Path, provider: FakeProvider) -> None:
+    def __init__(self, cwd: Path, provider: FakeProvider, *extra_env: tuple[str, str]) -> None:
         self.port, self.admin_port = free_port(), free_port()
         self.log = cwd / "daemon.log"
         # PYTHONPATH: this checkout's code, whichever one the environment has installed.
@@ -37,7 +41,7 @@ class _Daemon:
                "SWITCHBOARD_API__KEYS": K2, "SWITCHBOARD_WEBCHAT__ENABLED": "true",
                "SWITCHBOARD_AGENT__KIND": "openai", "SWITCHBOARD_AGENT__BASE_URL": provider.base_url,
                "SWITCHBOARD_AGENT__RETRIES": "0", "SWITCHBOARD_LOG__LEVEL": "debug",
-               "SWITCHBOARD_LOG__FORMAT": "json"}
+               "SWITCHBOARD_LOG__FORMAT": "json", **dict(extra_env)}
         self.proc = Group([sys.executable, "-m", "gateway", "run"], cwd=cwd, env=env, log=self.log)
 
     def logs(self) -> str:
@@ -113,12 +117,12 @@ async def test_the_findings_as_black_box_probes_against_a_daemon_process(
                 ("a lone surrogate", _post("/v1/chat/completions", port, b'{"messages": [{"role": "user", '
                                            b'"content": "\\ud800"}], "metadata": {"session_id": "p"}}',
                                            auth=K1.encode()), 400),
-                ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 400),
+                ("100,000 nested [", _post("/v1/chat/completions", port, NESTED, auth=K1.encode()), 413),
                 ("charset=bogus", _post("/v1/chat/completions", port, b"{}", auth=K1.encode(),
                                         content_type=b"application/json; charset=bogus"), 415),
                 ("a non-ASCII bearer", _post("/v1/chat/completions", port, b"{}", auth=b"\xff\xfe"), 401),
                 ("admin login with a lone surrogate", _post("/admin/login", aport, b'{"token": "\\ud800"}',
-                                                            auth=None), 401),
+                                                            auth=None), 400),
                 ("a NUL in a header", _post("/v1/chat/completions", port, b"{}", headers=b"X-A: \x00\r\n"), 400),
                 ("Content-Length: -1", b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400)):
             status, response = await _raw(port if b"/admin" not in request[:40] else aport, request)
@@ -138,3 +142,88 @@ async def test_the_findings_as_black_box_probes_against_a_daemon_process(
     for secret, what in ((cookie, "the web chat cookie"), (K1, "a tenant's key"), (K2, "a plain key"),
                          (ADMIN_TOKEN, "the admin token")):
         assert secret not in log, f"{what} appears in the log"
+
+
+# --- issue 31, finding 10: safe defaults, checked ---------------------------------------------------
+
+
+def _check(tmp_path: Path, command: str = "check", **settings: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SWITCHBOARD_STORE__DATA_DIR": str(tmp_path / "data"),
+           **{f"SWITCHBOARD_{k.upper()}": v for k, v in settings.items()}}
+    return subprocess.run([sys.executable, "-m", "gateway", command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_check_refuses_a_public_bind_with_an_open_web_chat_or_an_unsandboxed_shell(tmp_path: Path) -> None:
+    """Finding 10: `http.host = "0.0.0.0"` with API keys and the shell on passed `switchboard check`
+    with exit 0 and no warning (and the web chat, on by default, has no sign-in)."""
+    ensure_bwrap()
+    public = {"http__host": "0.0.0.0", "api__enabled": "true", "api__keys": "sk-public-0123456789"}
+    cases: list[tuple[dict[str, str], int, str]] = [
+        ({**public, "tools__shell": "true"}, 2, "unsafe: webchat.enabled: the web chat is on"),
+        ({**public, "webchat__enabled": "false", "tools__shell": "true", "tools__sandbox": "off"}, 2,
+         "unsafe: tools.shell: the shell tool runs without a sandbox"),
+        ({**public, "webchat__enabled": "false", "tools__shell": "true"}, 0, ""),  # sandboxed: fine
+        ({**public, "webchat__enabled": "true"}, 0, "warning: the web chat is on and http.host is not loopback"),
+        ({"tools__shell": "true", "tools__sandbox": "off"}, 0, "warning: the shell tool runs without a sandbox"),
+    ]
+    for settings, code, said in cases:
+        done = _check(tmp_path, **settings)
+        assert done.returncode == code and said in done.stderr, (settings, done.returncode, done.stderr)
+    refused = _check(tmp_path, "run", **public)  # and the daemon does not start with it
+    assert refused.returncode == 2 and "unsafe: webchat.enabled" in refused.stderr, refused.stderr
+
+
+async def test_the_daemons_files_are_private(tmp_path: Path, provider: FakeProvider) -> None:
+    """Finding 10: outside systemd the database, its WAL and the media copies were created 0644."""
+    provider.words = 1
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)  # as an operator's `mkdir` under umask 022 leaves it
+    daemon = _Daemon(tmp_path, provider, ("SWITCHBOARD_STORE__DATA_DIR", str(data)),
+                     ("SWITCHBOARD_AGENT__VISION", "true"))
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(64)).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {
+        "type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}], "user": "alice"}
+    try:
+        await daemon.ready()
+        async with aiohttp.ClientSession() as http, http.post(
+                f"http://127.0.0.1:{daemon.port}/v1/chat/completions", json=body,
+                headers={"Authorization": f"Bearer {K1}"}) as resp:
+            assert resp.status == 200
+        modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+                 for p in [data, *data.glob("switchboard.db*"), *data.glob("media/**/*"), data / "webchat-secret"]}
+    finally:
+        await daemon.stop()
+    assert "data/switchboard.db-wal" in modes and any(k.startswith("data/media/") for k in modes), modes
+    loose = {path: f"{mode:04o}" for path, mode in modes.items() if mode & 0o077}
+    assert loose == {}, f"open to others: {loose}"
+
+
+def _rss_kb(pid: int) -> tuple[int, int]:
+    """(peak, current) resident memory of a process, in kB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
+
+
+async def test_ten_large_bodies_at_once_leave_the_daemon_where_it_was(tmp_path: Path, provider: FakeProvider) -> None:
+    """Finding 2: ten concurrent 24 MB bodies took the daemon to 1.67 GB, and it stayed at 1.2 GB idle.
+    Now at most four large bodies are read at once, and their memory goes back to the system."""
+    from tests.test_exposure_edge import _send_blocking
+
+    provider.words = 1
+    daemon = _Daemon(tmp_path, provider)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "padding": "' + b"a" * 24_000_000 + b'"}'
+    try:
+        await daemon.ready()
+        request = _post("/v1/chat/completions", daemon.port, body, auth=K1.encode())
+        await asyncio.to_thread(_send_blocking, daemon.port, request)  # one first: what the daemon holds after
+        _, before = _rss_kb(daemon.proc.pid)
+        answers = await asyncio.gather(*(asyncio.to_thread(_send_blocking, daemon.port, request) for _ in range(10)))
+        peak, after = _rss_kb(daemon.proc.pid)
+    finally:
+        await daemon.stop()
+    print(f"RSS {before} kB before, peak {peak} kB, {after} kB after ten 24 MB bodies at once")
+    assert [status for status, _ in answers] == [200] * 10
+    assert after - before < 16_000, f"{after - before} kB more after the bodies were answered"
+    assert peak - before < 400_000

@@ -259,20 +259,23 @@ async def test_limits_per_session_and_in_total_and_jobs_are_private_to_their_ses
         ctx.run(current_run.set, run)
         return await asyncio.get_running_loop().create_task(s.tools.call(name, json.dumps(args)), context=ctx)
 
-    assert (await call("a", "shell", command="sleep 60", background=True)).startswith("[started in background: job j")
+    assert (await call("a", "shell", command="echo from-a; sleep 60", background=True)).startswith(
+        "[started in background: job j1]")
     refused = await call("a", "shell", command="sleep 60", background=True)
     assert refused.startswith("error: not started: this chat already has 1 background jobs running")
-    assert (await call("b", "shell", command="sleep 60", background=True)).startswith("[started in background")
+    assert (await call("b", "shell", command="echo from-b; sleep 60", background=True)).startswith(
+        "[started in background: job j1]")  # ids count per chat: they say nothing of other chats' jobs
     full = await call("c", "shell", command="sleep 60", background=True)
     assert full.startswith("error: not started: the gateway already runs 2 background jobs")
     (a_job,), (b_job,) = s.jobs.jobs("a"), s.jobs.jobs("b")
-    # Another session can neither see, read, wait for nor kill it.
-    missing = f"error: no job '{a_job.id}' in this chat (job_status lists them)"
-    assert await call("b", "job_kill", job_id=a_job.id) == missing
-    assert (await call("b", "job_read", job_id=a_job.id)).startswith("error: no job")
+    # Another session can neither see, read, wait for nor kill it: its "j1" is its own job.
+    await until(lambda: "from-a" in a_job.out.text and "from-b" in b_job.out.text, 10, "no output")
+    read = await call("b", "job_read", job_id="j1")
+    assert "from-b" in read and "from-a" not in read
+    assert (await call("b", "job_read", job_id="j2")).startswith("error: no job 'j2' in this chat")
     listed = await call("b", "job_status")
-    assert listed.startswith(f"{b_job.id}: running") and f"{a_job.id}:" not in listed
-    assert s.router.kill_job("b", a_job.id) is None
+    assert listed.startswith("j1: running") and listed.count("j1:") == 1
+    assert s.router.kill_job("c", "j1") is None
     assert a_job.state == "running" and s.jobs.count_running("a") == 1
     # Hostile arguments come back as errors the model can read.
     assert (await call("a", "job_wait", job_id=a_job.id, timeout_s="soon")).startswith("error: job_wait failed")
@@ -332,7 +335,7 @@ async def test_a_daemon_stop_kills_jobs_with_its_reason(make_daemon: DaemonFacto
     pidfile = tmp_path / "pids"
     provider.then(Script(tool_calls=[("shell", {"command": f"echo $$ >> {pidfile}; sleep 60", "background": True})]))
     provider.then(Script(text="started"))
-    daemon = await make_daemon(tools={"shell": True}, api={"enabled": True})
+    daemon = await make_daemon(tools={"shell": True, "sandbox": "off"}, api={"enabled": True})  # PIDs in a file
     async with aiohttp.ClientSession() as http:
         url = f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions"
         async with http.post(url, json={"messages": [{"role": "user", "content": "go"}]}) as resp:
@@ -503,7 +506,7 @@ async def test_through_the_daemon_a_steered_web_chat_message_moves_the_command_a
     provider.then(Script(tool_calls=[("shell", {"command": gated(pidfile, gate, "compiling", "linked")})]))
     provider.then(Script(text="moved it to the background"))
     provider.words = 2
-    daemon = await make_daemon(router={"busy": "steer"}, tools={"shell": True, "yield_after_s": 0.2})
+    daemon = await make_daemon(router={"busy": "steer"}, tools={"shell": True, "yield_after_s": 0.2, "sandbox": "off"})
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
         page = await Page(http, f"http://127.0.0.1:{daemon.config.http.port}").open()
         try:

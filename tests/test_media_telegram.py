@@ -101,7 +101,7 @@ async def test_a_photo_with_and_without_caption_reaches_the_model_as_a_data_url(
     _, rows = await daemon.store.conversation("telegram:dm:42")
     assert [r.content for r in rows if r.role == "user"] == [
         first.last_user_parts[0]["text"], second.last_user_parts[0]["text"]]
-    assert len(list((tmp_path / "data" / "media").iterdir())) == 2  # local copies for replays
+    assert len(list((tmp_path / "data" / "media").glob("*/*"))) == 2  # local copies for replays (a folder per tenant)
 
 
 def _mid(placeholder: str) -> str:

@@ -98,9 +98,10 @@ def test_verify_check_catches_real_unit_errors(systemd_analyze: str, exec_path: 
 
 def test_hardening_exposure_stays_low(systemd_analyze: str, exec_path: str, tmp_path: Path) -> None:
     _installed(tmp_path, exec_path)
-    # --threshold is on the 0-100 scale behind the 0.0-10.0 "exposure level" printed (1.3 today).
+    # --threshold is on the 0-100 scale behind the 0.0-10.0 "exposure level" printed (2.5 today: 1.3
+    # before the namespaces, mount calls and /proc the shell's bubblewrap sandbox needs were allowed).
     for name in ("switchboard.service", "switchboard@w1.service"):
-        r = subprocess.run([systemd_analyze, "security", "--offline=true", "--threshold=20", "--no-pager",
+        r = subprocess.run([systemd_analyze, "security", "--offline=true", "--threshold=30", "--no-pager",
                             str(tmp_path / name)], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_COLORS": "0"})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr

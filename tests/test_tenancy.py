@@ -8,6 +8,7 @@ metrics are searched for it).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -18,10 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.core.cancellation import ToolReason
 from platforms.tenants import ApiKeys, key_id
 from platforms.webchat_sessions import SECRET_FILE
 from tests.conftest import DaemonFactory
-from tests.fakes.openai_provider import FakeProvider
+from tests.fakes.openai_provider import FakeProvider, Script
 from tests.support.procs import until
 
 K1, K2 = "sk-tenant-one-0123456789", "sk-tenant-two-9876543210"
@@ -266,3 +268,206 @@ async def test_cluster_workers_share_one_webchat_secret_through_redis(
     ids = {w.adapters["webchat"].session_id(cookie) for w in workers}  # type: ignore[attr-defined]
     assert len(ids) == 1, "two workers name one browser's session differently"
     assert not any((tmp_path / f"w{i}" / SECRET_FILE).exists() for i in (1, 2))  # it lives in Redis
+
+
+# --- issue 31: tenants cannot take what another one needs -----------------------------------------
+
+
+async def _flood(http: aiohttp.ClientSession, daemon: Any, key: str, count: int,
+                 text: str = "a long one") -> list[asyncio.Task[tuple[int, dict[str, Any], str | None]]]:
+    """`count` requests of one tenant, each in a session of its own, all at once."""
+    async def one(i: int) -> tuple[int, dict[str, Any], str | None]:
+        body = {"messages": [{"role": "user", "content": f"{text} {i}"}], "user": f"{text}-{i}"}
+        async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+            return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+    return [asyncio.create_task(one(i)) for i in range(count)]
+
+
+async def _end(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_flood_of_new_sessions_from_one_tenant_leaves_another_tenants_answer_whole(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 1 as it was found, with the shipped defaults (256 agent slots): tenant A streams a
+    long answer; tenant B starts 255 long turns in 255 new sessions, then one more. A's answer was
+    cut ("evicted from agent cache"); now it is whole, and B hears 429 with Retry-After past its
+    turns in flight."""
+    provider.delay_s, provider.words = 0.2, 60  # B's turns: 12 s each
+    provider.by_text["the victim's answer"] = Script(delay_s=0.1)  # A's: 6 s
+    daemon = await make_daemon(api=API)
+
+    def landed() -> bool:  # every turn of B's running, or refused
+        running = sum(s.running for s in daemon.router.sessions())
+        return running + sum(t.done() for t in flood) >= 256
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(60)) as http:
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
+        flood = await _flood(http, daemon, K2, 255)
+        try:
+            await until(landed, 30, "B's turns neither ran nor were refused")
+            flood += await _flood(http, daemon, K2, 1, "one more")
+            status, answer = await asyncio.wait_for(victim, 30)
+            assert status == 200 and "switchboard" not in answer, f"A's answer was cut: {answer.get('switchboard')}"
+            assert _content(answer).endswith("w59 ")
+            refused = [t.result() for t in flood if t.done()]
+            assert len(refused) == 256 - 128 and all(status == 429 and retry is not None and int(retry) >= 1
+                                                    for status, _, retry in refused), refused[:3]
+            assert "at once (128)" in refused[0][1]["error"]["message"]
+        finally:
+            await _end(flood)
+
+
+async def test_a_full_agent_cache_evicts_a_running_turn_of_the_same_tenant_only(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """The cache's own rule, with the quotas off: when every slot runs a turn, a new session of
+    tenant B cuts B's oldest running turn, never tenant A's."""
+    provider.delay_s, provider.words = 0.05, 100
+    daemon = await make_daemon(api=API, agent_cache={"max_agents": 4},
+                               quotas={"running_turns": 0, "live_sessions": 0})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(60)) as http:
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
+        first = await _flood(http, daemon, K2, 3, "b first")
+        last: list[asyncio.Task[tuple[int, dict[str, Any], str | None]]] = []
+        try:
+            await until(lambda: sum(s.running for s in daemon.router.sessions()) == 4, 10, "B's turns did not start")
+            last = await _flood(http, daemon, K2, 1, "b last")
+            status, answer = await asyncio.wait_for(victim, 30)
+            assert status == 200 and "switchboard" not in answer, f"A's answer was cut: {answer.get('switchboard')}"
+            cut = [t.result() for t in first if t.done()]
+            assert [body.get("switchboard", {}).get("reason") for _, body, _ in cut] == ["evicted from agent cache"]
+            assert (await asyncio.wait_for(last[0], 30))[0] == 200
+        finally:
+            await _end(first + last)
+
+
+async def _post(http: aiohttp.ClientSession, daemon: Any, key: str, text: str,
+                session: str | None = None) -> tuple[int, dict[str, Any], str | None]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
+    if session is not None:
+        body["user"] = session
+    async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+        return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
+
+
+async def test_a_rate_limit_answers_429_with_retry_after(make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 5, first half: over the limit, the API answered 400 without Retry-After."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, router={"messages_per_minute": 3})
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            assert (await _post(http, daemon, K2, f"m{i}", "s1"))[0] == 200
+        status, body, retry = await _post(http, daemon, K2, "m3", "s1")
+        assert status == 429 and retry is not None and 1 <= int(retry) <= 60, (status, body)
+        assert body["error"]["type"] == "rate_limit_exceeded" and "3 messages a minute" in body["error"]["message"]
+        status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")  # commands get through
+        assert status == 200 and _content(answer) == "Nothing is running."
+
+
+async def test_a_tenants_rate_counts_every_session_stateless_requests_and_commands_but_not_stop(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 5, second half: the limit counted per session, so a new session id reset it, and
+    stateless requests and commands were never counted. `/stop` still gets through."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, quotas={"messages_per_minute": 4})
+    async with aiohttp.ClientSession() as http:
+        assert (await _post(http, daemon, K2, "x", "s1"))[0] == 200
+        assert (await _post(http, daemon, K2, "y", "s2"))[0] == 200
+        assert (await _post(http, daemon, K2, "stateless"))[0] == 200
+        assert (await _post(http, daemon, K2, "/status", "s3"))[0] == 200  # the fourth: the minute is full
+        for text, session in (("a new session", "s4"), ("stateless again", None), ("/status", "s5"),
+                              ("/new", "s6")):
+            status, answer, retry = await _post(http, daemon, K2, text, session)
+            assert status == 429 and retry is not None, (text, status, answer)
+            assert "4 messages a minute" in answer["error"]["message"]
+        status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")
+        assert status == 200 and _content(answer) == "Nothing is running."
+        assert (await _post(http, daemon, K1, "tenant A is fine", "s1"))[0] == 200
+
+
+async def test_response_and_job_ids_tell_a_tenant_nothing_of_another_tenants_traffic(
+        make_daemon: DaemonFactory, provider: FakeProvider) -> None:
+    """Finding 8: response ids were a per-process prefix and one global counter, so tenant B read
+    tenant A's exact request count between two of its own; job ids were one global counter too."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, tools={"shell": True})
+    start_job = Script(tool_calls=[("shell", {"command": "sleep 30", "background": True})])
+    async with aiohttp.ClientSession() as http:
+        _, first = await _ask(http, daemon, K2, "b's first", session="b1")
+        for i in range(5):
+            await _ask(http, daemon, K1, f"a's {i}", session="a1")
+        provider.then(start_job)  # the next request is answered with this tool call, once
+        assert (await _ask(http, daemon, K1, "start a job for a", session="a1"))[0] == 200
+        _, second = await _ask(http, daemon, K2, "b's second", session="b1")
+        provider.then(start_job)
+        assert (await _ask(http, daemon, K2, "start a job for b", session="b1"))[0] == 200
+    ids = [first["id"], second["id"]]
+    assert all(i.startswith("chatcmpl-") and len(i) == len("chatcmpl-") + 32 for i in ids)
+    a, b = (i.removeprefix("chatcmpl-") for i in ids)
+    common = next((n for n, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    assert common < 6, f"two ids share a {common}-digit prefix: {ids}"  # one of a million by chance
+    (b_job,) = {t["content"] for c in provider.connections if c.last_user == "start a job for b"
+                for t in c.body["messages"] if t["role"] == "tool"}
+    assert b_job.startswith("[started in background: job j1]"), b_job  # A's job is not counted
+    for key in ("api:dm:team-a/a1", f"api:dm:{B}/b1"):
+        for job in daemon.jobs.jobs(key):
+            job.kill(ToolReason.system("test over"))
+
+
+def test_an_mcp_server_limited_to_a_tenant_is_in_that_tenants_status() -> None:
+    """Finding 10: a server limited by `allow_tenants` was missing from its own tenant's /status."""
+    from gateway.agents.mcp_config import McpServerConfig
+    from gateway.agents.mcp_servers import McpHub
+    from gateway.agents.processes import ProcessReaper
+
+    hub = McpHub.build([McpServerConfig(name="files", url="http://127.0.0.1:9/mcp", allow_tenants=["team-a"])],
+                       ProcessReaper(), max_output=100)  # never started: only its status line is asked for
+    line = hub.status_line("api:dm:team-a/alice")
+    assert line is not None and line.startswith("MCP: files")
+    assert hub.status_line(f"api:dm:{B}/alice") is None and hub.status_line("webchat:dm:team-a/x") is None
+
+
+def _image_request(text: str, images: int, size: int, session: str | None) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    for _ in range(images):
+        png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + os.urandom(size)).decode()
+        parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}})
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": parts}]}
+    return body if session is None else {**body, "user": session}
+
+
+async def test_media_on_disk_is_held_to_each_tenants_quota_and_stateless_requests_keep_none(
+        make_daemon: DaemonFactory, provider: FakeProvider, tmp_path: Path) -> None:
+    """Finding 6: 30 stateless requests with nine unique 2 MB images each wrote 527 MB to the media
+    folder in 40 s, kept 72 h, with no quota per tenant."""
+    provider.words = 1
+    daemon = await make_daemon(api=API, agent={"vision": True}, quotas={"media_mb": 2})
+    media = tmp_path / "data" / "media"
+
+    def kept() -> int:
+        return sum(f.stat().st_size for f in media.glob("**/*") if f.is_file())
+
+    async with aiohttp.ClientSession() as http:
+        async def send(key: str, body: dict[str, Any]) -> None:
+            async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert resp.status == 200, await resp.text()
+
+        await send(K1, _image_request("a's picture", 1, 200_000, "a1"))
+        a_kept = kept()
+        assert 200_000 < a_kept < 300_000  # A's session keeps its copy for a replay
+        for i in range(6):  # B: stateless, three unique images each
+            await send(K2, _image_request(f"stateless {i}", 3, 200_000, None))
+        assert kept() == a_kept, "a stateless request kept copies nothing will replay"
+        for i in range(15):  # B: a session, 3 MB of unique images in all
+            await send(K2, _image_request(f"session {i}", 1, 200_000, "b1"))
+    assert kept() - a_kept <= 2 * 1024 * 1024, f"B keeps {kept() - a_kept} bytes, over its 2 MB"
+    assert kept() - a_kept > 1_500_000  # ...and its newest copies are there
+    # A's copy survived B's flood:
+    folders = [f for f in media.iterdir() if f.is_dir()]
+    assert len(folders) == 2 and any(200_000 < sum(x.stat().st_size for x in f.iterdir()) < 300_000 for f in folders)

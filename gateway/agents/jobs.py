@@ -20,18 +20,18 @@ import asyncio
 import codecs
 import contextlib
 import contextvars
-import itertools
 import logging
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.agents.processes import ProcessReaper, Spawn
 from gateway.core.background import JOB_PREFIX, JobNotice
+from gateway.core.bounded import BoundedMap
 from gateway.core.cancellation import ToolReason, get_run
+from gateway.core.ids import unique_id
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,15 @@ class OutputBuffer:
 class Job:
     """A foreground command adopted by the registry: the same group, process, output and reader."""
 
-    __slots__ = ("command", "ended", "ended_at", "id", "out", "proc", "pump", "read_pos", "reason", "returncode",
-                 "seen_end", "session", "spawn", "started", "state", "waiters")
+    __slots__ = ("command", "ended", "ended_at", "id", "notice_id", "out", "proc", "pump", "read_pos", "reason",
+                 "returncode", "seen_end", "session", "spawn", "started", "state", "waiters")
 
     def __init__(self, job_id: str, fg: Foreground) -> None:
         assert fg.proc is not None and fg.out is not None and fg.pump is not None, "only a started command moves"
         self.id = job_id
+        # The message id of the notice of its end: unique across sessions, workers and restarts, and
+        # unguessable (a keyed hash), so it says nothing of how many jobs others ran.
+        self.notice_id = f"{JOB_PREFIX}{unique_id()}"
         self.session = fg.session
         self.command = fg.command
         self.spawn = fg.spawn
@@ -275,8 +278,8 @@ class JobRegistry:
         self._jobs: dict[str, dict[str, Job]] = {}  # session -> job id -> job (finished ones too, a few)
         self._foreground: dict[str, set[Foreground]] = {}
         self._waits: dict[str, set[asyncio.Event]] = {}  # job_wait calls, by session
-        self._ids = itertools.count(1)
-        self._token = os.urandom(4).hex()  # message ids of notices stay unique across restarts
+        # Job ids count per session (j1, j2, … in each chat): an id says nothing of other sessions' jobs.
+        self._numbers: BoundedMap[str, int] = BoundedMap(100_000)
         self._tasks: set[asyncio.Task[None]] = set()
         self._ended: deque[Job] = deque()  # ended jobs still listed, oldest first
         self.closing = False
@@ -365,7 +368,7 @@ class JobRegistry:
     # --- the shell tool ------------------------------------------------------------------------
 
     async def run_shell(self, argv: Sequence[str], *, command: str, timeout_s: float, max_output: int,
-                        cwd: str | None, background: bool) -> str:
+                        cwd: str | None, background: bool, env: Mapping[str, str] | None = None) -> str:
         """Run a command in its own process group, bound to the current run — until it ends, times
         out, or moves to the background (then the group belongs to the registry)."""
         run = get_run()
@@ -374,7 +377,7 @@ class JobRegistry:
         session = run.session_key if run is not None else "-"
         if background and (full := self.room(session)) is not None:
             return f"error: not started: {full}; end one with job_kill or wait for it"
-        fg = Foreground(session, command, self.reaper.spawn(argv, cwd=cwd), call_note.get())
+        fg = Foreground(session, command, self.reaper.spawn(argv, cwd=cwd, env=env), call_note.get())
         with run.on_cancel(fg.stop) if run is not None else contextlib.nullcontext(), self._listening(fg):
             try:
                 await fg.start(max(self.settings.buffer_chars, max_output))
@@ -430,9 +433,9 @@ class JobRegistry:
         if (full := self.room(fg.session)) is not None:
             log.info("a command stays in the foreground: %s", full, extra={"session": fg.session})
             return None
-        job = Job(f"j{next(self._ids)}", fg)
-        fg.job = job
         jobs = self._jobs.setdefault(fg.session, {})
+        job = Job(self._new_id(fg.session, jobs), fg)
+        fg.job = job
         jobs[job.id] = job
         self._prune(jobs)
         task = asyncio.get_running_loop().create_task(self._watch(job), context=contextvars.Context())
@@ -481,8 +484,15 @@ class JobRegistry:
         self.notices_sent.append((message_id, text))
         self._notices.put_nowait(JobNotice(job.session, message_id, text, told))
 
+    def _new_id(self, session: str, jobs: dict[str, Job]) -> str:
+        number = self._numbers.get(session, 0) + 1
+        while f"j{number}" in jobs:  # (a session whose count was forgotten still lists its jobs)
+            number += 1
+        self._numbers[session] = number
+        return f"j{number}"
+
     def _message_id(self, job: Job) -> str:
-        return f"{JOB_PREFIX}{self._token}:{job.id}"  # unique to the job, across restarts too
+        return job.notice_id
 
     def _tells(self, job: Job) -> bool:
         """Does the session get a notice? Not if the model saw the end itself, nor when the job

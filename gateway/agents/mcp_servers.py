@@ -38,6 +38,7 @@ from gateway.core.cancellation import Run, get_run
 from gateway.core.logs import redactor
 from gateway.core.outage import OutageLog
 from gateway.core.ports import Health
+from gateway.core.quotas import api_tenant
 
 log = logging.getLogger(__name__)
 
@@ -392,9 +393,12 @@ class McpHub:
         return Health(all(p.ok for p in parts), "; ".join(p.detail for p in parts))
 
     def status_line(self, session_key: str) -> str | None:
-        """For /status: the servers this session may use, and their state."""
+        """For /status: the servers this session may use, and their state. (An API session's key
+        names its tenant: a server limited to that tenant is listed too.)"""
+        tenant = api_tenant(session_key)
         shown = [s for s in self.servers if not (s.settings.allow_sessions or s.settings.allow_tenants)
-                 or any(fnmatch.fnmatchcase(session_key, p) for p in s.settings.allow_sessions)]
+                 or any(fnmatch.fnmatchcase(session_key, p) for p in s.settings.allow_sessions)
+                 or (tenant is not None and tenant in s.settings.allow_tenants)]
         if not shown:
             return None
         return "MCP: " + ", ".join(f"{s.settings.name} {'up' if s.up else s.state}"

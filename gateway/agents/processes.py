@@ -553,16 +553,17 @@ class Spawn:
 
 async def run_in_process_group(
     argv: Sequence[str], *, reaper: ProcessReaper, timeout_s: float, max_output: int,
-    cwd: str | None = None,
+    cwd: str | None = None, env: Mapping[str, str] | None = None,
 ) -> ProcessResult:
-    """Run `argv` in a new session/process group, bound to the current run's cancellation."""
+    """Run `argv` in a new session/process group, bound to the current run's cancellation. `env`:
+    the whole environment (else the daemon's)."""
     run = get_run()
     if run is not None and run.reason is not None:
         raise asyncio.CancelledError(run.reason.marker)  # stopped already: start nothing
     chunks: list[bytes] = []
     size = 0
     truncated = timed_out = False
-    spawn = reaper.spawn(argv, cwd=cwd)
+    spawn = reaper.spawn(argv, cwd=cwd, env=env)
 
     async def read_output(proc: asyncio.subprocess.Process) -> None:
         nonlocal size, truncated

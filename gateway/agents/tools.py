@@ -6,6 +6,7 @@ asked afresh at every model round: a server that went down takes its tools with 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -15,7 +16,8 @@ from typing import Any
 from gateway.agents.job_tools import JobTools
 from gateway.agents.jobs import JobRegistry
 from gateway.agents.processes import ProcessReaper, ProcessResult, run_in_process_group
-from gateway.core.cancellation import checkpoint
+from gateway.agents.sandbox import Sandbox
+from gateway.core.cancellation import Run, checkpoint, get_run
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +27,31 @@ _SHELL_META = frozenset(";&|`$<>\n\r(){}")
 
 
 @dataclass(frozen=True, slots=True)
+class Access:
+    """Who may use a tool: session keys (globs) or API tenant names; both empty: everyone."""
+
+    sessions: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+
+    def allows(self, run: Run | None) -> bool:
+        if not self.sessions and not self.tenants:
+            return True
+        if run is None:
+            return False
+        return (any(fnmatch.fnmatchcase(run.session_key, p) for p in self.sessions)
+                or (run.tenant is not None and run.tenant in self.tenants))
+
+
+EVERYONE = Access()
+
+
+@dataclass(frozen=True, slots=True)
 class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
     func: ToolFunc
+    access: Access = EVERYONE  # a tool another session may not use is not offered to it at all
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function",
@@ -48,18 +70,21 @@ class ToolRegistry:
         self.tools[tool.name] = tool
 
     def available(self) -> dict[str, Tool]:
-        """The registered tools and those the sources offer now (a registered name wins)."""
+        """The registered tools this run may use, and those the sources offer now (a registered
+        name wins)."""
+        run = get_run()
+        own = {name: t for name, t in self.tools.items() if t.access is EVERYONE or t.access.allows(run)}
         if not self.sources:
-            return self.tools
+            return own
         found = {t.name: t for source in self.sources for t in source()}
-        return {**found, **self.tools}
+        return {**found, **own}
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.available().values()]
 
     async def call(self, name: str, arguments: str) -> str:
         """Run a tool; bad calls come back as an error text the model can read, never raise."""
-        tool = self.tools.get(name) or self.available().get(name)
+        tool = self.available().get(name)
         if tool is None:
             why = self.unavailable(name) if self.unavailable is not None else None
             return f"error: {why}" if why else f"error: unknown tool {name!r}"
@@ -84,6 +109,8 @@ class ProcessToolSettings:
     max_timeout_s: float = 600.0
     allow_prefixes: tuple[str, ...] = ()
     cwd: str | None = None
+    sandbox: Sandbox | None = None  # None: commands run as the daemon's user, unconfined
+    access: Access = EVERYONE  # who may use the shell (and the job tools)
 
 
 def _format(result: ProcessResult) -> str:
@@ -113,13 +140,13 @@ def shell_tool(settings: ProcessToolSettings, jobs: JobRegistry | None = None) -
                 return "error: shell operators (; & | ` $ < > newlines) are not allowed under the allowlist"
             if not any(command.strip().startswith(p) for p in settings.allow_prefixes):
                 return "error: command not allowed by the operator's shell allowlist"
+        argv, cwd, env = _launch(["/bin/sh", "-c", command], settings)
         if jobs is not None:
-            return await jobs.run_shell(["/bin/sh", "-c", command], command=command, timeout_s=_timeout(args, settings),
-                                        max_output=settings.max_output, cwd=settings.cwd,
+            return await jobs.run_shell(argv, command=command, timeout_s=_timeout(args, settings),
+                                        max_output=settings.max_output, cwd=cwd, env=env,
                                         background=args.get("background") is True)
-        result = await run_in_process_group(
-            ["/bin/sh", "-c", command], reaper=settings.reaper, timeout_s=_timeout(args, settings),
-            max_output=settings.max_output, cwd=settings.cwd)
+        result = await run_in_process_group(argv, reaper=settings.reaper, timeout_s=_timeout(args, settings),
+                                            max_output=settings.max_output, cwd=cwd, env=env)
         return _format(result)
 
     properties: dict[str, Any] = {"command": {"type": "string"},
@@ -130,10 +157,21 @@ def shell_tool(settings: ProcessToolSettings, jobs: JobRegistry | None = None) -
                                     "description": "start it as a background job and return at once"}
         description += (" A long command may move to the background (when the user writes meanwhile):"
                         " the result then names a job to manage with the job_* tools.")
-    return Tool("shell", description, {"type": "object", "properties": properties, "required": ["command"]}, shell)
+    return Tool("shell", description, {"type": "object", "properties": properties, "required": ["command"]}, shell,
+                settings.access)
 
 
-def job_tools(jobs: JobRegistry) -> list[Tool]:
+def _launch(argv: list[str], settings: ProcessToolSettings) -> tuple[list[str], str | None, dict[str, str] | None]:
+    """(argv, working directory, environment) of a command: in its session's sandbox when there is
+    one (a command outside any run gets a folder of its own, "-")."""
+    if settings.sandbox is None:
+        return argv, settings.cwd, None
+    run = get_run()
+    wrapped, env = settings.sandbox.wrap(argv, run.session_key if run is not None else "-")
+    return wrapped, None, dict(env)
+
+
+def job_tools(jobs: JobRegistry, access: Access = EVERYONE) -> list[Tool]:
     """job_status, job_read, job_wait and job_kill: the model's hold on its background jobs."""
     job_id = {"type": "string", "description": "the job's id, e.g. j3"}
     hold = JobTools(jobs)
@@ -152,15 +190,15 @@ def job_tools(jobs: JobRegistry) -> list[Tool]:
 
     return [
         Tool("job_status", "List this chat's background jobs, or describe one.",
-             {"type": "object", "properties": {"job_id": job_id}}, status),
+             {"type": "object", "properties": {"job_id": job_id}}, status, access),
         Tool("job_read", "A background job's output since the last read (bounded).",
              {"type": "object", "properties": {"job_id": job_id, "max_chars": {"type": "integer"}},
-              "required": ["job_id"]}, read),
+              "required": ["job_id"]}, read, access),
         Tool("job_wait", "Wait for a background job to end, at most timeout_s seconds; then its new output.",
              {"type": "object", "properties": {"job_id": job_id, "timeout_s": {"type": "number"}},
-              "required": ["job_id"]}, wait),
+              "required": ["job_id"]}, wait, access),
         Tool("job_kill", "Kill a background job (its whole process group).",
-             {"type": "object", "properties": {"job_id": job_id}, "required": ["job_id"]}, kill),
+             {"type": "object", "properties": {"job_id": job_id}, "required": ["job_id"]}, kill, access),
     ]
 
 
@@ -195,6 +233,6 @@ def builtin_registry(settings: ProcessToolSettings, *, shell: bool, jobs: JobReg
     registry.register(sleep_tool(settings))
     if shell:
         registry.register(shell_tool(settings, jobs))
-        for tool in job_tools(jobs) if jobs is not None else []:
+        for tool in job_tools(jobs, settings.access) if jobs is not None else []:
             registry.register(tool)
     return registry

@@ -320,6 +320,15 @@ class Run:
                 waiter.set_result(None)
         self._waiters.clear()
 
+    def on_end(self, callback: Callable[[], object]) -> None:
+        """Call `callback` (soon, from the loop) once the turn is over — at once if it already is."""
+        if self._ended:
+            callback()
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(lambda _f: callback())
+        self._waiters.append(waiter)
+
     async def wait(self) -> None:
         """Wait until the turn is over and its outcome recorded."""
         if not self._ended:

@@ -78,9 +78,11 @@ class Agent(Protocol):
 class MediaLoader(Protocol):
     """Fetches a message's attachments for its turn (in the run's task, so a stop cancels it)."""
 
-    async def load(self, platform: str, attachments: Sequence[Attachment]) -> tuple[MediaPart, ...]:
+    async def load(self, platform: str, attachments: Sequence[Attachment], *,
+                   keep: bool = True) -> tuple[MediaPart, ...]:
         """One part per attachment not refused: the bytes or text, from the stored copy when there
-        is one, else downloaded — or a note saying why not. Raises only CancelledError."""
+        is one, else downloaded — or a note saying why not. Raises only CancelledError. `keep`: keep
+        a copy for a replay (not for a stateless turn: nothing replays it)."""
 
 
 # --- the store --------------------------------------------------------------------------------
@@ -286,6 +288,7 @@ class Outcome(StrEnum):
     STEERED = "steered"  # handed to the answer being written (busy policy "steer")
     REJECTED = "rejected"  # the message itself was refused (empty, too long, not allowed...)
     UNAVAILABLE = "unavailable"  # not taken now (storage or Redis down): the same message may come again
+    LIMITED = "limited"  # over a rate limit or a quota of its tenant: the same message may come again later
     COMMAND = "command"
     FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
 
@@ -295,7 +298,7 @@ class Submitted:
     outcome: Outcome
     detail: str = ""
     run: Run | None = None
-    retry_after_s: float | None = None  # with UNAVAILABLE or REJECTED (rate limited): when trying again makes sense
+    retry_after_s: float | None = None  # with UNAVAILABLE or LIMITED: when trying again makes sense
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,15 @@ from gateway.core.cluster_events import SessionEvents
 from gateway.core.intake.answers import Answers
 from gateway.core.intake.dedupe import RecentMessages
 from gateway.core.intake.gates import MEDIA_ONLY as MEDIA_ONLY
-from gateway.core.intake.gates import Gates
+from gateway.core.intake.gates import Gates, Limits
 from gateway.core.intake.intake import Intake
 from gateway.core.intake.ownership import ClusterNode, Owners, SingleNode
 from gateway.core.live import Live
 from gateway.core.messages import InboundMessage
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Agent, MediaLoader, Outlet, Outlets, SessionStatus, Store, Submitted
-from gateway.core.ratelimit import UserRateLimit
+from gateway.core.quotas import TenantLoad
+from gateway.core.ratelimit import TenantRateLimit, UserRateLimit
 from gateway.core.recovery import Recovery
 from gateway.core.sessions.automatic import AutomaticMessages
 from gateway.core.sessions.control import BusyPolicies, SessionCommands, StatusLine
@@ -75,16 +76,20 @@ class Router:
         self._closing = asyncio.Event()  # set once at shutdown: intake refuses, lanes start nothing new
         self.metrics = p.metrics
         self.interruptions = Interruptions()
+        # Grouped by tenant: a running turn is evicted only for another session of its own tenant.
+        quotas = settings.view(lambda s: s.quotas)
         self.cache: AgentCache[LiveConversation] = AgentCache(
             max_agents=p.cache.max_agents, idle_ttl_s=p.cache.idle_ttl_s, when_full=p.cache.when_full,
-            on_evict=self._on_evict)
+            on_evict=self._on_evict, max_per_group=lambda tenant: quotas.value.limit(tenant, "live_sessions"))
         recent, answers, origins = RecentMessages(), Answers(), Origins()
         self._owners: Owners = SingleNode() if p.cluster is None else ClusterNode(p.cluster, answers, recent)
         self._turns = TurnRunner(store=p.store, metrics=p.metrics, cache=self.cache, interruptions=self.interruptions,
                                  settings=settings, check_lease=self._owners.check_lease, media=p.media)
         self._lanes = Lanes(self._turns.execute, self._owners.unwatch, self._closing)
         busy = BusyPolicies(settings)
-        self._rate_limit = UserRateLimit(settings.view(lambda s: s.router.messages_per_minute))
+        self._limits = Limits(UserRateLimit(settings.view(lambda s: s.router.messages_per_minute)),
+                              TenantRateLimit(lambda tenant: quotas.value.limit(tenant, "messages_per_minute")),
+                              TenantLoad())
         self._commands = SessionCommands(lanes=self._lanes, store=p.store, owners=self._owners, cache=self.cache,
                                          busy=busy, settings=settings, jobs=p.jobs,
                                          status_lines=p.status_lines)
@@ -92,7 +97,7 @@ class Router:
                           recent=recent, answers=answers, jobs=p.jobs)
         self._automatic = AutomaticMessages(origins=origins, outlets=p.outlets, queue=queue, owners=self._owners,
                                             store=p.store, closing=self._closing)
-        self._intake = Intake(gates=Gates(settings, p.access, self._rate_limit, self._closing), owners=self._owners,
+        self._intake = Intake(gates=Gates(settings, p.access, self._limits, self._closing), owners=self._owners,
                               recent=recent, answers=answers, commands=self._commands, queue=queue,
                               metrics=p.metrics, settings=settings)
         self._recovery = Recovery(store=p.store, outlets=p.outlets, owners=self._owners, queue=queue, recent=recent,
@@ -228,6 +233,7 @@ class Router:
         every = max(1.0, min(30.0, self.cache.idle_ttl_s / 2))
         while True:
             await asyncio.sleep(every)
-            self._rate_limit.prune()
+            self._limits.user_rate.prune()
+            self._limits.tenant_rate.prune()
             if expired := self.cache.expire_idle():
                 log.debug("released %d idle agents", expired)

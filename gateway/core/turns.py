@@ -49,6 +49,7 @@ from gateway.core.ports import (
     Store,
     StoreError,
 )
+from gateway.core.quotas import message_tenant
 from gateway.core.settings import CoreSettings
 from gateway.core.transcript import (
     ROUND_SEPARATOR,
@@ -336,7 +337,7 @@ class TurnRunner:
         """The session's live conversation (None for a stateless turn) and the user's row; None if
         the turn cannot start (no agent slot, the store down), after telling the user."""
         try:
-            agent = await self._session_agent(turn.key) if turn.client_history is None else None
+            agent = await self._session_agent(turn) if turn.client_history is None else None
         except (CacheFull, StoreError) as exc:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, InboundStatus.REJECTED, str(exc))
@@ -476,7 +477,7 @@ class TurnRunner:
         if self._media is None:
             parts = tuple(note(a, "files cannot be fetched here") for a in taken)
         else:
-            parts = await self._media.load(msg.platform, taken)
+            parts = await self._media.load(msg.platform, taken, keep=turn.client_history is None)
         failed = [dataclasses.replace(p.attachment, refused=p.problem) for p in parts if p.kind == "note"]
         if failed and (sentence := refusal_sentence(failed)) is not None and turn.speaker.may_speak():
             log.info("attachments not read: %s", sentence, extra={"session": turn.key})
@@ -533,14 +534,15 @@ class TurnRunner:
             self._metrics.stop_latency.observe(run.done_at - run.cancelled_at)
         self._interruptions.record(key, reason.kind, reason.text)
 
-    async def _session_agent(self, key: str) -> LiveConversation:
+    async def _session_agent(self, turn: Turn) -> LiveConversation:
+        key = turn.key
         agent = self._cache.get(key)
         if agent is None:
             conversation, history = await self._store.conversation(key)
             agent = self._cache.get(key)
             if agent is None:
                 agent = LiveConversation(key, conversation, history)
-                self._cache.put(key, agent)
+                self._cache.put(key, agent, message_tenant(turn.msg))  # grouped by tenant: see AgentCache
         return agent
 
     async def _persist(self, turn: Turn, agent: LiveConversation, conversation: int, rows: list[ChatMessage],

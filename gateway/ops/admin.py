@@ -2,13 +2,14 @@
 API, operator stops.
 
 It binds loopback by default; bound anywhere else it requires `admin.token`, as a bearer token or
-as the `switchboard_admin` cookie the console's login sets (`/admin?token=...` once, or the form).
-The console page and its static files are public: they hold no data, the API behind them does.
+as the `switchboard_admin` cookie the console's login sets (`/admin?token=...` once, or the form):
+an HMAC of the token, never the token itself. Wrong guesses are throttled per source and in all
+(`gateway/ops/signin.py`). The console page and its static files are public: they hold no data,
+the API behind them does.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import json
@@ -26,9 +27,10 @@ from gateway.core.ports import Store
 from gateway.core.router import Router
 from gateway.ops.client_faults import client_faults
 from gateway.ops.hosts import HostPolicy, host_guard
-from gateway.ops.http import ReadinessCheck, health_json
+from gateway.ops.http import EdgeSettings, ReadinessCheck, health_json
+from gateway.ops.signin import GuessThrottle, bearer, session_cookie
 from platforms.assets import favicon, static_response
-from platforms.http_input import read_json, served_over_https
+from platforms.http_input import BODY_LIMITS, BodyLimits, read_json, served_over_https
 from platforms.tenants import as_bytes
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -42,11 +44,12 @@ _json = functools.partial(web.json_response, dumps=functools.partial(json.dumps,
 
 def build_admin_app(router: Router, metrics: Metrics, store: Store, readiness: ReadinessCheck, *, token: str | None,
                     extra_stats: Callable[[], dict[str, Any]] | None = None,
-                    hosts: HostPolicy | None = None) -> web.Application:
+                    hosts: HostPolicy | None = None, edge: EdgeSettings | None = None) -> web.Application:
     console = AdminConsole(router, metrics, store, readiness, token=token, extra_stats=extra_stats)
     # Host and Origin first (another site's page must not drive a loopback console through the
     # operator's browser, by rebinding its name or by posting across sites), then client faults.
     app = web.Application(middlewares=[host_guard(hosts or HostPolicy("127.0.0.1")), client_faults, console.auth])
+    app[BODY_LIMITS] = BodyLimits(64 * 1024, (edge or EdgeSettings()).body_timeout_s)  # a token, a session key
     app.router.add_get("/metrics", console.prometheus)
     app.router.add_get("/admin/api/sessions", console.sessions)
     app.router.add_post("/admin/api/sessions/stop", console.stop)
@@ -69,34 +72,53 @@ class AdminConsole:
         self._store = store
         self._readiness = readiness
         self._token = token
+        self._cookie = session_cookie(token) if token is not None else None
         self._extra_stats = extra_stats
+        self.guesses = GuessThrottle()
 
-    def _valid(self, given: str) -> bool:
-        # as_bytes: a header that is not UTF-8, or a lone surrogate in JSON, is a wrong token, not a 500.
-        return self._token is not None and hmac.compare_digest(as_bytes(given), as_bytes(self._token))
+    def _check(self, request: web.Request, given: str, expected: str | None) -> web.Response | None:
+        """None if `given` is right; else the answer: 401, or 429 while the source (or everyone)
+        guesses too fast — then `given` is not even compared."""
+        source = request.remote or ""
+        wait = self.guesses.wait(source)
+        if wait is not None:
+            return web.json_response({"error": "too many wrong tokens; try again later"}, status=429,
+                                     headers={"Retry-After": f"{wait:.0f}"})
+        # as_bytes: a header that is not UTF-8 is a wrong token, not a 500.
+        if expected is not None and hmac.compare_digest(as_bytes(given), as_bytes(expected)):
+            self.guesses.succeeded(source)
+            return None
+        self.guesses.failed(source)
+        return web.json_response({"error": "admin token required"}, status=401)
 
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         public = (request.method, request.path) in _PUBLIC or request.path.startswith("/admin/static/")
         if self._token is not None and not public:
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else request.cookies.get(COOKIE, "")
-            if not self._valid(given):
+            token = bearer(request.headers.get("Authorization", ""))
+            cookie = request.cookies.get(COOKIE)
+            if token is None and not cookie:  # no credential at all: not a guess
                 return web.json_response({"error": "admin token required"}, status=401)
+            refused = self._check(request, token, self._token) if token is not None else \
+                self._check(request, cookie or "", self._cookie)
+            if refused is not None:
+                return refused
         return await handler(request)
 
     def _signed_in(self, request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
-        assert self._token is not None
-        response.set_cookie(COOKIE, self._token, httponly=True, samesite="Strict", path="/",
+        assert self._cookie is not None
+        response.set_cookie(COOKIE, self._cookie, httponly=True, samesite="Strict", path="/",
                             secure=served_over_https(request))
         return response
 
     async def page(self, request: web.Request) -> web.StreamResponse:
         given = request.query.get("token")
-        if given is not None:  # a link with the token: set the cookie, then drop the token from the URL
-            if self._valid(given):
+        if given is not None and self._token is not None:  # a link with the token: set the cookie, then drop it
+            refused = self._check(request, given, self._token)
+            if refused is None:
                 return self._signed_in(request, web.Response(status=303, headers={"Location": request.path}))
-            await asyncio.sleep(0.5)  # slows guessing
+            if refused.status == 429:
+                return refused
         return static_response(request, "admin.html", page=True)
 
     async def home(self, _request: web.Request) -> web.StreamResponse:
@@ -112,9 +134,9 @@ class AdminConsole:
             return web.json_response({"error": 'body must be {"token": "..."}'}, status=400)
         if self._token is None:
             return web.json_response({"ok": True, "auth": "none"})
-        if not self._valid(given):
-            await asyncio.sleep(0.5)
-            return web.json_response({"error": "wrong token"}, status=401)
+        refused = self._check(request, given, self._token)
+        if refused is not None:
+            return refused if refused.status == 429 else web.json_response({"error": "wrong token"}, status=401)
         return self._signed_in(request, web.json_response({"ok": True, "auth": "token"}))
 
     async def asset(self, request: web.Request) -> web.StreamResponse:

@@ -173,8 +173,21 @@ def log_format(configured: str, env: Mapping[str, str] | None = None, *, termina
 
 
 def _check(config: Config) -> int:
+    """The effective configuration, then what it exposes: warnings, and unsafe settings (exit 2)."""
     print(render(config), end="")
-    return 0
+    return 0 if _judged(config) else 2
+
+
+def _judged(config: Config) -> bool:
+    """Print the safety findings on stderr; False if the configuration is unsafe."""
+    from gateway.ops.safety import findings
+
+    found = findings(config)
+    for line in found.warnings:
+        print(f"switchboard: warning: {line}", file=sys.stderr)
+    for line in found.unsafe:
+        print(f"switchboard: unsafe: {line}", file=sys.stderr)
+    return not found.unsafe
 
 
 def _run(config: Config, args: argparse.Namespace) -> int:
@@ -183,6 +196,11 @@ def _run(config: Config, args: argparse.Namespace) -> int:
         config.log.format = args.log_format
     if args.log_level:
         config.log.level = args.log_level
+    if not _judged(config):
+        return 2  # the units do not restart on 2: a restart would not make it safe
+    from gateway.ops.safety import UMASK
+
+    os.umask(UMASK)  # what the daemon creates (the database, its WAL, media) is 0600, as under the units
     setup_logging(config.log.level, log_format(config.log.format))
     from gateway.ops.daemon import Daemon
     from gateway.ops.loop import LoopUnavailable, loop_factory

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def _client_caused(exc: BaseException) -> str | None:
         return "input that is not valid text"
     if type(exc) is LookupError:  # codecs.lookup's "unknown encoding" (not KeyError or IndexError)
         return "an unknown charset"
+    if isinstance(exc, RequestPayloadError):
+        return "a body that cannot be decoded (Content-Encoding or chunking)"
     return None
 
 
@@ -68,7 +71,11 @@ async def client_faults(request: web.Request, handler: Handler) -> web.StreamRes
         if why is None or request.writer.output_size > 0:  # not the client's, or too late for an answer
             raise
         note(f"{request.method} {request.path} from {request.remote}: {why}")
-        return web.json_response({"error": f"bad request: {why}"}, status=400)
+        response = web.json_response({"error": f"bad request: {why}"}, status=400)
+        if not request.content.is_eof():  # what is left of the body is never read: the connection ends
+            response.force_close()
+            request.content.feed_eof()
+        return response
 
 
 class ParserFaults(logging.Filter):
@@ -77,7 +84,7 @@ class ParserFaults(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, (BadHttpMessage, HttpProcessingError)) or (exc.code or 400) >= 500:
+        if not _unparsable(exc):
             return True
         held = _throttle.allow()
         if held is None:
@@ -89,6 +96,14 @@ class ParserFaults(logging.Filter):
             type(exc).__name__, f"; {held} more since the last such line" if held else "")
         record.exc_info = record.exc_text = None
         return True
+
+
+def _unparsable(exc: BaseException | None) -> bool:
+    """A request aiohttp could not parse, or whose body it could not decode (lingering after an
+    answer, say): the client's doing."""
+    if isinstance(exc, RequestPayloadError):
+        return True
+    return isinstance(exc, (BadHttpMessage, HttpProcessingError)) and (exc.code or 400) < 500
 
 
 def install_parser_filter() -> None:

@@ -20,11 +20,14 @@ from typing import Any, Literal
 
 from agent_cache import CacheSettings
 from gateway.agents.mcp_config import McpConfig, check_mcp
+from gateway.agents.sandbox import sandbox_problem
 from gateway.core.attachments import MediaSettings
+from gateway.core.quotas import QuotaSettings
 from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
 from gateway.ops.coercion import coerce, is_secret, unknown
+from gateway.ops.http import EdgeSettings
 from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 
@@ -44,6 +47,17 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     allowed_hosts: list[str] = field(default_factory=list)  # names besides IPs and localhost; "*" = any
+    # The edge (both listeners): a request's head within header_timeout_s of the connection opening or
+    # of its previous answer (idle keep-alive connections close then), its body within body_timeout_s.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    max_body_bytes: int = 4 * 1024 * 1024  # an API request without attachments (media adds room for them)
+    max_connections_per_address: int = 64  # 0: no cap
+    uncapped_addresses: list[str] = field(default_factory=lambda: ["127.0.0.1", "::1"])  # a proxy on this host
+
+    def edge(self) -> EdgeSettings:
+        return EdgeSettings(self.header_timeout_s, self.body_timeout_s, self.max_connections_per_address,
+                            tuple(self.uncapped_addresses))
 
 
 @dataclass
@@ -94,6 +108,13 @@ class ToolsConfig:
     shell_max_output: int = 16_000
     shell_allow_prefixes: list[str] = field(default_factory=list)
     shell_cwd: str | None = None
+    # Who may use the shell (and the job tools): session-key globs or API tenant names; both empty: all.
+    shell_allow_sessions: list[str] = field(default_factory=list)
+    shell_allow_tenants: list[str] = field(default_factory=list)
+    # Each session's commands in a sandbox of their own (gateway/agents/sandbox.py): "auto" where
+    # bubblewrap works, "bwrap" (refuse to start without it) or "off".
+    sandbox: Literal["auto", "bwrap", "off"] = "auto"
+    sandbox_network: bool = False  # sandboxed commands share the host's network (its listeners too)
     tool_kill_grace_s: float = 2.0
     parallel: bool = True  # several tool calls of one model round run side by side
     max_parallel: int = 4
@@ -150,6 +171,7 @@ class Config:
     media: MediaSettings = field(default_factory=MediaSettings)
     mcp: McpConfig = field(default_factory=McpConfig)
     router: RouterSettings = field(default_factory=RouterSettings)
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)
     agent_cache: CacheSettings = field(default_factory=CacheSettings)
     store: StoreConfig = field(default_factory=StoreConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -346,6 +368,27 @@ def _tenants(c: Config) -> str | None:
     return tenants.problem([k.reveal() for k in c.api.keys], {n: k.reveal() for n, k in c.api.tenants.items()})
 
 
+def _sandbox(c: Config) -> str | None:
+    if not c.tools.shell or c.tools.sandbox != "bwrap":
+        return None
+    problem = sandbox_problem("bwrap")
+    return None if problem is None else f"tools.sandbox: \"bwrap\" is required, but {problem}"
+
+
+def _addresses(c: Config) -> str | None:
+    for address in c.http.uncapped_addresses:
+        try:
+            ipaddress.ip_network(address, strict=False)
+        except ValueError:
+            return f"http.uncapped_addresses: {address!r} is not an IP address or network"
+    return None
+
+
+def _tenant_quotas(c: Config) -> str | None:
+    return next((f"quotas.tenants.{name}.{key}: must not be negative" for name, quota in c.quotas.tenants.items()
+                 for key, value in vars(quota).items() if value is not None and value < 0), None)
+
+
 def _mime_types(c: Config) -> str | None:
     return next((f"media.{key}: {mime!r} is not a MIME type (like image/png or text/*)"
                  for key in ("image_types", "file_types") for mime in getattr(c.media, key) if "/" not in mime), None)
@@ -393,6 +436,10 @@ RULES: tuple[Rule, ...] = (
         "agent_cache.idle_ttl_s", "tools.shell_timeout_s", "agent.max_tool_rounds", "agent.context_tokens",
         "agent.reply_tokens", "tools.max_parallel")),
     Rule("the HTTP port is a port", _port("http.port")),
+    Rule("the edge's deadlines and sizes are positive", _positive(
+        "http.header_timeout_s", "http.body_timeout_s", "http.max_body_bytes")),
+    Rule("the connection cap is not negative", _not_negative("http.max_connections_per_address")),
+    Rule("uncapped addresses are addresses", _addresses),
     Rule("daemon timings are not negative", _not_negative(
         "daemon.drain_timeout_s", "daemon.resume_max_age_s", "daemon.shutdown_grace_s")),
     Rule("a lease lives at least 3 s", _unless(
@@ -415,6 +462,9 @@ RULES: tuple[Rule, ...] = (
     Rule("the rate limit is not negative", _unless(
         lambda c: c.router.messages_per_minute >= 0,
         lambda c: "router.messages_per_minute: must not be negative (0 turns the limit off)")),
+    Rule("quotas are not negative", _not_negative(
+        "quotas.messages_per_minute", "quotas.running_turns", "quotas.live_sessions", "quotas.media_mb")),
+    Rule("tenant quotas are not negative", _tenant_quotas),
     Rule("the answer fits the context", _unless(
         lambda c: c.agent.reply_tokens < c.agent.context_tokens,
         lambda c: "agent.reply_tokens: must be less than agent.context_tokens")),
@@ -447,6 +497,7 @@ RULES: tuple[Rule, ...] = (
         lambda c: "telegram.draft_refresh_s: must be between 0 and 30 (a draft lives about 30 s)")),
     Rule("MCP servers are well formed", _mcp),
     Rule("further models are well formed", _models),
+    Rule("a required sandbox is available", _sandbox),
     Rule("the OpenAI agent has an http(s) URL", _unless(
         lambda c: c.agent.kind != "openai" or c.agent.base_url.startswith(("http://", "https://")),
         lambda c: f"agent.base_url: must be an http(s) URL (got {c.agent.base_url!r})")),

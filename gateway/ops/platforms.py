@@ -97,7 +97,15 @@ def _api(config: Config, _cluster: Cluster | None) -> Adapter:
                       tenants={name: k.reveal() for name, k in config.api.tenants.items()},
                       model_name=config.api.model_name,
                       more_models=tuple(m.name for m in config.agent.models) if config.agent.kind == "openai" else (),
-                      max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes))
+                      max_attachment_bytes=max(m.max_image_bytes, m.max_file_bytes),
+                      max_body_bytes=api_body_limit(config))
+
+
+def api_body_limit(config: Config) -> int:
+    """The largest API request body: `http.max_body_bytes`, and room for a message's attachments as
+    base64 (a third larger than their bytes) only when media is on."""
+    media = config.media.max_message_bytes * 4 // 3 if config.media.enabled else 0
+    return config.http.max_body_bytes + media
 
 
 PLATFORMS: tuple[PlatformEntry, ...] = (

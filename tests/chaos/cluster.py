@@ -166,6 +166,7 @@ class ChaosCluster:
             "SWITCHBOARD_TELEGRAM__WEBHOOK_PATH": WEBHOOK_PATH,
             "SWITCHBOARD_TELEGRAM__SECRET_TOKEN": SECRET,
             "SWITCHBOARD_TOOLS__SHELL": "true" if self.tools else "false",
+            "SWITCHBOARD_TOOLS__SANDBOX": "off",  # the checker follows tools by the PIDs they write to its files
             "SWITCHBOARD_TOOLS__TOOL_KILL_GRACE_S": "0.5",
         }
         if self.pg_url is not None:

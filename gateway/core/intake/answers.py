@@ -21,11 +21,14 @@ async def reject(outlet: Outlet, msg: InboundMessage, key: str, text: str | None
     """Tell the user why (unless `text` is None: already told recently) and say so in the log.
     `retry_after_s`: the same message would be taken after this long (a rate limit).
     Said by whichever worker received the message: it answers the message, not the session (so it
-    goes straight to the outlet, not through a session's speaker)."""
+    goes straight to the outlet, not through a session's speaker). With `retry_after_s` the message
+    was over a rate limit or quota: `Outcome.LIMITED`, and when trying again makes sense."""
     log.info("rejected a message: %s", text or detail, extra={"session": key})
     if text:
         await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
-    return Submitted(Outcome.REJECTED, text or detail, retry_after_s=retry_after_s)
+    if retry_after_s is not None:  # a client answered each time (the HTTP API) hears why each time
+        return Submitted(Outcome.LIMITED, detail or text or "", retry_after_s=retry_after_s)
+    return Submitted(Outcome.REJECTED, text or detail)
 
 
 class Answers:

@@ -2,8 +2,11 @@
 
 The order is the policy: a message that cannot even be stored is refused before anyone is asked
 whether its sender may write; a stranger is refused before their attachments are looked at; the
-rate limit counts only messages that would otherwise be taken. Commands pass the `open` and
-`rate limit` gates, so `/stop` works while the gateway drains and for a user who is throttled.
+rate limits count only messages that would otherwise be taken. Commands pass the `open` and
+`rate limit` gates, so `/stop` works while the gateway drains and for a user who is throttled;
+the tenant's rate counts commands too, all but `/stop`, which always gets through. The `turns`
+gate comes last because it reserves one of the tenant's turns in flight (`TenantLoad`), which
+`Intake` then gives back or hands to the turn's run: a gate after it could strand the slot.
 De-duplication and ownership come after the gates (`Intake`): they need a message worth keeping.
 """
 
@@ -21,7 +24,8 @@ from gateway.core.commands import Command, parse_command
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage
 from gateway.core.ports import UNAVAILABLE_RETRY_S, NoticeKind, Outcome, Outlet
-from gateway.core.ratelimit import UserRateLimit
+from gateway.core.quotas import TURNS_RETRY_S, TenantLoad, message_tenant, who
+from gateway.core.ratelimit import Limited, TenantRateLimit, UserRateLimit
 from gateway.core.settings import CoreSettings
 
 MEDIA_ONLY = "I can only read text, images and text files; that kind of message is not supported."
@@ -39,6 +43,17 @@ class Arrival:
     outlet: Outlet
     cmd: Command | None
     hops: int = 0  # forwards between cluster workers so far (a forwarded message arrives with 1)
+
+    @property
+    def tenant(self) -> str:
+        """Whom the message is accounted to (`gateway.core.quotas`)."""
+        return message_tenant(self.msg)
+
+    @property
+    def takes_a_turn(self) -> bool:
+        """Does it start (or join) a turn, and so hold one of its tenant's turns in flight? Every
+        message but a command."""
+        return self.cmd is None
 
     @property
     def readable(self) -> bool:
@@ -62,24 +77,39 @@ class Refusal:
     text: str | None  # what the user is told (None: they were told recently)
     kind: NoticeKind = NoticeKind.ERROR
     detail: str = ""  # for the log when nothing is said
-    retry_after_s: float | None = None  # the same message would be taken after this long
-    # REJECTED: the message is refused (with a retry time: rate limited); UNAVAILABLE: not the
-    # message's fault — the gateway cannot take anything now (restarting).
+    retry_after_s: float | None = None  # a quota or rate limit: trying again after this long makes sense
+    # REJECTED: the message is refused (LIMITED with a retry time: a quota or rate limit);
+    # UNAVAILABLE: not the message's fault — the gateway cannot take anything now (restarting).
     outcome: Outcome = Outcome.REJECTED
+
+    @classmethod
+    def limited(cls, limit: Limited) -> Refusal:
+        return cls(limit.notice, detail=limit.reason, retry_after_s=limit.retry_after_s)
 
 
 Gate = Callable[[Arrival], Awaitable[Refusal | None]]
 
 
-class Gates:
-    """The checks, in order. `stateless` requests (the HTTP API without a session) skip the rate
-    limit: each carries its own history and waits for its own answer."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the rate and quota gates count with (the router keeps them, and prunes the windows)."""
 
-    def __init__(self, settings: Reads[CoreSettings], access: AccessControl | None, rate_limit: UserRateLimit,
+    user_rate: UserRateLimit
+    tenant_rate: TenantRateLimit
+    load: TenantLoad
+
+
+class Gates:
+    """The checks, in order. `stateless` requests (the HTTP API without a session) skip the per-user
+    rate limit (each is a session of its own); the tenant's limits count them like any message."""
+
+    def __init__(self, settings: Reads[CoreSettings], access: AccessControl | None, limits: Limits,
                  closing: asyncio.Event) -> None:
         self._settings = settings
         self._access = access
-        self._rate_limit = rate_limit
+        self._rate_limit = limits.user_rate
+        self._tenant_rate = limits.tenant_rate
+        self.load = limits.load
         self._closing = closing
         self.order: tuple[tuple[str, Gate], ...] = (
             ("encodable", self._encodable),
@@ -88,6 +118,8 @@ class Gates:
             ("access", self._allowed),
             ("media", self._media),
             ("rate limit", self._within_rate),
+            ("tenant rate", self._within_tenant_rate),
+            ("turns", self._turn_free),
         )
         self.stateless_order = tuple((name, gate) for name, gate in self.order if name != "rate limit")
 
@@ -113,7 +145,7 @@ class Gates:
         m = a.msg
         texts = (a.key, m.text, m.chat_id, m.user_id, m.user_name, m.message_id, m.thread_id, m.user_handle,
                  m.reply_to, *(x.name for x in m.attachments), *(x.mime for x in m.attachments))
-        return None if all(_encodable(t) for t in texts) else Refusal(NOT_TEXT)
+        return None if all(encodable(t) for t in texts) else Refusal(NOT_TEXT)
 
     async def _valid(self, a: Arrival) -> Refusal | None:
         text = a.msg.text
@@ -147,14 +179,30 @@ class Gates:
     async def _within_rate(self, a: Arrival) -> Refusal | None:
         if a.cmd is not None:  # commands always get through: /stop must work
             return None
-        allowed, notice = self._rate_limit.check(a.msg.platform, a.msg.user_id)
-        if allowed:
+        limited = self._rate_limit.check(a.msg.platform, a.msg.user_id)
+        return None if limited is None else Refusal.limited(limited)
+
+    async def _within_tenant_rate(self, a: Arrival) -> Refusal | None:
+        if (a.cmd is not None and a.cmd.name == "stop") or a.hops:  # /stop always gets through; a message
+            return None  # forwarded to its session's owner was counted where it arrived
+        limited = self._tenant_rate.check(a.tenant, f"{a.msg.platform}\0{a.msg.user_id}")
+        return None if limited is None else Refusal.limited(limited)
+
+    async def _turn_free(self, a: Arrival) -> Refusal | None:
+        """Reserves one of the tenant's turns in flight (given back by `Intake`) — last, for that."""
+        if not a.takes_a_turn:
             return None
-        return Refusal(notice, detail="rate limited (notice already sent)",
-                       retry_after_s=self._rate_limit.retry_after(a.msg.platform, a.msg.user_id))
+        tenant = a.tenant
+        limit = int(self._settings.value.quotas.limit(tenant, "running_turns"))
+        if limit > 0 and self.load.in_flight(tenant) >= limit:
+            text = (f"Too many answers are being written for {who(tenant)} at once ({limit}). Please wait for one "
+                    "to finish, or stop one, and try again.")
+            return Refusal(text, detail=text, retry_after_s=TURNS_RETRY_S)
+        self.load.reserve(tenant)
+        return None
 
 
-def _encodable(text: str | None) -> bool:
+def encodable(text: str | None) -> bool:
     """Can `text` be written as UTF-8 (no lone surrogates)?"""
     if not text or text.isascii():
         return True

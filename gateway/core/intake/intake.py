@@ -1,14 +1,15 @@
 """The way in, in order: the gates, then ownership (ours, or forwarded to the owner), then
 de-duplication, then a command (outside the lane) or the turn queue. Every message ends
-processed, queued (with an ack) or rejected with a reason, and is counted."""
+processed, queued (with an ack) or rejected with a reason, and is counted. The turn in flight the
+`turns` gate reserved for a message is held by the run it got, or given back (`_settled`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from gateway.core.intake.answers import Answers
 from gateway.core.intake.dedupe import RecentMessages
-from gateway.core.intake.gates import Arrival, Gates
+from gateway.core.intake.gates import NOT_TEXT, Arrival, Gates, Refusal, encodable
 from gateway.core.intake.ownership import Owners
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage, session_key
@@ -48,20 +49,37 @@ class Intake:
         """A request that carries its own history (the HTTP API without a session): a session of
         its own, on this worker, with nothing stored and no rate limit."""
         arrival = self._gates.arrive(msg, self.key(msg), outlet)
-        refusal = await self._gates.screen(arrival, stateless=True)
+        refusal = (Refusal(NOT_TEXT) if not all(encodable(m.content) for m in history)  # every text is sent on
+                   else await self._gates.screen(arrival, stateless=True))
         if refusal is not None:
-            result = await self._answers.refuse(outlet, arrival.msg, arrival.key, refusal)
+            result = await self._refuse(arrival, refusal)
         elif arrival.cmd is not None:
             result = (Submitted(Outcome.DUPLICATE) if self._recent.seen(arrival.msg, 0) else
                       await self._commands.dispatch(arrival.cmd, arrival.key, arrival.msg, Speaker(outlet)))
         else:
-            result = await self._queue.admit_stateless(arrival, history)
+            result = await self._settled(arrival, self._queue.admit_stateless(arrival, history))
         return self._count(arrival, result)
 
     async def _take(self, a: Arrival) -> Submitted:
         refusal = await self._gates.screen(a)
         if refusal is not None:
-            return await self._answers.refuse(a.outlet, a.msg, a.key, refusal)
+            return await self._refuse(a, refusal)
+        return await self._settled(a, self._taken(a)) if a.takes_a_turn else await self._taken(a)
+
+    async def _refuse(self, a: Arrival, refusal: Refusal) -> Submitted:
+        return await self._answers.refuse(a.outlet, a.msg, a.key, refusal)
+
+    async def _settled(self, a: Arrival, taking: Awaitable[Submitted]) -> Submitted:
+        """Take a message the gates reserved a turn in flight for: the slot goes to the run it got,
+        or back (no run: forwarded, a duplicate, not stored, or an error on the way)."""
+        result: Submitted | None = None
+        try:
+            result = await taking
+        finally:
+            self._gates.load.settle(a.tenant, result.run if result is not None else None)
+        return result
+
+    async def _taken(self, a: Arrival) -> Submitted:
         placed = await self._owners.place(a)
         if isinstance(placed, Submitted):  # not ours: forwarded, or refused with a reason
             return placed
