@@ -184,7 +184,8 @@ async def test_the_daemons_files_are_private(tmp_path: Path, provider: FakeProvi
                      ("SWITCHBOARD_AGENT__VISION", "true"))
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(64)).decode()
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {
-        "type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}], "user": "alice"}
+        "type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}]}],
+        "metadata": {"session_id": "alice"}}
     try:
         await daemon.ready()
         async with aiohttp.ClientSession() as http, http.post(
@@ -213,7 +214,7 @@ async def test_ten_large_bodies_at_once_leave_the_daemon_where_it_was(tmp_path: 
 
     provider.words = 1
     daemon = _Daemon(tmp_path, provider)
-    body = b'{"messages": [{"role": "user", "content": "hi"}], "padding": "' + b"a" * 24_000_000 + b'"}'
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"padding": "' + b"a" * 24_000_000 + b'"}}'
     try:
         await daemon.ready()
         request = _post("/v1/chat/completions", daemon.port, body, auth=K1.encode())

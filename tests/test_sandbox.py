@@ -38,7 +38,7 @@ async def _shell(http: aiohttp.ClientSession, daemon: Any, provider: FakeProvide
                  command: str, *, background: bool = False) -> str:
     """Have the model run `command` in `session` of `key`'s tenant; the tool's result."""
     provider.then(Script(tool_calls=[("shell", {"command": command, "background": background})]))
-    body = {"messages": [{"role": "user", "content": f"run: {command}"}], "user": session}
+    body = {"messages": [{"role": "user", "content": f"run: {command}"}], "metadata": {"session_id": session}}
     async with http.post(f"http://127.0.0.1:{daemon.config.http.port}/v1/chat/completions", json=body,
                          headers={"Authorization": f"Bearer {key}"}) as resp:
         assert resp.status == 200, await resp.text()

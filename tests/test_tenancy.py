@@ -277,7 +277,7 @@ async def _flood(http: aiohttp.ClientSession, daemon: Any, key: str, count: int,
                  text: str = "a long one") -> list[asyncio.Task[tuple[int, dict[str, Any], str | None]]]:
     """`count` requests of one tenant, each in a session of its own, all at once."""
     async def one(i: int) -> tuple[int, dict[str, Any], str | None]:
-        body = {"messages": [{"role": "user", "content": f"{text} {i}"}], "user": f"{text}-{i}"}
+        body = {"messages": [{"role": "user", "content": f"{text} {i}"}], "metadata": {"session_id": f"{text}-{i}"}}
         async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
             return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
 
@@ -306,7 +306,7 @@ async def test_a_flood_of_new_sessions_from_one_tenant_leaves_another_tenants_an
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(60)) as http:
-        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="metadata"))
         await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
         flood = await _flood(http, daemon, K2, 255)
         try:
@@ -331,7 +331,7 @@ async def test_a_full_agent_cache_evicts_a_running_turn_of_the_same_tenant_only(
     daemon = await make_daemon(api=API, agent_cache={"max_agents": 4},
                                quotas={"running_turns": 0, "live_sessions": 0})
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(60)) as http:
-        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="user"))
+        victim = asyncio.create_task(_ask(http, daemon, K1, "the victim's answer", via="metadata"))
         await until(lambda: daemon.router.status("api:dm:team-a/alice").running, 10, "A's turn never started")
         first = await _flood(http, daemon, K2, 3, "b first")
         last: list[asyncio.Task[tuple[int, dict[str, Any], str | None]]] = []
@@ -351,7 +351,7 @@ async def _post(http: aiohttp.ClientSession, daemon: Any, key: str, text: str,
                 session: str | None = None) -> tuple[int, dict[str, Any], str | None]:
     body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]}
     if session is not None:
-        body["user"] = session
+        body["metadata"] = {"session_id": session}
     async with http.post(_url(daemon), json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
         return resp.status, dict(await resp.json()), resp.headers.get("Retry-After")
 
@@ -365,7 +365,8 @@ async def test_a_rate_limit_answers_429_with_retry_after(make_daemon: DaemonFact
             assert (await _post(http, daemon, K2, f"m{i}", "s1"))[0] == 200
         status, body, retry = await _post(http, daemon, K2, "m3", "s1")
         assert status == 429 and retry is not None and 1 <= int(retry) <= 60, (status, body)
-        assert body["error"]["type"] == "rate_limit_exceeded" and "3 messages a minute" in body["error"]["message"]
+        # The first refusal in a minute tells the user (the notice); later ones say why (the reason).
+        assert body["error"]["type"] == "rate_limit_exceeded" and "(3 a minute)" in body["error"]["message"]
         status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")  # commands get through
         assert status == 200 and _content(answer) == "Nothing is running."
 
@@ -385,7 +386,7 @@ async def test_a_tenants_rate_counts_every_session_stateless_requests_and_comman
                               ("/new", "s6")):
             status, answer, retry = await _post(http, daemon, K2, text, session)
             assert status == 429 and retry is not None, (text, status, answer)
-            assert "4 messages a minute" in answer["error"]["message"]
+            assert "4 a minute" in answer["error"]["message"] or "4 messages a minute" in answer["error"]["message"]
         status, answer, _ = await _post(http, daemon, K2, "/stop", "s1")
         assert status == 200 and _content(answer) == "Nothing is running."
         assert (await _post(http, daemon, K1, "tenant A is fine", "s1"))[0] == 200
@@ -439,7 +440,7 @@ def _image_request(text: str, images: int, size: int, session: str | None) -> di
         png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + os.urandom(size)).decode()
         parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}})
     body: dict[str, Any] = {"messages": [{"role": "user", "content": parts}]}
-    return body if session is None else {**body, "user": session}
+    return body if session is None else {**body, "metadata": {"session_id": session}}
 
 
 async def test_media_on_disk_is_held_to_each_tenants_quota_and_stateless_requests_keep_none(

@@ -26,8 +26,9 @@ from gateway.core.metrics import Metrics
 from gateway.core.ports import Store
 from gateway.core.router import Router
 from gateway.ops.client_faults import client_faults
+from gateway.ops.edge import EdgeSettings
 from gateway.ops.hosts import HostPolicy, host_guard
-from gateway.ops.http import EdgeSettings, ReadinessCheck, health_json
+from gateway.ops.http import ReadinessCheck, health_json
 from gateway.ops.signin import GuessThrottle, bearer, session_cookie
 from platforms.assets import favicon, static_response
 from platforms.http_input import BODY_LIMITS, BodyLimits, read_json, served_over_https

@@ -27,7 +27,7 @@ from gateway.core.router import RouterSettings
 from gateway.core.secrets import Secret
 from gateway.ops.coercion import ConfigError as ConfigError  # raised here, and by the coercers
 from gateway.ops.coercion import coerce, is_secret, unknown
-from gateway.ops.http import EdgeSettings
+from gateway.ops.edge import EdgeSettings
 from platforms import tenants
 from platforms.config import ApiConfig, DiscordConfig, TelegramConfig, WebchatConfig
 

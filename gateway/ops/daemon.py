@@ -44,7 +44,7 @@ from gateway.ops.admin import build_admin_app
 from gateway.ops.client_faults import install_parser_filter
 from gateway.ops.config import Config, ConfigError, load_config
 from gateway.ops.hosts import HostPolicy
-from gateway.ops.http import ConnectionGuard, build_app, start_sites
+from gateway.ops.http import ConnectionGuard, build_app, edge_runner, start_sites
 from gateway.ops.loop import loop_name
 from gateway.ops.platforms import access_policies, build_adapters
 from gateway.ops.safety import findings, private_data_dir
@@ -367,14 +367,14 @@ class Daemon:
                         edge=edge, middlewares=[m for a in self.adapters.values() for m in a.middlewares()])
         # handler_cancellation: a client's disconnect cancels its request's handler at once, which
         # is how the HTTP API stops a run whose client has gone (streaming or not).
-        runners = [edge.runner(app, handler_cancellation=True)]
+        runners = [edge_runner(app, edge, handler_cancellation=True)]
         admin = self.config.admin
         if admin.enabled:
-            runners.append(edge.runner(
+            runners.append(edge_runner(
                 build_admin_app(self.router, self.metrics, self.store, self.readiness,
                                 token=admin.token.reveal() if admin.token else None,
                                 extra_stats=self._cluster_stats,
-                                hosts=HostPolicy(admin.host, admin.allowed_hosts), edge=edge)))
+                                hosts=HostPolicy(admin.host, admin.allowed_hosts), edge=edge), edge))
         return runners
 
     async def _drain_tools(self) -> None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from gateway.core.ports import Health
 from gateway.ops.client_faults import client_faults, note
+from gateway.ops.edge import EdgeSettings
 from gateway.ops.hosts import HostPolicy, host_guard
 from platforms.http_input import BODY_LIMITS, MB, BodyLimits
 
@@ -36,19 +36,10 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-Aft
             b"Content-Type: text/plain\r\nContent-Length: 40\r\n\r\ntoo many connections from this address\r\n")
 
 
-@dataclass(frozen=True, slots=True)
-class EdgeSettings:
-    """What every listener holds clients to (the `[http]` keys of the same names)."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
-    max_connections_per_address: int = 64  # 0: no cap
-    uncapped_addresses: tuple[str, ...] = ("127.0.0.1", "::1")
-
-    def runner(self, app: web.Application, *, handler_cancellation: bool = False) -> web.AppRunner:
-        """A listener's `AppRunner`: aiohttp's keep-alive timer is the head's deadline."""
-        return web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=handler_cancellation,
-                             keepalive_timeout=self.header_timeout_s, lingering_time=LINGER_S)
+def edge_runner(app: web.Application, edge: EdgeSettings, *, handler_cancellation: bool = False) -> web.AppRunner:
+    """A listener's `AppRunner`: aiohttp's keep-alive timer is the head's deadline."""
+    return web.AppRunner(app, access_log=None, shutdown_timeout=2.0, handler_cancellation=handler_cancellation,
+                         keepalive_timeout=edge.header_timeout_s, lingering_time=LINGER_S)
 
 
 def build_app(readiness: ReadinessCheck, routes: Sequence[web.AbstractRouteDef] = (), *,

@@ -27,7 +27,7 @@ async def reject(outlet: Outlet, msg: InboundMessage, key: str, text: str | None
     if text:
         await outlet.notify(msg.chat, text, reply_to=msg.message_id, kind=kind)
     if retry_after_s is not None:  # a client answered each time (the HTTP API) hears why each time
-        return Submitted(Outcome.LIMITED, detail or text or "", retry_after_s=retry_after_s)
+        return Submitted(Outcome.LIMITED, text or detail, retry_after_s=retry_after_s)
     return Submitted(Outcome.REJECTED, text or detail)
 
 
