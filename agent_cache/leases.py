@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 
 AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
 
-# KEYS: lease, fence counter[, listing].  ARGV: token, worker id, ttl ms, name, lost (1/0).
-# Returns {1, fence, replaced token or '', kept (1/0)} when the lease is ours now (and the name is
+# KEYS: lease, fence counter[, listing][, sentinel].  ARGV: token, worker id, ttl ms, name, lost
+# (1/0), the sentinel's value ('' for none: no sentinel key), listed (1/0: a listing key is given).
+# Returns {-1} when the sentinel is not the value given (Redis lost its data since the caller
+# joined: a holder it lost the lease of may still be at work, so nothing is taken),
+# {1, fence, replaced token or '', kept (1/0)} when the lease is ours now (and the name is
 # in the listing set, if one is given), {0, holder's worker id, pttl} when another worker holds
 # it. Still ours (same token) and not `lost`: extended, same fence, kept = 1 — nobody held it in
 # between. Still ours but `lost` (we reported it lost: its turns were stopped and left for a new
@@ -43,11 +46,14 @@ AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every scrip
 # recovered. Held by an earlier incarnation of this worker id (same id, other token): taken over.
 # Otherwise free: a new fence.
 _ACQUIRE = """
+if ARGV[6] ~= '' and redis.call('GET', KEYS[#KEYS]) ~= ARGV[6] then
+  return {-1}
+end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'worker', 'fence')
 if cur[1] and cur[1] ~= ARGV[1] and cur[2] ~= ARGV[2] then
   return {0, cur[2], redis.call('PTTL', KEYS[1])}
 end
-if KEYS[3] then
+if ARGV[7] == '1' then
   redis.call('SADD', KEYS[3], ARGV[4])
 end
 if cur[1] == ARGV[1] and ARGV[5] ~= '1' then
@@ -265,6 +271,11 @@ def _renewed(results: list[Any]) -> list[int]:
     return flags
 
 
+class DataLost(RedisError):
+    """An acquisition refused because Redis no longer has the sentinel value the worker joined with
+    (see `LeaseManager.guard`): it lost its data, and a lease lost with it may still be in use."""
+
+
 def _won(result: Any) -> bool:
     """Did the acquire script make the lease ours? ({1, fence, replaced, kept} — else {0, holder, pttl})"""
     return not isinstance(result, Exception) and int(result[0]) == 1
@@ -310,6 +321,11 @@ class LeaseManager:
         # One Redis: the acquire script lists what it acquires (one round trip). Redis Cluster: the
         # listing lives in another slot, so it follows, for the acquired names (`_list_acquired`).
         self._listing_keys = [listed_in] if listed_in is not None and not self._cluster else []
+        # (sentinel key, the value joined with): every acquisition's script checks it, so none
+        # succeeds in a Redis that lost its data before this worker has noticed (its caller then
+        # holds off; see gateway.cluster.coordinator). One Redis only: in a Redis Cluster the
+        # sentinel lives in another slot, and the caller checks it before acquiring instead.
+        self.guard: tuple[str, str] | None = None
         self._queued: list[Queued] = []
         # Releases on the wire, per name: an acquisition of the same name waits for them, so a
         # release sent before it can never land after it and delete the lease it just extended.
@@ -396,10 +412,14 @@ class LeaseManager:
 
     async def _acquire_batch(self, batch: list[Queued]) -> None:
         sent = now()
+        guard = self.guard if not self._cluster else None
+        guard_keys, guard_value = ([guard[0]], guard[1]) if guard is not None else ([], "")
+        listed = "1" if self._listing_keys else "0"
         try:
             results = await self._acquire_script.run([
-                ([key, fence_key, *self._listing_keys], [self.token, self.worker_id, self.ttl_ms, name,
-                                                         "1" if name in self._lost_at else "0"])
+                ([key, fence_key, *self._listing_keys, *guard_keys],
+                 [self.token, self.worker_id, self.ttl_ms, name, "1" if name in self._lost_at else "0",
+                  guard_value, listed])
                 for name, key, fence_key, _ in batch])
         except BaseException as exc:
             self.failing = isinstance(exc, (RedisError, OSError)) or self.failing
@@ -433,6 +453,8 @@ class LeaseManager:
         from now on, even when its listing failed (then the caller is told, and may retry)."""
         if isinstance(result, Exception):
             fut.set_exception(result)
+        elif int(result[0]) == -1:
+            fut.set_exception(DataLost("Redis lost its data since this worker joined (the sentinel changed)"))
         elif not _won(result):
             fut.set_result(_theirs(result))
         else:
@@ -566,14 +588,21 @@ class LeaseManager:
         fences = ",".join([str(lease.fence) for lease in part])
         return _renewed(await self._renew_script.run([(keys, [self.token, self.ttl_ms, fences])]))
 
-    def _lose(self, name: str, *, expired: bool) -> None:
+    def drop(self, names: list[str], why: str) -> None:
+        """Report `names` lost now, whatever Redis says (it lost its data: the leases there are gone
+        or not ours to trust); the next acquisition of each is a takeover."""
+        for name in names:
+            self._lose(name, expired=False, why=why)
+
+    def _lose(self, name: str, *, expired: bool, why: str | None = None) -> None:
         lease = self.held.pop(name, None)
         self.renewed_at.pop(name, None)
         if lease is None:
             return
         self.losses += 1
         self._lost_at[name] = now()
-        log.warning("lease lost: %s (%s)", name, "not renewed in time" if expired else "refused at renewal")
+        log.warning("lease lost: %s (%s)", name,
+                    why or ("not renewed in time" if expired else "refused at renewal"))
         if self.on_lost is not None:
             self.on_lost(name, lease, expired=expired)
 

@@ -3,13 +3,18 @@ and no message a platform was told is taken gets lost."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
+
 from tests.conftest import RedisFactory
-from tests.fakes.openai_provider import FakeProvider
+from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
 from tests.support.procs import until
-from tests.support.workers import Worker, end_all, start_all
+from tests.support.workers import Worker, content, end_all, start_all
 
 TTL = 3.0
 SECRET = "hook-secret-1"
@@ -47,14 +52,86 @@ async def test_redis_restarted_empty_gets_its_inboxes_back_and_loses_no_forwarde
             redis.start()  # the same port, nothing in it: no leases, no inbox groups
             await until(lambda: "Redis lost its data" in a.log.read_text(), 3 * TTL, "a never noticed", every=0.1)
             await until(lambda: "Redis lost its data" in b.log.read_text(), 3 * TTL, "b never noticed", every=0.1)
-            # a takes the session again; then b gets a message for it and forwards it to a's inbox,
-            # whose consumer group Redis had lost.
-            assert await post(a, "second") == 200
+            # a takes the session again (once the quarantine after the loss is over: the webhook
+            # is answered 503 until then, and Telegram delivers it again); then b gets a message
+            # for it and forwards it to a's inbox, whose consumer group Redis had lost.
+            await until_taken(lambda: post(a, "second"), 4 * TTL)
             await until(lambda: bool(_answers(fake, 42, "second")), 10, "second never answered", every=0.05)
             status = await post(b, "third")
             await until(lambda: bool(_answers(fake, 42, "third")), 15, "the forwarded message was lost",
                         every=0.05)
             assert status == 200  # acknowledged only once the owner had it
             assert len(_answers(fake, 42, "third")) == 1
+    finally:
+        end_all(*workers)
+
+
+async def until_taken(send: Callable[[], Awaitable[int]], timeout: float) -> list[int]:
+    """Send until the worker takes it (200), as a platform or a client told 503 does; the statuses."""
+    statuses: list[int] = []
+    deadline = time.monotonic() + timeout
+    while not statuses or statuses[-1] == 503:
+        assert time.monotonic() < deadline, f"not taken within {timeout} s: {statuses}"
+        if statuses:
+            await asyncio.sleep(0.1)
+        statuses.append(await send())
+    assert statuses[-1] == 200, statuses
+    return statuses
+
+
+def _overlaps(conns: list[Connection]) -> list[tuple[str, str, float]]:
+    """Pairs of provider streams (of one session) open at the same time, with the overlap in s."""
+    spans = sorted((c.opened_at, c.ended_at if c.ended_at is not None else float("inf"), c.last_user)
+                   for c in conns)
+    return [(first[2], second[2], first[1] - second[0])
+            for i, first in enumerate(spans) for second in spans[i + 1:] if second[0] < first[1]]
+
+
+async def test_after_redis_restarts_empty_no_worker_runs_a_session_another_may_still_be_running(
+        provider: FakeProvider, start_redis: RedisFactory, tmp_path: Path) -> None:
+    """a is streaming a long answer for a session when Redis restarts empty; a message for that
+    session then reaches b, which finds no lease in the empty Redis. b must not start a provider
+    stream for the session before a has closed its own: a notices the loss within a look at the
+    sentinel and stops its turn, and every worker refuses new acquisitions (503, retryable) for a
+    lease TTL after it noticed, so a worker that noticed late has stopped by its own clock."""
+    ttl = 6.0  # renewal rounds every 2 s: without the fix, a's turn runs on for up to that long
+    provider.words = 2
+    provider.by_text["long"] = Script(text=" ".join(f"w{i}" for i in range(600)), delay_s=0.05)  # 30 s
+    redis = start_redis()  # no persistence: a restart comes back empty
+    workers: list[Worker] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            a, b = (Worker(name, redis.url, provider.base_url, tmp_path, ttl_s=ttl) for name in "ab")
+            workers += [a, b]
+            await start_all(a, b)
+            long_turn = asyncio.ensure_future(a.ask(http, "s1", "long"))
+            try:
+                await until(lambda: any(c.words for c in provider.requests_for("long")), 10,
+                            "a never started streaming", every=0.02)
+                redis.kill()
+                await asyncio.to_thread(redis.start)  # the same port, nothing in it; the provider keeps serving
+                restarted = time.perf_counter()
+                answers: list[tuple[int, str]] = []
+
+                async def ask_b() -> int:
+                    status, body = await b.ask(http, "s1", "second")
+                    answers.append((status, content(body)))
+                    return status
+
+                statuses = await until_taken(ask_b, 5 * ttl)
+                await asyncio.wait_for(long_turn, 15)  # a's client is answered (cut off), not left waiting
+            finally:
+                long_turn.cancel()
+            assert answers[-1][1].startswith("reply to: second"), answers
+            [long] = provider.requests_for("long")
+            [second] = provider.requests_for("second")
+            assert long.closed_at is not None and not long.completed  # a's turn was stopped
+            assert _overlaps(provider.connections) == [], (_overlaps(provider.connections), statuses)
+            noticed = long.closed_at - restarted
+            waited = second.opened_at - restarted
+            assert noticed < 1.0, f"a stopped its turn {noticed:.2f} s after the restart"
+            assert waited >= ttl * 0.9, f"b ran the session {waited:.2f} s after the restart"
+            print(f"a stopped its stream {noticed:.3f} s after Redis was back; b ran the session "
+                  f"{waited:.2f} s after; b answered {statuses}")
     finally:
         end_all(*workers)

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from agent_cache import keys
-from agent_cache.leases import RENEW_SLICE, Lease, LeaseManager, now
+from agent_cache.leases import RENEW_SLICE, DataLost, Lease, LeaseManager, now
 from gateway.cluster.coordinator import Cluster
 from gateway.core.metrics import Metrics
 from tests.support.cluster_events import Working
@@ -62,6 +62,25 @@ async def test_a_lease_still_ours_keeps_its_fence_and_a_release_cannot_undo_a_re
     await releasing
     assert third is not None and await redis.hget(keys.lease("s"), "fence") == str(third.fence)
     assert third.fence > first.fence  # it was free in between: a new fence
+
+
+async def test_no_lease_is_taken_in_a_redis_that_lost_the_sentinel_the_worker_joined_with(redis: Redis) -> None:
+    listed = LeaseManager(redis, "w1", "a", ttl_s=30, listed_in="listing")
+    bare = LeaseManager(redis, "w2", "a", ttl_s=30)  # no listing set: the sentinel is its third key
+    await redis.set(keys.sentinel(), "v1")
+    listed.guard = bare.guard = (keys.sentinel(), "v1")
+    assert await take(listed, "s") is not None and await take(bare, "b") is not None
+    assert await redis.smembers("listing") == {"s"} and await redis.get(keys.sentinel()) == "v1"
+    await redis.flushall()  # restarted empty: a holder that has not noticed may still be at work
+    for m in (listed, bare):
+        with pytest.raises(DataLost):
+            await take(m, "t")
+    await redis.set(keys.sentinel(), "v2")  # joined anew by a worker that noticed: still not ours
+    with pytest.raises(DataLost):
+        await take(listed, "t")
+    assert not await redis.exists(keys.lease("t")) and not await redis.exists("listing")
+    listed.guard = (keys.sentinel(), "v2")  # this worker noticed and joined again
+    assert await take(listed, "t") is not None
 
 
 async def test_concurrent_acquisitions_share_a_few_round_trips(redis: Redis, redis_server: RedisServer) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gateway.agents.processes import ProcessReaper, group_alive, run_in_process_group
+from gateway.agents.processes import GroupLedger, ProcessReaper, group_alive, run_in_process_group
 from gateway.agents.tools import Tool, ToolRegistry
 from gateway.core.cancellation import (
     STOPPED_BY_USER,
@@ -94,6 +94,63 @@ async def test_stopping_one_session_leaves_another_sessions_tool_running(
     assert run_b is not None and run_b.reason is None and run_a is not None and run_a.reason == STOPPED_BY_USER
     router.hard_cancel("memory:dm:b", ToolReason.system("test cleanup"))
     await _gone(pg_b, timeout=5)
+
+
+async def _pid_in(path: Path) -> Proc:
+    await until(lambda: path.exists() and path.read_text().strip().isdigit(), 10, f"{path.name} never written")
+    found = stat(int(path.read_text()))
+    assert found is not None
+    return found
+
+
+async def test_a_descendant_that_left_its_tools_group_is_killed_once_the_tool_has_ended(tmp_path: Path) -> None:
+    """A tool double-forks a child into a session of its own that ignores SIGTERM: the tool's
+    end (TERM, then KILL, to its group) misses it. The sweep kills it — once its tool has ended and
+    it was seen twice — and then reaps its zombie; a descendant of a tool still running is left."""
+    ledger = GroupLedger(tmp_path / "tool-groups")
+    reaper = ProcessReaper(0.5, ledger=ledger)
+    # The tool returns only once its child has left the group (the file is written after setsid).
+    escape = ("setsid sh -c 'trap \"\" TERM; echo $$ > {0}; exec sleep 300' </dev/null >/dev/null 2>&1 & "
+              "while [ ! -s {0} ]; do sleep 0.01; done;")
+    ended, running_tool = tmp_path / "ended.pid", tmp_path / "running.pid"
+    procs: list[Proc] = []
+    spawn = None
+    try:
+        result = await run_in_process_group(["sh", "-c", escape.format(ended)], reaper=reaper, timeout_s=10,
+                                            max_output=1000)
+        assert result.returncode == 0
+        orphan = await _pid_in(ended)
+        procs.append(orphan)
+        spawn = reaper.spawn(["sh", "-c", escape.format(running_tool) + " exec sleep 300"])
+        live = await _pid_in(running_tool)
+        procs.append(live)
+        await reaper.drain()  # the ended tool's group is gone: TERM and KILL missed the orphan
+        tool = await spawn.task
+        assert tool is not None and orphan.pgid != tool.pid and running(orphan) and running(live)
+
+        # (A sweep also reaps zombies other tests left to this process, a subreaper: only ours are checked.)
+        assert orphan.pid not in await reaper.reap_orphans()  # seen once: not yet
+        assert orphan.pid in await reaper.reap_orphans()  # seen twice, its tool ended: killed
+        await until(lambda: not running(orphan), 5, "the orphan was not killed")
+        await reaper.reap_orphans()  # its zombie (re-parented to this process, a subreaper) is reaped
+        after = stat(orphan.pid)
+        assert after is None or after.start != orphan.start
+        assert running(live), "a descendant of a tool still running was killed"
+
+        spawn.stop()  # that tool ends too: its escaped descendant is an orphan now
+        await reaper.drain()
+        assert running(live)
+        assert live.pid not in await reaper.reap_orphans()
+        assert live.pid in await reaper.reap_orphans()
+        await until(lambda: not running(live), 5, "the second orphan was not killed")
+    finally:
+        if spawn is not None:
+            spawn.stop()
+        await reaper.drain()
+        for p in procs:
+            if running(p):
+                os.kill(p.pid, signal.SIGKILL)
+        await ledger.close()
 
 
 async def test_thread_tools_see_only_their_own_runs_cancellation(

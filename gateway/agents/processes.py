@@ -23,6 +23,15 @@ with the daemon, however it ends.
   sentinel died too. A group is killed only while its leader's start time still matches, so a PID
   reused by an unrelated process is never hit; a tag names one daemon of one boot.
 
+- **While the daemon runs** (`ProcessReaper.reap_orphans`, swept every few seconds): a tool's
+  descendant that left its group (`setsid`, a double fork) escapes the group's TERM and KILL, and
+  one re-parented to the daemon (a subreaper) that exits stays a zombie nobody waits for. Every
+  tool carries, besides the daemon's tag, the id of its spawn (`SWITCHBOARD_TOOL_SPAWN`); a process
+  whose spawn's group is no longer live (its run, job or MCP server has ended) is an orphan, and one
+  seen in two sweeps in a row is killed with its group (SIGKILL: its group had its TERM already).
+  A zombie re-parented to the daemon and seen twice is reaped (asyncio reaps its own children at
+  once, so one still there a sweep later is nobody's).
+
 Limits: a descendant that leaves the group *and* clears its environment (`setsid env -i …`) is
 found by neither; while the daemon lives it is re-parented to the daemon (a subreaper) and reaped
 when it exits, but only the daemon's end kills a descendant that left its group. Under systemd the
@@ -150,6 +159,7 @@ def boot_id() -> str:
 # Every tool is started with this variable naming its daemon's ledger; the tool's descendants
 # inherit it, wherever they go (another group, another session), unless they clear their environment.
 TOOL_TAG = "SWITCHBOARD_TOOL_OF"
+TOOL_SPAWN = "SWITCHBOARD_TOOL_SPAWN"  # which spawn a tool process descends from (see `reap_orphans`)
 _ledger_ids = itertools.count(1)
 
 
@@ -391,6 +401,39 @@ def _set_pdeathsig(parent: int, prctl: Callable[..., int]) -> None:
 # --- the reaper ---------------------------------------------------------------------------------
 
 
+def _spawn_of(pid: int, needle: bytes) -> int | None:
+    """The spawn id in a process's environment if it carries `needle` (this daemon's tag)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read (then not ours to kill either)
+        return None
+    if needle not in environ:
+        return None
+    prefix = f"{TOOL_SPAWN}=".encode()
+    spawn = next((v[len(prefix):] for v in environ if v.startswith(prefix)), b"")
+    return int(spawn) if spawn.isdigit() else -1  # tagged without a spawn id: no spawn of ours is live
+
+
+def orphans(tag: str | None, live_spawns: set[int], live_groups: set[int], keep: set[int]) -> list[ProcStat]:
+    """Processes of this daemon's no live tool holds: alive ones carrying `tag` whose spawn has
+    ended, and zombies re-parented to this process outside every live group. `keep`: never these."""
+    me = os.getpid()
+    needle = f"{TOOL_TAG}={tag}".encode() if tag else None
+    found: list[ProcStat] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            stat = proc_stat(int(entry.name)) if entry.name.isdigit() else None
+            if stat is None or stat.pid == me or stat.pid in keep or stat.pgid in live_groups:
+                continue
+            if stat.state == "Z":
+                if stat.ppid == me:
+                    found.append(stat)
+            elif needle is not None and (spawn := _spawn_of(stat.pid, needle)) is not None \
+                    and spawn not in live_spawns:
+                found.append(stat)
+    return found
+
+
 class ProcessReaper:
     """Knows every tool process group alive; terminates them: TERM now, KILL after `grace_s`.
 
@@ -405,6 +448,9 @@ class ProcessReaper:
         self._pending: dict[int, asyncio.Task[None]] = {}
         self._live: set[int] = set()  # process groups started and not yet known to be gone
         self._spawning: set[asyncio.Task[asyncio.subprocess.Process | None]] = set()
+        self._spawn_ids = itertools.count(1)
+        self._spawn_of: dict[int, int] = {}  # live group -> the id of the spawn that started it
+        self._suspects: set[tuple[int, int]] = set()  # (pid, start) of orphans seen in the last sweep
         become_subreaper()
 
     @property
@@ -421,13 +467,14 @@ class ProcessReaper:
         return Spawn(self, argv, cwd, pipes=pipes, env=env)
 
     async def _create(self, argv: Sequence[str], cwd: str | None, *, pipes: bool = False,
-                      env: Mapping[str, str] | None = None) -> asyncio.subprocess.Process:
+                      env: Mapping[str, str] | None = None, spawn_id: int = 0) -> asyncio.subprocess.Process:
         kwargs: dict[str, object] = {}
         if env is not None:
             kwargs["env"] = dict(env)
         if self.ledger is not None:  # the sentinel runs before the fork; the tool carries the tag
             tagged = self.ledger.prepare()
-            kwargs["env"] = tagged if env is None else {**env, TOOL_TAG: tagged[TOOL_TAG]}
+            kwargs["env"] = {**(tagged if env is None else env), TOOL_TAG: tagged[TOOL_TAG],
+                             TOOL_SPAWN: str(spawn_id)}
         if self.pdeathsig == "setpriv":
             if shutil.which(argv[0]) is None and "/" not in argv[0]:  # as exec would have said
                 raise FileNotFoundError(f"No such file or directory: {argv[0]!r}")
@@ -440,13 +487,15 @@ class ProcessReaper:
             stderr=pipe if pipes else asyncio.subprocess.STDOUT, start_new_session=True, cwd=cwd,
             **kwargs)  # type: ignore[arg-type]
 
-    def track(self, proc: asyncio.subprocess.Process) -> None:
+    def track(self, proc: asyncio.subprocess.Process, spawn_id: int = 0) -> None:
         self._live.add(proc.pid)
+        self._spawn_of[proc.pid] = spawn_id
         if self.ledger is not None and (start := start_time(proc.pid)) is not None:
             self.ledger.add(proc.pid, start)
 
     def _forget(self, pgid: int) -> None:
         self._live.discard(pgid)
+        self._spawn_of.pop(pgid, None)
         if self.ledger is not None:
             self.ledger.remove(pgid)
 
@@ -509,6 +558,43 @@ class ProcessReaper:
                 return
             await asyncio.gather(*list(self._pending.values()), *list(self._spawning), return_exceptions=True)
 
+    async def sweep_orphans(self, every_s: float) -> None:
+        """`reap_orphans` every `every_s`, for as long as the daemon runs."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.reap_orphans()
+            except Exception:  # never let the sweep die quietly
+                log.exception("the sweep for orphaned tool processes failed; retrying")
+
+    async def reap_orphans(self) -> list[int]:
+        """One sweep (see the module docstring): kill the orphans, and reap the zombies, seen in the
+        previous sweep too — by PID and start time, so a reused PID is a new process. Returns the
+        PIDs acted on. The /proc scan runs in a thread, over a snapshot of what is live taken here;
+        a tool started during the scan may look orphaned once, never twice."""
+        live_groups = self._live | set(self._pending)
+        live_spawns = {self._spawn_of[g] for g in live_groups if g in self._spawn_of}
+        keep = {pid} if self.ledger is not None and (pid := self.ledger.sentinel_pid) is not None else set()
+        tag = self.ledger.tag if self.ledger is not None else None
+        found = await asyncio.to_thread(orphans, tag, live_spawns, live_groups, keep)
+        seen = {(stat.pid, stat.start) for stat in found}
+        due = [stat for stat in found if (stat.pid, stat.start) in self._suspects]
+        self._suspects = seen - {(stat.pid, stat.start) for stat in due}
+        for stat in due:
+            if stat.state == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(stat.pid, os.WNOHANG)  # noqa: ASYNC222 (WNOHANG: never waits)
+                continue
+            log.warning("killing an orphaned tool process %d (group %d): the tool that started it has ended",
+                        stat.pid, stat.pgid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if stat.pgid == stat.pid:  # a group of its own (setsid): the whole group goes
+                    os.killpg(stat.pgid, signal.SIGKILL)
+                else:
+                    os.kill(stat.pid, signal.SIGKILL)
+            self._suspects.add((stat.pid, stat.start))  # its zombie, if ours to reap, goes at the next sweep
+        return [stat.pid for stat in due]
+
     def kill_all_now(self) -> None:
         """Last resort at a forced exit: SIGKILL every tool process group still alive."""
         for pgid in self._live | set(self._pending):
@@ -529,6 +615,7 @@ class Spawn:
         self.proc: asyncio.subprocess.Process | None = None
         self.stopped = False
         self._pipes, self._env = pipes, env
+        self.id = next(reaper._spawn_ids)
         self.task = asyncio.get_running_loop().create_task(self._start(list(argv), cwd))
         reaper._spawning.add(self.task)
         self.task.add_done_callback(reaper._spawning.discard)
@@ -536,8 +623,9 @@ class Spawn:
     async def _start(self, argv: list[str], cwd: str | None) -> asyncio.subprocess.Process | None:
         if self.stopped:
             return None
-        proc = self.proc = await self._reaper._create(argv, cwd, pipes=self._pipes, env=self._env)
-        self._reaper.track(proc)
+        proc = self.proc = await self._reaper._create(argv, cwd, pipes=self._pipes, env=self._env,
+                                                      spawn_id=self.id)
+        self._reaper.track(proc, self.id)
         if self._stopped_meanwhile():
             self._reaper.terminate(proc)
         return proc

@@ -25,11 +25,12 @@ from typing import Any, cast
 from redis.exceptions import RedisError
 
 from agent_cache import keys
-from agent_cache.leases import AnyRedis, Lease, LeaseManager
+from agent_cache.leases import AnyRedis, DataLost, Lease, LeaseManager
 from agent_cache.leases import now as lease_clock
 from gateway.cluster.adoption import Adopter
 from gateway.cluster.forwarding import Forwarder, Inbox
 from gateway.cluster.operators import ClusterConsole
+from gateway.cluster.redis_loss import RedisLoss
 from gateway.cluster.relay import RelayPublisher, RelayReader
 from gateway.cluster.watchlist import SLICE, Watchlist
 from gateway.core.cancellation import Run
@@ -52,7 +53,8 @@ class Cluster:
     """`Ownership` over Redis (see gateway.core.cluster): membership (heartbeat, housekeeping) and
     session ownership (leases, acquisitions, losses) here; the parts it is made of:
     `Watchlist` (sessions with work open, listed for adoption), `Forwarder` and `Inbox` (messages
-    between workers), `Adopter` (taking over what others left)."""
+    between workers), `Adopter` (taking over what others left), `RedisLoss` (Redis losing its
+    data: noticed, and no session taken for a lease TTL after)."""
 
     def __init__(self, redis: AnyRedis, worker_id: str, *, ttl_s: float, metrics: Metrics,
                  info: dict[str, Any] | None = None, incarnation: str | None = None) -> None:
@@ -76,7 +78,7 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._chores: set[asyncio.Task[None]] = set()
         self._housekeeping = OutageLog(log, "cluster housekeeping")
-        self._sentinel: str | None = None  # the sentinel's value when we joined (see keys.sentinel)
+        self.loss = RedisLoss(redis, self.leases, ingress=self.ingress, ttl_s=ttl_s)  # and its quarantine
 
     @property
     def worker_id(self) -> str:
@@ -88,19 +90,20 @@ class Cluster:
         """Join: heartbeat, renewals, the inbox. Adoption starts with `adopt()`, once the rest of
         the daemon can take what it adopts."""
         self._events = events
-        inbox = Inbox(self.redis, self.worker_id, ttl_s=self.ttl_s, events=events, forwarder=self.forwarder,
-                      relays=self.relays)
+        self.loss.inbox = inbox = Inbox(self.redis, self.worker_id, ttl_s=self.ttl_s, events=events,
+                                    forwarder=self.forwarder, relays=self.relays)
         try:
             await inbox.create()
             await self._heartbeat()
-            self._sentinel = await self._join_sentinel()
+            await self.loss.join()
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"cannot reach Redis ({type(exc).__name__})") from None
         self.leases.start()
         self.relays.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inbox.consume()), loop.create_task(self._background(inbox)),
-                       loop.create_task(self._expire_own(events)), *await self.relayed.start()]
+                       loop.create_task(self._expire_own(events)), loop.create_task(self.loss.watch()),
+                       *await self.relayed.start()]
         log.info("cluster: worker %s, incarnation %s", self.worker_id, self.incarnation)
 
     async def adopt(self) -> None:
@@ -139,6 +142,8 @@ class Cluster:
 
     def health(self) -> Health:
         age = lease_clock() - self.leases.last_ok
+        if age < self.ttl_s and self.loss.quarantined():
+            return Health(True, f"worker {self.worker_id} ({self.incarnation}): {self.loss.refusal()}")
         if age < self.ttl_s:
             return Health(True, f"worker {self.worker_id} ({self.incarnation}), {len(self.leases.held)} lease(s)")
         return Health(False, f"Redis unreachable for {age:.0f} s; leases cannot be proven")
@@ -157,6 +162,10 @@ class Cluster:
             return Route(fence=fence)
         if self.leases.failing:  # Redis answered nothing lately: say so now, not after a timeout
             raise ClusterUnavailable("Redis is unreachable; ownership cannot be proven")
+        try:
+            await self.loss.fresh()
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
         fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._acquiring[session] = fut
         try:
@@ -171,13 +180,22 @@ class Cluster:
             self._acquiring.pop(session, None)
 
     async def _acquire(self, session: str) -> Route:
+        if self.loss.quarantined():
+            return await self._owner_in_quarantine(session)
+        losses = self.loss.losses
         try:
             got = await self.leases.acquire(session, keys.lease(session), keys.fence(session))
             if got.lease is None:
                 return Route(owner=got.owner)
             self.metrics.lease_events.labels("acquired").inc()
+        except DataLost:  # the acquisition's own check: Redis lost its data and we had not noticed
+            await self.loss.lost()
+            raise ClusterUnavailable(self.loss.refusal()) from None
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        if self.loss.losses != losses:  # taken from the Redis that was lost, or while noticing: not trusted
+            self.leases.drop([session], "Redis lost its data while it was acquired")
+            raise ClusterUnavailable(self.loss.refusal())
         if got.replaced:
             log.info("took %s over from %s (an earlier incarnation of this worker)", session, got.replaced,
                      extra={"session": session})
@@ -186,6 +204,17 @@ class Cluster:
         if not got.kept:  # a real takeover: close and resume what a previous owner left open
             await self._events.adopted(session)
         return Route(fence=fence)
+
+    async def _owner_in_quarantine(self, session: str) -> Route:
+        """No acquisition now; but a session another worker took since (after its own quarantine)
+        is its, and a message for it is forwarded there as usual."""
+        try:
+            owner = cast("str | None", await self.redis.hget(keys.lease(session), "worker"))
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        if owner is not None and owner != self.worker_id:
+            return Route(owner=owner)
+        raise ClusterUnavailable(self.loss.refusal())
 
     def fence_of(self, session: str) -> Fence | None:
         lease = self.leases.held.get(session)
@@ -274,7 +303,7 @@ class Cluster:
             await asyncio.sleep(self.ttl_s / 3)
             try:
                 if not await self._heartbeat():
-                    await self._redis_lost_its_data(inbox)
+                    await self.loss.lost()
                 await self.watchlist.refresh()
                 await self._release_idle()
                 await inbox.reclaim_own()
@@ -298,11 +327,6 @@ class Cluster:
             for session in [s for s in self.watchlist.owned() if events.running(s)]:
                 self.leases.check_lease(session)
 
-    async def _join_sentinel(self) -> str | None:
-        """The sentinel's value, set now (a value never used before) unless another worker set it first."""
-        await self.redis.set(keys.sentinel(), secrets.token_hex(8), nx=True)
-        return cast("str | None", await self.redis.get(keys.sentinel()))
-
     async def _heartbeat(self) -> bool:
         """Say we are alive; False if Redis has lost its data since we joined: the sentinel is not
         the one we joined with (gone, or set anew by a worker that noticed first)."""
@@ -313,20 +337,7 @@ class Cluster:
             pipe.hset(keys.workers(), self.worker_id, json.dumps(beat))
             pipe.get(keys.sentinel())
             *_, sentinel = await pipe.execute()
-        return self._sentinel is None or sentinel == self._sentinel
-
-    async def _redis_lost_its_data(self, inbox: Inbox) -> None:
-        """Redis came back empty. What was created once at start is made again (the sentinel, this
-        worker's inbox group), and the sessions this worker held are listed as lapsed: their
-        leases are gone, so each is taken again through the normal fenced acquisition (a new,
-        larger fence: fences follow Redis's clock) and what was left open is closed and resumed."""
-        held = [name for name in self.leases.held if name not in self.ingress]  # sessions, not ingress leases
-        log.error("cluster: Redis lost its data (restarted without persistence?): leases, listings and "
-                  "inboxes are re-established; %d session(s) held here will be taken again", len(held))
-        await inbox.create()
-        if held:
-            await self.redis.zadd(keys.leased(), dict.fromkeys(held, 0))
-        self._sentinel = await self._join_sentinel()
+        return self.loss.matches(sentinel)
 
     async def _release_idle(self) -> None:
         """A lease is kept only while the session has a cached agent or work in its lane."""

@@ -172,6 +172,7 @@ def tune_malloc() -> None:
 _M_MMAP_THRESHOLD = -3
 
 # What SIGHUP can change in place; everything else is reported as needing a restart.
+ORPHAN_SWEEP_S = 5.0  # how often tool processes that outlived their tool are looked for (two sweeps to act)
 RELOADABLE = frozenset({"agent", "tools", "router", "quotas", "log", "daemon"})
 
 
@@ -284,7 +285,12 @@ class Daemon:
         await self._stopping("the store", self.store.close)
 
     async def _tools_part(self) -> AsyncIterator[None]:
+        # Tool processes that outlived their tool (left its group; zombies nobody waits for) are
+        # killed or reaped while the daemon runs, not only at its end.
+        sweeping = asyncio.get_running_loop().create_task(self.reaper.sweep_orphans(ORPHAN_SWEEP_S))
         yield
+        sweeping.cancel()
+        await asyncio.wait({sweeping})
         await self._stopping("tool processes", self._drain_tools)
         await self._stopping("attachment downloads", self.media.close)
         await self._stopping("the agents", self._close_agents)
