@@ -117,7 +117,9 @@ class Cluster:
 
     async def stop(self) -> None:
         """Leave: release every lease; sessions with work still open (turns this stop cut off) are
-        marked lapsed, so the others adopt and resume them at once."""
+        marked lapsed, so the others adopt and resume them at once. Waits for other workers'
+        answers end first (within a wait's slice)."""
+        self.forwarder.close()
         for task in [*self._tasks, *self._chores]:
             task.cancel()
         if self._tasks or self._chores:

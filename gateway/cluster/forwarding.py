@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,6 +38,12 @@ READ_COUNT = 100  # inbox entries read or claimed per call
 OWNER_GONE = "The worker that had this conversation is gone; it is being taken over. Please try again."
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
 ASK_WAIT_S = 2.0  # a console's question to another worker: answered in milliseconds, or left out
+# The longest a single blocking call waits for an answer. Far below any socket timeout a client
+# may set (5 s is usual), so an idle wait never looks like a dead connection; and a stop, or a
+# Redis that went away and came back, is noticed within it.
+WAIT_SLICE_S = 1.0
+MIN_BLOCK_S = 0.01  # BLPOP's timeout 0 means "forever": the last slice is never shorter than this
+RETRY_PAUSE_S = 0.1  # between attempts while Redis is unreachable during a wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,7 @@ class Forwarder:
     def __init__(self, redis: AnyRedis, worker_id: str) -> None:
         self.redis = redis
         self.worker_id = worker_id
+        self._closing = False
 
     async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
                       want_reply: bool, relay: str | None = None) -> Answer | None:
@@ -76,13 +83,59 @@ class Forwarder:
                 return Answer(Submitted(Outcome.UNAVAILABLE, OWNER_GONE, retry_after_s=1.0))
             if not want_reply:
                 return None
-            got = await self.redis.blpop([keys.forward_reply(request)], timeout=REPLY_WAIT_S)
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
-        if not got:
+        sent = [entry_id]
+
+        async def resend() -> None:
+            """After Redis failed mid-wait: the entry again if Redis lost it unanswered (it came
+            back empty). Not for a relayed message: its client is told to retry instead, since a
+            second copy the owner had taken already would answer it as a duplicate, not a turn."""
+            if relay is None and await self._lost(inbox, sent[0], request):
+                log.warning("Redis lost a message forwarded to %s before it was answered; forwarding it again",
+                            owner)
+                sent[0] = await self.redis.xadd(inbox, {"data": json.dumps(entry, ensure_ascii=False)})
+
+        result = await self._wait(request, REPLY_WAIT_S, resend)
+        if result is None:
             return None
-        result = json.loads(got[1])
         return Answer(Submitted(Outcome(result["outcome"]), result["detail"]), result.get("token"))
+
+    def close(self) -> None:
+        """Stopping: every wait ends (with no answer) within a slice, and no new one waits."""
+        self._closing = True
+
+    async def _lost(self, inbox: str, entry_id: str, request: str) -> bool:
+        """Is the entry gone from the inbox with no answer left for it? The owner answers before it
+        deletes the entry, so an entry found gone first and no answer found after means that
+        Redis lost both (or the owner had nothing to say, and then hearing it twice is harmless)."""
+        kept = await self.redis.xrange(inbox, min=entry_id, max=entry_id)
+        return not kept and not await self.redis.exists(keys.forward_reply(request))
+
+    async def _wait(self, request: str, wait_s: float,
+                    after_failure: Callable[[], Awaitable[None]] | None = None) -> Any:
+        """The answer pushed for `request`, or None if none came within `wait_s` (or this worker is
+        stopping). Blocks a slice at a time (`WAIT_SLICE_S`); a Redis that fails meanwhile (it
+        restarts) is tried again until the wait is over, then `after_failure` runs once it answers.
+        Raises ClusterUnavailable only if Redis never answered again within the wait."""
+        key = keys.forward_reply(request)
+        deadline = time.monotonic() + wait_s
+        failed: BaseException | None = None
+        while not self._closing and (left := deadline - time.monotonic()) > 0:
+            try:
+                if failed is not None and after_failure is not None:
+                    await after_failure()
+                failed = None
+                got = await self.redis.blpop([key], timeout=max(MIN_BLOCK_S, min(WAIT_SLICE_S, left)))
+            except (RedisError, OSError) as exc:
+                failed = exc
+                await asyncio.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+                continue
+            if got:
+                return json.loads(got[1])
+        if failed is not None and not self._closing:
+            raise ClusterUnavailable(f"Redis failed: {type(failed).__name__}")
+        return None
 
     async def cancel(self, owner: str, session: str, token: str, reason: ToolReason) -> None:
         """Ask `owner` to cancel its run `token` of `session` for `reason` (a relayed turn whose
@@ -98,10 +151,9 @@ class Forwarder:
         try:
             await self.redis.xadd(keys.worker_inbox(worker),
                                   {"data": json.dumps({**question, "reply": request}, ensure_ascii=False)})
-            got = await self.redis.blpop([keys.forward_reply(request)], timeout=wait_s)
         except (RedisError, OSError) as exc:
             raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
-        return json.loads(got[1]) if got else None
+        return await self._wait(request, wait_s)
 
     async def answer(self, request: str, value: Any) -> None:
         key = keys.forward_reply(request)

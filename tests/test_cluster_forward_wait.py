@@ -1,0 +1,146 @@
+"""The forwarder's wait for an owner's answer: in slices, so a stop, a socket timeout or a Redis
+that restarts (empty) mid-wait never turns into an error for the client. Two coordinators in one
+process on a real redis-server; the owner's core is a `ClusterEvents` that answers when told."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from agent_cache import keys
+from gateway.cluster.coordinator import Cluster
+from gateway.core.messages import ChatType, InboundMessage
+from gateway.core.metrics import Metrics
+from gateway.core.ports import Outcome, Outlet, Submitted
+from gateway.store.redis import connect
+from tests.support.cluster_events import Working
+from tests.support.redis_server import RedisServer
+
+TTL = 6.0
+WAIT_DEADLINE_S = 30.0  # readiness on a busy machine; never a figure asserted on
+SOCKET_TIMEOUT_S = 2.0  # the sender's client: shorter than the answer takes in these tests
+DOWN_S = 1.5  # Redis stays down longer than redis-py's own retries of a dropped connection (< 0.5 s)
+
+
+class Holding(Working):
+    """The owner's core: takes each forwarded message, but answers only once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self.delivered: list[str] = []
+
+    async def deliver(self, msg: InboundMessage, session: str, hops: int, *,
+                      via: Callable[[Outlet], Outlet] | None = None) -> Submitted | None:
+        self.delivered.append(msg.message_id)
+        self.arrived.set()
+        await self.release.wait()
+        return Submitted(Outcome.ACCEPTED)
+
+
+def _message() -> InboundMessage:
+    return InboundMessage(platform="telegram", chat_id="42", chat_type=ChatType.DM, user_id="42",
+                          user_name="u", message_id="m1", text="hello")
+
+
+@dataclass
+class Pair:
+    owner_events: Holding
+    sender: Cluster
+    running: list[Cluster]
+
+    async def start_owner(self, url: str) -> None:
+        owner = Cluster(connect(url, decode_responses=True), "owner", ttl_s=TTL, metrics=Metrics())
+        await owner.start(self.owner_events)
+        self.running.append(owner)
+
+    def forward(self) -> asyncio.Task[Submitted | None]:
+        return asyncio.create_task(self.sender.forward("owner", _message(), "telegram:dm:42", hops=0,
+                                                       want_reply=True))
+
+
+@pytest.fixture
+async def pair(redis_server: RedisServer) -> AsyncIterator[Pair]:
+    """A sender whose client has a short socket timeout, and the owner's events; the owner itself
+    is started by the test (`start_owner`). Both stopped at the end, whatever happened."""
+    sender = Cluster(connect(redis_server.url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S),
+                     "sender", ttl_s=TTL, metrics=Metrics())
+    await sender.start(Working())
+    p = Pair(Holding(), sender, [sender])
+    try:
+        yield p
+    finally:
+        p.owner_events.release.set()
+        for cluster in p.running:
+            await cluster.stop()
+
+
+async def test_an_answer_slower_than_the_socket_timeout_still_arrives(pair: Pair, redis_server: RedisServer) -> None:
+    """A single BLPOP for the whole wait (10 s) outlives a 2 s socket timeout: the client gave up
+    on an idle connection and the message was reported as not passed on."""
+    await pair.start_owner(redis_server.url)
+    started = time.monotonic()
+    forwarding = pair.forward()
+    await asyncio.wait_for(pair.owner_events.arrived.wait(), WAIT_DEADLINE_S)
+    while time.monotonic() - started < SOCKET_TIMEOUT_S + 0.5 and not forwarding.done():
+        await asyncio.sleep(0.05)
+    pair.owner_events.release.set()
+    answer = await asyncio.wait_for(forwarding, WAIT_DEADLINE_S)
+    assert answer is not None and answer.outcome is Outcome.ACCEPTED
+
+
+async def test_a_worker_stopping_mid_wait_stops_within_a_slice(pair: Pair, redis_server: RedisServer) -> None:
+    await pair.start_owner(redis_server.url)
+    forwarding = pair.forward()
+    await asyncio.wait_for(pair.owner_events.arrived.wait(), WAIT_DEADLINE_S)
+    started = time.monotonic()
+    stopping = asyncio.create_task(pair.sender.stop())
+    done, _ = await asyncio.wait({forwarding, stopping}, timeout=WAIT_DEADLINE_S)
+    took = time.monotonic() - started
+    assert done == {forwarding, stopping}
+    assert forwarding.result() is None  # no answer: the platform is told to send it again
+    assert took < 2.5, f"stopping while a forward waited took {took:.2f} s"
+    pair.running.remove(pair.sender)
+
+
+async def test_redis_restarting_empty_while_the_owner_holds_the_message_loses_no_answer(
+        pair: Pair, redis_server: RedisServer) -> None:
+    """The owner read the message before Redis went down; its answer goes to the Redis that came
+    back, and the sender, still waiting, takes it: no error, no "send it again"."""
+    await pair.start_owner(redis_server.url)
+    forwarding = pair.forward()
+    await asyncio.wait_for(pair.owner_events.arrived.wait(), WAIT_DEADLINE_S)
+    redis_server.kill()
+    await asyncio.sleep(DOWN_S)  # the scenario: down longer than a reconnect's retries
+    await asyncio.to_thread(redis_server.start)  # the same port, nothing in it
+    pair.owner_events.release.set()
+    answer = await asyncio.wait_for(forwarding, WAIT_DEADLINE_S)
+    assert answer is not None and answer.outcome is Outcome.ACCEPTED
+
+
+async def test_a_forward_redis_lost_before_the_owner_read_it_is_forwarded_again(
+        pair: Pair, redis_server: RedisServer) -> None:
+    """The entry is in the owner's inbox, unread, when Redis restarts empty: the sender, still
+    waiting, puts it there again, and the owner answers it."""
+    forwarding = pair.forward()
+    client = redis_server.client()
+    try:
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while not client.xlen(keys.worker_inbox("owner")):
+            assert time.monotonic() < deadline, "the forward never reached the owner's inbox"
+            await asyncio.sleep(0.01)
+    finally:
+        client.close()
+    redis_server.kill()
+    await asyncio.sleep(DOWN_S)
+    await asyncio.to_thread(redis_server.start)
+    pair.owner_events.release.set()
+    await pair.start_owner(redis_server.url)  # its inbox's consumer group is made anew
+    answer = await asyncio.wait_for(forwarding, WAIT_DEADLINE_S)
+    assert answer is not None and answer.outcome is Outcome.ACCEPTED
+    assert pair.owner_events.delivered == ["m1"]
