@@ -5,10 +5,7 @@ real: a small tmpfs mounted for the test."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,39 +18,15 @@ from gateway.core.ports import InboundStatus, Outcome
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.fakes.openai_provider import FakeProvider, Script
+from tests.support.disk import fill, small_tmpfs
 from tests.support.procs import until
 from tests.support.routers import start_router
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if made.returncode != 0:
-        pytest.fail(f"the disk-full tests mount a small tmpfs, which needs root: {made.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def _fill(disk: Path) -> Path:
-    """Take every free byte of `disk`."""
-    filler = disk / "filler"
-    with filler.open("wb", buffering=0) as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 512)
-
-    stat = os.statvfs(disk)
-    assert stat.f_bavail * stat.f_frsize < 65536, "the disk is not full"
-    return filler
 
 
 async def test_a_full_disk_refuses_new_messages_keeps_promised_records_and_recovers_by_itself(
@@ -69,7 +42,7 @@ async def test_a_full_disk_refuses_new_messages_keeps_promised_records_and_recov
         running = await router.submit(chat.message("c1", "long"), chat)
         assert running.run is not None
         await until(lambda: bool(provider.connections) and provider.connections[-1].words >= 5, 10, "no words")
-        filler = _fill(small_disk)
+        filler = fill(small_disk)
         # The turn already running was promised its record: it lands (in the room the reserve gave up).
         await asyncio.wait_for(running.run.wait(), 90)
         _, rows = await store.conversation(running.run.session_key)
@@ -95,7 +68,7 @@ async def test_a_full_disk_refuses_new_messages_keeps_promised_records_and_recov
 
 
 def test_the_filler_really_fills(small_disk: Path) -> None:
-    filler = _fill(small_disk)
+    filler = fill(small_disk)
     with pytest.raises(OSError) as full:
         (small_disk / "more").write_bytes(b"\0" * 65536)
     assert full.value.errno == errno.ENOSPC

@@ -16,6 +16,12 @@ one-off token (`sessions.op`) and inbound records their own (`inbound.token`): a
 write already applied instead of applying it twice. Timeouts are not retried: the StoreError comes
 sooner, and the router handles it.
 
+A full disk (SQLSTATE 53100) is a state, as in the SQLite store: the write fails with `DiskFull`,
+`problem()` names it (readiness is not ready), and for `FULL_HOLD_S` after each such failure new
+messages are refused (retryable) without asking the database; records of turns already running
+are retried by the core. The first write that lands again — or readiness's probe, a write that
+needs fresh pages, rolled back — ends the state.
+
 Schema. Versioned steps in `MIGRATIONS`, applied by `open()` under an advisory lock (several
 workers may start at once); a database whose schema is newer than this code is refused.
 
@@ -44,8 +50,10 @@ import asyncpg  # typed by the asyncpg-stubs package (asyncpg ships no annotatio
 
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.outage import OutageLog
 from gateway.core.ports import (
     OPEN_STATUSES,
+    DiskFull,
     FencedOut,
     InboundRecord,
     InboundStatus,
@@ -247,6 +255,25 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
 _RETRY_DELAYS_S = (0.02, 0.2)
 
 
+FULL = "the database's disk is full"
+FULL_HOLD_S = 5.0  # after a write found the disk full, new messages are refused without asking for this long
+# A write that needs fresh pages (64 KB of hex that pglz cannot shrink, so it goes to TOAST pages),
+# undone at once: does the database's disk take writes again?
+SPACE_PROBE = """
+INSERT INTO messages (session_key, conversation, role, content, created_at)
+SELECT '', 0, 'system', string_agg(md5(random()::text), ''), 0 FROM generate_series(1, 2048)
+"""
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """PostgreSQL's own "no room": 53100 (any write that met ENOSPC), or the class's generic code
+    saying the same. The other 53xxx (memory, connections, limits) are blips, not a full disk."""
+    if isinstance(exc, asyncpg.DiskFullError):
+        return True
+    return (isinstance(exc, asyncpg.InsufficientResourcesError) and exc.sqlstate == "53000"
+            and "space" in str(exc).lower())
+
+
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, _RETRYABLE):
         return True
@@ -300,6 +327,10 @@ class PostgresSettings:
     retention_pause_s: float = 0.05  # between DELETEs: never a long lock, never a busy database
 
 
+class _Undo(Exception):
+    """Ends the space probe's transaction by rolling it back, once its write has landed."""
+
+
 class Database:
     """The pool, and how every statement runs: asyncpg's failures as a StoreError without the URL's
     password (or a cause chain), a statement that met a dropped connection retried on a fresh one,
@@ -324,6 +355,8 @@ class Database:
                                                         if parts.path.strip("/") else "")
         self.pool: asyncpg.Pool[asyncpg.Record] | None = None
         self.applied: list[Migration] = []  # what open() migrated, for `switchboard store migrate`
+        self.full_at: float | None = None  # a write found the disk full then, and none has landed since
+        self._outage = OutageLog(log, "store")
 
     @property
     def timeout_s(self) -> float:
@@ -361,8 +394,49 @@ class Database:
             raise StoreError(f"postgres {what} failed: timed out after {self.timeout_s:g} s") from None
         except (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, UnicodeError,
                 ValueError) as exc:
+            if _disk_full(exc):  # a state like SQLite's full disk, not a blip: see `note_full`
+                self.note_full()
+                raise DiskFull(f"postgres {what} failed: {FULL} ({type(exc).__name__})") from None
             text = self.redact(str(exc)).splitlines()[0][:200] if str(exc) else ""
             raise StoreError(f"postgres {what} failed: {type(exc).__name__}: {text}") from None
+
+    def note_full(self) -> None:
+        if self.full_at is None:
+            self._outage.failed("full", f"{FULL} ({self.where}); new messages are refused until it has room",
+                                level=logging.ERROR)
+        self.full_at = time.monotonic()
+
+    def note_room(self) -> None:
+        """A write landed: the disk has room again (if it was full)."""
+        if self.full_at is not None:
+            self.full_at = None
+            self._outage.recovered("the database's disk has room again; messages are taken again")
+
+    def full_lately(self) -> bool:
+        """Full, as a write found it within `FULL_HOLD_S`: not worth asking again yet."""
+        return self.full_at is not None and time.monotonic() - self.full_at < FULL_HOLD_S
+
+    async def write(self, what: str, op: Callable[[Conn], Awaitable[T]]) -> T:
+        """`run` for a write: one that lands proves the disk has room again."""
+        result = await self.run(what, op)
+        self.note_room()
+        return result
+
+    async def _probe_space(self) -> bool:
+        """After the disk was full: does a write that needs fresh pages land now?"""
+        async def probe(c: Conn) -> None:
+            async with c.transaction():
+                await c.execute(SPACE_PROBE)
+                raise _Undo
+
+        try:
+            await self.run("space probe", probe)
+        except _Undo:
+            self.note_room()
+            return True
+        except StoreError:
+            return False
+        return False  # pragma: no cover (the probe always ends in _Undo or an error)
 
     def redact(self, text: str) -> str:
         for secret in self._secrets:
@@ -403,9 +477,10 @@ class Database:
                          "(this worker's lease fence is stale)")
 
     async def ping(self) -> bool:
-        """True when the database answers and can take writes (not a read-only replica)."""
+        """True when the database answers and can take writes (not a read-only replica) — and,
+        after a write found its disk full, once a write that needs room lands again."""
         pool = self.pool
-        if pool is None:
+        if pool is None or (self.full_at is not None and not await self._probe_space()):
             return False
         try:
             async with asyncio.timeout(min(2.0, self.timeout_s)), pool.acquire() as conn:
@@ -463,7 +538,9 @@ class InboundLedger:
     async def accept(self, fence: Fence, msg: InboundMessage) -> int | None:
         number, token = self.db.fence(fence), _token()
         payload = json.dumps(msg.to_dict(), ensure_ascii=False)  # text as text, not escapes
-        row = await self.db.run("accept_inbound", lambda c: c.fetchrow(
+        if self.db.full_lately():  # refused (retryable) without asking: the platform or client sends it again
+            raise DiskFull(f"postgres accept_inbound refused: {FULL}")
+        row = await self.db.write("accept_inbound", lambda c: c.fetchrow(
             ACCEPT, fence.session_key, number, _text(msg.platform), _text(msg.chat_id), _text(msg.message_id),
             payload, time.time(), token))
         assert row is not None
@@ -473,7 +550,7 @@ class InboundLedger:
 
     async def finish(self, fence: Fence, inbound_id: int, status: InboundStatus, detail: str | None = None) -> None:
         number = self.db.fence(fence)
-        ok = await self.db.run("finish_inbound", lambda c: c.fetchval(
+        ok = await self.db.write("finish_inbound", lambda c: c.fetchval(
             FINISH, fence.session_key, number, inbound_id, status.value, _opt(detail)))
         if not ok:
             raise self.db.fenced_out("finish_inbound")
@@ -518,7 +595,7 @@ class Transcripts:
         # Named by what it writes: a caller's retry after a lost reply is found already applied.
         token = hashlib.blake2b(repr((number, conversation, columns, inbound_id, status, detail)).encode(
             "utf-8", "surrogatepass"), digest_size=12).hexdigest()
-        row = await self.db.run("append", lambda c: c.fetchrow(
+        row = await self.db.write("append", lambda c: c.fetchrow(
             APPEND, fence.session_key, number, conversation, now, token, *columns, inbound_id,
             status.value if status is not None else None, _opt(detail)))
         assert row is not None
@@ -527,7 +604,7 @@ class Transcripts:
 
     async def reset(self, fence: Fence) -> int:
         number, token, now = self.db.fence(fence), _token(), time.time()
-        row = await self.db.run("reset", lambda c: c.fetchrow(RESET, fence.session_key, number, now, token))
+        row = await self.db.write("reset", lambda c: c.fetchrow(RESET, fence.session_key, number, now, token))
         assert row is not None
         if not row["fenced_ok"]:
             raise self.db.fenced_out("reset")
@@ -537,7 +614,7 @@ class Transcripts:
         """Make `fence` the newest this database has seen for its session (a takeover), so writes
         carrying an older one are refused from now on; FencedOut if a newer one was seen."""
         number = self.db.fence(fence)
-        if not await self.db.run("claim", lambda c: c.fetchval(CLAIM, fence.session_key, number)):
+        if not await self.db.write("claim", lambda c: c.fetchval(CLAIM, fence.session_key, number)):
             raise self.db.fenced_out("claim")
 
     async def sessions(self, limit: int = 100) -> list[SessionInfo]:
@@ -768,7 +845,7 @@ class PostgresStore:
         return await self.db.ping()
 
     def problem(self) -> str | None:
-        return None
+        return FULL if self.db.full_at is not None else None
 
     async def schema_version(self) -> int:
         return await self.db.schema_version()
