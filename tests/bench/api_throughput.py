@@ -197,6 +197,11 @@ class Daemon:
         self.config = tmp / "switchboard.toml"
         loop = f'event_loop = "{event_loop}"\n' if event_loop else ""
         cluster = f'[redis]\nurl = "{redis_url}"\n\n[cluster]\nworker_id = "{worker_id}"\n' if redis_url else ""
+        # The bench is one tenant sending as fast as it can: its quotas would refuse most of it.
+        # (A checkout from before quotas existed refuses the section as unknown.)
+        has_quotas = ((code or Path(__file__).resolve().parents[2]) / "gateway" / "core" / "quotas.py").exists()
+        quotas = ("\n[quotas]\nmessages_per_minute = 0\nrunning_turns = 0\nlive_sessions = 0\n"
+                  if has_quotas else "")
         self.config.write_text(f"""
 [daemon]
 {loop}
@@ -225,7 +230,7 @@ messages_per_minute = 0
 
 [agent_cache]
 max_agents = 100000
-
+{quotas}
 [store]
 data_dir = "{tmp / 'data'}"
 

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,9 +197,7 @@ class FakeProvider:
                     await resp.write(_sse({"choices": [{"index": 0, "delta": delta}]}))
                 await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
             else:
-                text = script.text if script.text is not None else (
-                    self.text_for(conn) if self.text_for is not None else self._default_text(conn.last_user))
-                for word in text.split(" "):
+                for word in self._words(script, conn):
                     await asyncio.sleep(delay)
                     await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": word + " "}}]}))
                     conn.words += 1
@@ -216,8 +214,22 @@ class FakeProvider:
             pass  # the client went away: that is what the tests look for
         return resp
 
+    def _words(self, script: Script, conn: Connection) -> Iterator[str]:
+        """A streamed answer's words. The default answer's are made one at a time: a benchmark's
+        hundreds of 20,000-word streams held as lists would be millions of live objects, and this
+        process's garbage collector pausing over them would show up as stop latency."""
+        if script.text is not None:
+            return iter(script.text.split(" "))
+        if self.text_for is not None:
+            return iter(self.text_for(conn).split(" "))
+        return self._default_words(conn.last_user)
+
+    def _default_words(self, user: str) -> Iterator[str]:
+        yield from f"reply to: {user}".split(" ")
+        yield from (f"w{i}" for i in range(self.words))
+
     def _default_text(self, user: str) -> str:
-        return " ".join([f"reply to: {user}"] + [f"w{i}" for i in range(self.words)])
+        return " ".join(self._default_words(user))
 
     async def _stats(self, _request: web.Request) -> web.Response:
         """For a provider in another process: what each connection saw (perf_counter is system-wide)."""
