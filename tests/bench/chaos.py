@@ -4,6 +4,7 @@ summed over all runs.
 
     python -m tests.bench.chaos --minutes 10 [--seed 1] [--workers 3] [--run-s 60] [--ttl 3]
     python -m tests.bench.chaos --runs 20 --seed 5 [--store postgres]   # a fixed number of runs
+    python -m tests.bench.chaos --runs 5 --store postgres --wipe   # Redis also comes back empty
     python -m tests.bench.chaos --recheck chaos-1.json   # the checker again, on a run's saved records
 
 Exit status 1 if any run found a violation. Each run's records and report are kept under
@@ -26,12 +27,13 @@ from tests.chaos.scenario import Settings, load, run_scenario, save
 
 
 async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: float, out: Path,
-               runs_wanted: int | None = None, store: str = "redis") -> int:
+               runs_wanted: int | None = None, store: str = "redis", wipe: bool = False) -> int:
     deadline = time.monotonic() + minutes * 60
     totals: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     failing: list[int] = []
     runs = 0
+    kinds_allowed = faults.WIPE_KINDS if wipe else faults.PG_KINDS if store == "postgres" else faults.KINDS
     while (runs < runs_wanted if runs_wanted is not None
            else runs == 0 or time.monotonic() + run_s + 30 < deadline):
         run_seed = seed + runs
@@ -39,7 +41,7 @@ async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: flo
         started = time.monotonic()
         settings = Settings(seed=run_seed, workers=workers, ttl_s=ttl_s, chaos_s=run_s,
                             settle_max_s=2 * ttl_s + 10, store=store,
-                            kinds=faults.PG_KINDS if store == "postgres" else faults.KINDS)
+                            kinds=kinds_allowed)
         records, report = await run_scenario(settings, out / f"run-{run_seed}")
         save(records, report, out, store)
         totals.update(report.counts)
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3.0, help="lease TTL (seconds, at least 3)")
     parser.add_argument("--runs", type=int, default=None, help="run exactly this many seeds (overrides --minutes)")
     parser.add_argument("--store", choices=("redis", "postgres"), default="redis", help="where the history lives")
+    parser.add_argument("--wipe", action="store_true",
+                        help="Redis may also come back empty (a restart without persistence; needs --store postgres)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--recheck", type=Path, default=None, help="check a run's saved records (chaos-<seed>.json)")
     args = parser.parse_args()
@@ -73,9 +77,11 @@ def main() -> None:
         report = check(load(args.recheck))
         print(report.text(limit=10_000))
         sys.exit(0 if report.ok else 1)
+    if args.wipe and args.store != "postgres":
+        parser.error("--wipe needs --store postgres (with the history in Redis an empty Redis loses it by design)")
     out = args.out or Path(tempfile.mkdtemp(prefix="switchboard-chaos-"))
     sys.exit(asyncio.run(soak(args.minutes, args.seed, args.workers, args.run_s, args.ttl, out,
-                              runs_wanted=args.runs, store=args.store)))
+                              runs_wanted=args.runs, store=args.store, wipe=args.wipe)))
 
 
 if __name__ == "__main__":

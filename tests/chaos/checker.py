@@ -544,7 +544,8 @@ class _Checker:
         after the fault is over: more of its answer, its end, or a notice. (A pause that outlasts
         TTL + 2 s is check_takeover_latency's case.)"""
         for f in self.r.faults:
-            if f.kind not in ("pause_short", "pause_long", "redis_restart", "pg_restart") or f.ended_at is None:
+            if f.kind not in ("pause_short", "pause_long", "redis_restart", "redis_wipe", "pg_restart") \
+                    or f.ended_at is None:
                 continue
             start, back = f.started_at, f.ended_at
             if f.kind == "pause_long" and back >= start + self.r.ttl_s + TAKEOVER_SLACK_S:

@@ -22,6 +22,9 @@ from tests.chaos.records import FaultRecord
 
 KINDS = ("kill", "kill_restart", "pause_short", "pause_long", "redis_restart")
 PG_KINDS = (*KINDS, "pg_restart")  # with the history in PostgreSQL: it crashes and comes back too
+# Redis crashing and coming back empty (no persistence): with the history in PostgreSQL only
+# coordination is lost, and nothing acknowledged may be (`python -m tests.bench.chaos --wipe`).
+WIPE_KINDS = (*PG_KINDS, "redis_wipe")
 RESTART_S = 3.0  # about how long a worker takes to start (for planning only)
 
 
@@ -96,10 +99,12 @@ async def _orphans(rec: FaultRecord, after_s: float = 0.5) -> None:
 
 
 async def run_one(cluster: ChaosCluster, fault: PlannedFault, log: list[FaultRecord], poke: Poke | None = None) -> None:
-    if fault.kind == "redis_restart":
+    if fault.kind in ("redis_restart", "redis_wipe"):
         rec = FaultRecord(fault.kind, "redis", time.monotonic(), duration=fault.duration)
         log.append(rec)
         await asyncio.to_thread(cluster.redis.kill)  # a crash: SIGKILL (the append-only file is fsynced)
+        if fault.kind == "redis_wipe":
+            await asyncio.to_thread(cluster.redis.forget)
         await asyncio.sleep(fault.duration)
         await asyncio.to_thread(cluster.redis.start)
         rec.ended_at = time.monotonic()

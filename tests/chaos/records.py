@@ -96,7 +96,7 @@ class Incarnation:
 
 @dataclass
 class FaultRecord:
-    kind: str  # kill | kill_restart | pause_short | pause_long | redis_restart
+    kind: str  # kill | kill_restart | pause_short | pause_long | redis_restart | redis_wipe | pg_restart
     target: str  # incarnation name, or "redis"
     started_at: float
     ended_at: float | None = None  # SIGCONT sent / replacement ready / redis answering again

@@ -118,6 +118,15 @@ class RedisServer:
         """SIGKILL: what a crash looks like to clients."""
         self._reap(signal.SIGKILL)
 
+    def forget(self) -> None:
+        """Delete what a stopped server would load at its next start (its append-only files and
+        any snapshot), so that it comes back empty: a restart without persistence."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("redis-server is running: stop or kill it first")
+        shutil.rmtree(self.dir / "appendonlydir", ignore_errors=True)
+        for stale in ("appendonly.aof", "dump.rdb"):
+            (self.dir / stale).unlink(missing_ok=True)
+
     def pause(self) -> None:
         """SIGSTOP: connections stay open but nothing answers."""
         assert self.proc is not None
