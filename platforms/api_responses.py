@@ -195,20 +195,28 @@ def _parameters(body: dict[str, Any]) -> dict[str, Any]:
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} if named else choice
     if (limit := body.get("max_output_tokens")) is not None:
         chat["max_completion_tokens"] = limit
-    text = body.get("text")
-    if text is not None and not isinstance(text, dict):
+    chat.update(_text_parameters(body.get("text")))
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    return chat
+
+
+def _text_parameters(text: Any) -> dict[str, Any]:
+    """The Responses `text` object (its format and verbosity) as chat completion parameters."""
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
         raise BadRequest("'text' must be an object.", param="text")
-    fmt = (text or {}).get("format")
+    chat: dict[str, Any] = {}
+    fmt = text.get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
     elif fmt is not None:
         chat["response_format"] = fmt
-    if (text or {}).get("verbosity") is not None:
-        chat["verbosity"] = text["verbosity"]  # type: ignore[index]
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
+    if text.get("verbosity") is not None:
+        chat["verbosity"] = text["verbosity"]
     return chat
 
 

@@ -141,17 +141,22 @@ class DiscordConnection:
         if self.client.is_closed():
             return Health(False, "stopped")
         states = [(shard, health) for shard in self.shards if (health := shard.health()) is not None]
-        if not states and self._clustered and self._task is not None and self._task.done():
+        if not states and self._standing_by():
             return Health(True, "standing by: another worker holds the Discord gateway"
                           if len(self.shards) == 1 else "standing by: other workers hold the Discord shards")
         if not states or not all(h.ok for _, h in states):
-            down = [h.detail for _, h in states if not h.ok and h.detail != "connecting"]
-            return Health(False, down[0] if down else "connecting to the Discord gateway")
-        text = f"connected as {self.client.user}"
-        if len(self.shards) > 1:
-            text += f" (shard{'s' if len(states) > 1 else ''} {', '.join(str(s.shard_id) for s, _ in states)}" \
-                    f" of {len(self.shards)})"
-        return Health(True, text)
+            return Health(False, _first_problem([h for _, h in states]))
+        return Health(True, f"connected as {self.client.user}{self._shards_held([s for s, _ in states])}")
+
+    def _standing_by(self) -> bool:
+        """In a cluster, started and holding no shard: another worker holds them."""
+        return self._clustered and self._task is not None and self._task.done()
+
+    def _shards_held(self, held: list[Any]) -> str:
+        if len(self.shards) <= 1:
+            return ""
+        ids = ", ".join(str(s.shard_id) for s in held)
+        return f" (shard{'s' if len(held) > 1 else ''} {ids} of {len(self.shards)})"
 
     # --- stopping -------------------------------------------------------------------------
 
@@ -179,3 +184,9 @@ class DiscordConnection:
             for stuck in late:
                 log.warning("discord: the start task did not end after close")
                 stuck.cancel()
+
+
+def _first_problem(states: list[Health]) -> str:
+    """What a Discord connection not (yet) up says: the first shard's problem, else that it connects."""
+    down = [h.detail for h in states if not h.ok and h.detail != "connecting"]
+    return down[0] if down else "connecting to the Discord gateway"

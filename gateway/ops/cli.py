@@ -9,7 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gateway import __version__
 from gateway.core.logs import redactor, setup_logging
@@ -287,9 +287,24 @@ async def _sessions(config: Config, action: str, key: str | None) -> int:
         return 1
 
 
+def _print_worker(worker: str, beat: dict[str, Any], alive: str | None, sessions: list[str], ingress: list[str],
+                  limit: int) -> None:
+    """One worker as `switchboard status` lists it: its state, the ingress leases and sessions it holds."""
+    import time
+
+    state = f"alive ({alive})" if alive else "DEAD"
+    print(f"{worker}  {state}  seen {time.time() - beat['seen_at']:.0f}s ago  "
+          f"http {beat.get('http', '?')}  {len(sessions)} session(s)")
+    for name in ingress:
+        print(f"    ingress  {name}")
+    for session in sessions[:limit]:
+        print(f"    session  {session}")
+    if len(sessions) > limit:
+        print(f"    … and {len(sessions) - limit} more")
+
+
 async def _status(config: Config, limit: int = 50) -> int:
     import json
-    import time
     from typing import cast
 
     from redis.asyncio import Redis
@@ -309,19 +324,10 @@ async def _status(config: Config, limit: int = 50) -> int:
         ingress = sorted({name for raw in workers.values() for name in json.loads(raw).get("ingress", {})})
         holders = {name: cast("str | None", await redis.hget(keys.ingress(name), "worker")) for name in ingress}
         for worker, raw in sorted(workers.items()):
-            beat = json.loads(raw)
             alive = cast("str | None", await redis.get(keys.worker_alive(worker)))
             listed = cast("set[str]", await redis.smembers(keys.worker_sessions(worker)))
-            sessions = sorted(listed - set(ingress))
-            state = f"alive ({alive})" if alive else "DEAD"
-            print(f"{worker}  {state}  seen {time.time() - beat['seen_at']:.0f}s ago  "
-                  f"http {beat.get('http', '?')}  {len(sessions)} session(s)")
-            for name in [name for name in ingress if holders[name] == worker]:
-                print(f"    ingress  {name}")
-            for session in sessions[:limit]:
-                print(f"    session  {session}")
-            if len(sessions) > limit:
-                print(f"    … and {len(sessions) - limit} more")
+            held = [name for name in ingress if holders[name] == worker]
+            _print_worker(worker, json.loads(raw), alive, sorted(listed - set(ingress)), held, limit)
         for name in [name for name in ingress if holders[name] is None]:
             print(f"ingress  {name}: nobody holds it now (a standing-by worker takes it)")
         return 0
