@@ -115,6 +115,7 @@ async def test_redis_restarting_empty_while_the_owner_holds_the_message_loses_no
     await pair.start_owner(redis_server.url)
     forwarding = pair.forward()
     await asyncio.wait_for(pair.owner_events.arrived.wait(), WAIT_DEADLINE_S)
+    await _sender_waiting(redis_server)
     redis_server.kill()
     await asyncio.sleep(DOWN_S)  # the scenario: down longer than a reconnect's retries
     await asyncio.to_thread(redis_server.start)  # the same port, nothing in it
@@ -136,6 +137,7 @@ async def test_a_forward_redis_lost_before_the_owner_read_it_is_forwarded_again(
             await asyncio.sleep(0.01)
     finally:
         client.close()
+    await _sender_waiting(redis_server)
     redis_server.kill()
     await asyncio.sleep(DOWN_S)
     await asyncio.to_thread(redis_server.start)
@@ -144,3 +146,17 @@ async def test_a_forward_redis_lost_before_the_owner_read_it_is_forwarded_again(
     answer = await asyncio.wait_for(forwarding, WAIT_DEADLINE_S)
     assert answer is not None and answer.outcome is Outcome.ACCEPTED
     assert pair.owner_events.delivered == ["m1"]
+
+
+async def _sender_waiting(redis_server: RedisServer) -> None:
+    """Until the sender blocks on its answer (a client in BLPOP): its XADD was acknowledged, so a
+    Redis killed now fails the wait, not the forward itself (which would rightly be refused as
+    unavailable: the sender never heard that its message was taken)."""
+    client = redis_server.client()
+    try:
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while not any(c.get("cmd") == "blpop" for c in client.client_list()):
+            assert time.monotonic() < deadline, "the sender never waited for its answer"
+            await asyncio.sleep(0.01)
+    finally:
+        client.close()

@@ -13,6 +13,7 @@ import aiohttp
 import asyncpg
 import pytest
 
+from gateway.core.ports import OPEN_STATUSES
 from gateway.ops.config import load_config
 from gateway.ops.stores import build_store, store_kind
 from gateway.store.composite import PostgresClusterStore
@@ -154,3 +155,57 @@ async def test_a_cluster_on_postgres_rides_out_a_postgres_restart_and_a_dead_wor
 async def _ready(http: aiohttp.ClientSession, worker: Worker) -> bool:
     status, _ = await readyz(http, worker)
     return status == 200
+
+
+async def test_a_session_whose_adoption_met_postgres_down_is_adopted_again_once_it_is_back(
+        redis_server: RedisServer, provider: FakeProvider, tmp_path: Path, own_pg: PgServer) -> None:
+    """A worker dies mid-turn and PostgreSQL is down when another worker adopts the session: the
+    adoption cannot read what was left open. It must not keep the session unrecovered (its
+    message would stay open for good, the session released as idle and never adopted again); it
+    lets it go, listed, and adopts it again once the store answers, closing the cut-off turn."""
+    url = own_pg.create_database("adoption")
+    provider.delay_s, provider.words = 0.05, 600  # a 30 s answer: a's turn is mid-stream when a dies
+    a, b = (Worker(name, redis_server.url, provider.base_url, tmp_path, ttl_s=TTL, SWITCHBOARD_STORE__URL=url)
+            for name in ("a", "b"))
+    try:
+        await start_all(a, b)
+        async with aiohttp.ClientSession() as http:
+            asking = asyncio.create_task(a.ask(http, "t", "a long one"))
+            await until("a's turn streaming", _streaming(provider, "a long one"))
+            a.kill()
+            own_pg.kill()
+            await asyncio.gather(asking, return_exceptions=True)
+            # b's scan finds the lapsed lease (TTL) and tries to adopt it while the store is down.
+            await until("b trying to adopt t while PostgreSQL is down",
+                        _logged(b, "could not read what api:dm:t left open"), timeout_s=TTL * 10)
+            own_pg.start()
+            await until("t's open message closed by b", _closed(url, "api:dm:t"), timeout_s=TTL * 10)
+    finally:
+        end_all(a, b)
+    assert "Traceback" not in b.log.read_text(errors="replace")
+
+
+def _streaming(provider: FakeProvider, text: str) -> Any:
+    async def check() -> bool:
+        return any(c.words > 0 for c in provider.requests_for(text))
+    return check
+
+
+def _logged(worker: Worker, line: str) -> Any:
+    async def check() -> bool:
+        return line in worker.log.read_text(errors="replace")
+    return check
+
+
+def _closed(url: str, session: str) -> Any:
+    async def check() -> bool:
+        try:
+            conn = await asyncpg.connect(url)
+        except (OSError, asyncpg.PostgresError):
+            return False
+        try:
+            rows = await conn.fetch("SELECT status FROM inbound WHERE session_key = $1", session)
+        finally:
+            await conn.close()
+        return bool(rows) and all(r["status"] not in OPEN_STATUSES for r in rows)
+    return check

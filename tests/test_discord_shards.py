@@ -249,8 +249,15 @@ async def test_two_workers_hold_a_shard_each_and_a_killed_holders_shard_resumes_
         assert [link.how for link in resumed] == ["resume"] * len(resumed)  # the session handed on
         assert set(_shard_holders(redis_server, fake).values()) == {survivor.worker_id}
         assert fake.live_shards() == {0: 1, 1: 1}
-        listed = _status_ingress(await _status(survivor))  # the dead worker is listed (DEAD) or gone already
-        assert listed[survivor.worker_id] == [0, 1] and not listed.get(victim.worker_id), listed
+        # `switchboard status` names the ingress leases its workers' heartbeats name: the
+        # survivor's next heartbeat (every TTL/3) names the shard it took over.
+        deadline = time.monotonic() + TTL + 10
+        while True:
+            listed = _status_ingress(await _status(survivor))  # the dead worker: listed DEAD, or gone
+            if listed.get(survivor.worker_id) == [0, 1] and not listed.get(victim.worker_id):
+                break
+            assert time.monotonic() < deadline, f"switchboard status never listed both shards on the survivor: {listed}"
+            await asyncio.sleep(0.2)
         # After.
         await _send_round(fake, sent, "after", 6)
         await sent.say(fake, THREAD_ID, "thread, second")

@@ -302,10 +302,11 @@ class SlowRecovery(Working):
         self.finish = asyncio.Event()
         self.recovered: list[str] = []
 
-    async def adopted(self, session: str) -> None:
+    async def adopted(self, session: str) -> bool:
         self.recovering.set()
         await self.finish.wait()
         self.recovered.append(session)
+        return True
 
 
 async def test_a_message_for_a_session_being_taken_over_waits_for_the_takeovers_recovery(

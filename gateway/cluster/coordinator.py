@@ -44,6 +44,16 @@ from gateway.core.ports import UNAVAILABLE_RETRY_S, Health, Outcome, Outlet, Sub
 log = logging.getLogger(__name__)
 
 
+async def let_go_unrecovered(redis: AnyRedis, leases: LeaseManager, session: str, *, retry_s: float) -> None:
+    """Give up a session just acquired whose recovery failed: listed as lapsed first (due after
+    `retry_s`, so a scan adopts it again), then released. If Redis fails here, the listing may be
+    missing but the lease lapses by itself and its previous owner's listing, if any, remains."""
+    with contextlib.suppress(RedisError, OSError):
+        due_ms = int((time.time() + retry_s) * 1000)
+        await redis.zadd(keys.leased(), {session: due_ms})
+    await leases.release(session)
+
+
 def new_incarnation() -> str:
     """A fresh identity for this process: its start time and some randomness."""
     return f"{int(time.time()):x}-{secrets.token_hex(3)}"
@@ -203,8 +213,14 @@ class Cluster:
                      extra={"session": session})
         fence = Fence(session, got.lease.fence)
         assert self._events is not None
-        if not got.kept:  # a real takeover: close and resume what a previous owner left open
-            await self._events.adopted(session)
+        # A real takeover: close and resume what a previous owner left open. If the store cannot
+        # say or take that now, the session is let go and listed as lapsed: holding it
+        # unrecovered would leave its open messages open until it is released as idle, unlisted,
+        # and never adopted again.
+        if not got.kept and not await self._events.adopted(session):
+            await let_go_unrecovered(self.redis, self.leases, session, retry_s=self.adopter.scan_interval_s)
+            raise ClusterUnavailable("what this conversation's previous worker left open cannot be "
+                                     "recovered right now (the store failed)")
         return Route(fence=fence)
 
     async def _owner_in_quarantine(self, session: str) -> Route:

@@ -63,8 +63,9 @@ class ClusterEvents(ABC):
         """An operator's stop from another worker: the turn running (or next) in `session`."""
 
     @abstractmethod
-    async def adopted(self, session: str) -> None:
-        """We just took `session` over: finish what its previous owner left open."""
+    async def adopted(self, session: str) -> bool:
+        """We just took `session` over: finish what its previous owner left open. False if that
+        could not be done now (the store failed): the session must not stay ours unrecovered."""
 
 
 class Ownership(Protocol):

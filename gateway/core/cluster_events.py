@@ -60,5 +60,5 @@ class SessionEvents(ClusterEvents):
     def stop_next(self, session: str, reason: ToolReason) -> bool:
         return bool(self._lanes.cancel(session, reason, Scope.NEXT))
 
-    async def adopted(self, session: str) -> None:
-        await self._recovery.recover_taken_over(session)
+    async def adopted(self, session: str) -> bool:
+        return await self._recovery.recover_taken_over(session)

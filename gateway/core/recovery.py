@@ -40,23 +40,26 @@ class Recovery:
         """At start-up: everything the store can enumerate (a shared store leaves this to takeovers)."""
         await self.recover(await self._store.unfinished_inbound(), cut_off=PROCESS_DIED)
 
-    async def recover_taken_over(self, session: str) -> None:
-        """This worker just took `session` over: close and resume what its previous owner left open."""
+    async def recover_taken_over(self, session: str) -> bool:
+        """This worker just took `session` over: close and resume what its previous owner left open.
+        False if the store failed meanwhile: what is still open stays so, and the caller lets the
+        session go so that it is adopted (and this run again) once the store answers."""
         try:
             records = await self._store.unfinished_inbound(session)
         except StoreError as exc:
             log.warning("could not read what %s left open: %s", session, exc, extra={"session": session})
-            return
+            return False
         if not records:
-            return
+            return True
         log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
         try:
             await self.recover(records, cut_off=TAKEN_OVER)
         except StoreError as exc:
             # Adoption runs inside whatever routed a message here (an HTTP request, a forward):
-            # its failure is this worker's to log, never that client's 5xx. What stays open in
-            # the store is recovered by the session's owner, this worker or the next.
+            # its failure is this worker's to log, never that client's 5xx.
             log.warning("could not finish what %s left open: %s", session, exc, extra={"session": session})
+            return False
+        return True
 
     async def recover(self, records: list[InboundRecord], *, cut_off: ToolReason) -> None:
         """`cut_off` names what stopped turns that were still running (a crash, a dead worker)."""

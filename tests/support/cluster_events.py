@@ -40,5 +40,5 @@ class Working(ClusterEvents):
     def stop_next(self, session: str, reason: ToolReason) -> bool:
         return False
 
-    async def adopted(self, session: str) -> None:
-        pass
+    async def adopted(self, session: str) -> bool:
+        return True
