@@ -20,6 +20,7 @@ import pytest_asyncio
 from agent_cache import keys
 from gateway.core.ports import Health
 from platforms.discord_bot import DiscordAdapter
+from platforms.discord_shards import HANDOFF
 from tests.conftest import DaemonFactory
 from tests.fakes.discord_api import (
     ALICE_ID,
@@ -172,6 +173,12 @@ def _shard_holders(redis_server: RedisServer, fake: FakeDiscord) -> dict[int, st
     r = redis_server.client()
     name = f"discord:{keys.token_id(fake.token)}:shard"
     return {i: cast("str | None", r.hget(keys.ingress(f"{name}:{i}"), "worker")) for i in (0, 1)}
+
+
+def _handoff_saved(redis_server: RedisServer, fake: FakeDiscord, shard: int) -> Callable[[], bool]:
+    """The holder of `shard` has saved its gateway session (what a takeover resumes)."""
+    name = f"discord:{keys.token_id(fake.token)}:shard:{shard}"
+    return lambda: redis_server.client().get(keys.ingress_state(name, HANDOFF)) is not None
 
 
 def _no_open_work(redis_server: RedisServer) -> Callable[[], bool]:
@@ -329,6 +336,10 @@ async def test_a_holder_paused_past_its_lease_lets_go_of_its_shard_when_it_wakes
         await until(lambda: set(_shard_holders(redis_server, fake).values()) == {w.worker_id for w in pair}, 30,
                     f"a shard held by each worker: {_shard_holders(redis_server, fake)}")
         await until(lambda: fake.live_shards() == {0: 1, 1: 1}, 30, "both shards connected")
+        # Its holder has saved where shard 1's session is (at most once a second): a takeover
+        # resumes it. (Paused before that, the next holder has no session to resume and identifies
+        # anew, while the paused one's connection stays open until Discord's heartbeat check.)
+        await until(_handoff_saved(redis_server, fake, 1), 30, "shard 1's session saved in its lease state")
         paused = next(w for w in pair if w.worker_id == _shard_holders(redis_server, fake)[1])
         other = next(w for w in pair if w is not paused)
         links_before = len(fake.shard_links)
