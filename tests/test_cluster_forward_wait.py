@@ -12,13 +12,19 @@ from dataclasses import dataclass
 import pytest
 
 from agent_cache import keys
+from gateway.agents.echo import EchoAgent
+from gateway.agents.tools import ToolRegistry
 from gateway.cluster.coordinator import Cluster
-from gateway.core.messages import ChatType, InboundMessage
+from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.messages import ChatType, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import Outcome, Outlet, Submitted
 from gateway.store.redis import connect
+from gateway.store.sqlite import SqliteStore
+from tests.fakes.memory_chat import MemoryChat
 from tests.support.cluster_events import Working
 from tests.support.redis_server import RedisServer
+from tests.support.routers import build_router
 
 TTL = 6.0
 WAIT_DEADLINE_S = 30.0  # readiness on a busy machine; never a figure asserted on
@@ -160,3 +166,57 @@ async def _sender_waiting(redis_server: RedisServer) -> None:
             await asyncio.sleep(0.01)
     finally:
         client.close()
+
+
+class RefusingOnce(Working):
+    """The owner's core: cannot take the first delivery of a message (its store failed, say), takes
+    every later one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delivered: list[str] = []
+
+    async def deliver(self, msg: InboundMessage, session: str, hops: int, *,
+                      via: Callable[[Outlet], Outlet] | None = None) -> Submitted | None:
+        self.delivered.append(msg.message_id)
+        if len(self.delivered) == 1:
+            return Submitted(Outcome.UNAVAILABLE, "could not save it", retry_after_s=1.0)
+        return Submitted(Outcome.ACCEPTED)
+
+
+class PushingChat(MemoryChat):
+    """A platform that can be answered from any worker (as Telegram and Discord can)."""
+
+    name = "pushing"
+    pushes_anywhere = True
+
+
+async def test_a_message_the_owner_could_not_take_is_forwarded_again_when_the_platform_redelivers_it(
+        redis_server: RedisServer, store: SqliteStore) -> None:
+    """The owner answers "unavailable" (retryable): the platform is told so and delivers the
+    message again, and that delivery must reach the owner again. The sender had remembered the
+    message as seen and answered the redelivery "duplicate" (2xx): acknowledged, stored nowhere."""
+    chat = PushingChat()
+    msg = chat.message("42", "hello", mid="m1")
+    owner_events = RefusingOnce()
+    owner = Cluster(connect(redis_server.url, decode_responses=True), "owner", ttl_s=TTL, metrics=Metrics())
+    sender = Cluster(connect(redis_server.url, decode_responses=True), "sender", ttl_s=TTL, metrics=Metrics())
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=sender)
+    try:
+        await owner.start(owner_events)
+        key = session_key(msg)
+        assert (await owner.route(key)).fence is not None  # the owner holds the session
+        await sender.start(router.cluster_events())
+        await chat.start(router)
+        await router.start()
+        first = await router.submit(msg, chat)
+        assert first.outcome is Outcome.UNAVAILABLE and first.retry_after_s
+        again = await router.submit(chat.message("42", "hello", mid="m1"), chat)
+        assert again.outcome is Outcome.FORWARDED, again
+        assert owner_events.delivered == ["m1", "m1"]
+        third = await router.submit(chat.message("42", "hello", mid="m1"), chat)
+        assert third.outcome is Outcome.DUPLICATE  # taken once: a true repeat stays out
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await sender.stop()
+        await owner.stop()

@@ -99,7 +99,8 @@ class Forwarder:
         result = await self._wait(request, REPLY_WAIT_S, resend)
         if result is None:
             return None
-        return Answer(Submitted(Outcome(result["outcome"]), result["detail"]), result.get("token"))
+        return Answer(Submitted(Outcome(result["outcome"]), result["detail"],
+                                retry_after_s=result.get("retry_after_s")), result.get("token"))
 
     def close(self) -> None:
         """Stopping: every wait ends (with no answer) within a slice, and no new one waits."""
@@ -166,7 +167,8 @@ class Forwarder:
         """What the owner made of a forwarded message, for the worker waiting in `forward`."""
         key = keys.forward_reply(request)
         token = result.run.token if result.run is not None else None
-        answer = {"outcome": result.outcome.value, "detail": result.detail, "token": token}
+        answer = {"outcome": result.outcome.value, "detail": result.detail, "token": token,
+                  "retry_after_s": result.retry_after_s}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lpush(key, json.dumps(answer, ensure_ascii=False))
             pipe.expire(key, REPLY_TTL_S)

@@ -64,7 +64,21 @@ class Intake:
         refusal = await self._gates.screen(a)
         if refusal is not None:
             return await self._refuse(a, refusal)
-        return await self._settled(a, self._taken(a)) if a.takes_a_turn else await self._taken(a)
+        return await self._untaken_forgotten(a, self._settled(a, self._taken(a)) if a.takes_a_turn else self._taken(a))
+
+    async def _untaken_forgotten(self, a: Arrival, taking: Awaitable[Submitted]) -> Submitted:
+        """Invariant: a message remembered as seen was taken (stored, forwarded and confirmed, or
+        answered). One that was not — unavailable, or an error on the way — is forgotten, so the
+        platform's redelivery gets in instead of being answered "duplicate": acknowledged, and
+        stored nowhere."""
+        try:
+            result = await taking
+        except BaseException:
+            self._recent.forget(a.msg)
+            raise
+        if result.outcome is Outcome.UNAVAILABLE:
+            self._recent.forget(a.msg)
+        return result
 
     async def _refuse(self, a: Arrival, refusal: Refusal) -> Submitted:
         return await self._answers.refuse(a.outlet, a.msg, a.key, refusal)

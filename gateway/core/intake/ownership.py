@@ -132,7 +132,6 @@ class ClusterNode:
         try:
             result = await self._ownership.forward(owner, a.msg, a.key, hops=a.hops, want_reply=True)
         except ClusterUnavailable as exc:
-            self._recent.forget(a.msg)
             log.warning("forwarding to %s failed: %s", owner, exc, extra={"session": a.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
         return await self._confirmed(a, owner, result)
@@ -142,19 +141,16 @@ class ClusterNode:
         try:
             result = await self._ownership.relay(owner, a.msg, a.key, hops=a.hops, outlet=a.outlet)
         except ClusterUnavailable as exc:
-            self._recent.forget(a.msg)
             log.warning("relaying from %s failed: %s", owner, exc, extra={"session": a.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
-        if result.outcome is Outcome.UNAVAILABLE:
-            self._recent.forget(a.msg)
         return result
 
     async def _confirmed(self, a: Arrival, owner: str, result: Submitted | None) -> Submitted:
         """What the owner said of a forwarded message (None: nothing, in time)."""
         answered_here = a.cmd is not None and not a.outlet.pushes_anywhere  # the owner cannot reach this client
         if result is None:
-            self._recent.forget(a.msg)
             if answered_here:
+                self._recent.forget(a.msg)  # (unavailable answers are forgotten by the intake)
                 return await self._answers.reject(a.outlet, a.msg, a.key, NO_ANSWER)
             log.warning("%s did not confirm a forwarded message in time", owner, extra={"session": a.key})
             return Submitted(Outcome.UNAVAILABLE, "the owner did not confirm it", retry_after_s=UNAVAILABLE_RETRY_S)

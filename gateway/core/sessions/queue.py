@@ -15,7 +15,6 @@ from gateway.core.cancellation import NEW_MESSAGE, Run
 from gateway.core.cluster import ClusterUnavailable
 from gateway.core.fencing import Fence
 from gateway.core.intake.answers import Answers
-from gateway.core.intake.dedupe import RecentMessages
 from gateway.core.intake.gates import Arrival
 from gateway.core.intake.ownership import Owners
 from gateway.core.messages import InboundMessage
@@ -36,13 +35,12 @@ ACCEPT_RETRY_S = 5.0  # a message is held (not yet acknowledged) this long throu
 
 class TurnQueue:
     def __init__(self, *, lanes: Lanes, owners: Owners, store: Store, busy: BusyPolicies, origins: Origins,
-                 recent: RecentMessages, answers: Answers, jobs: BackgroundJobs | None = None) -> None:
+                 answers: Answers, jobs: BackgroundJobs | None = None) -> None:
         self._lanes = lanes
         self._owners = owners
         self._store = store
         self._busy = busy
         self._origins = origins
-        self._recent = recent
         self._answers = answers
         self._jobs = jobs
 
@@ -112,7 +110,6 @@ class TurnQueue:
             turn.inbound_id = await self._accept(turn)
         except (StoreError, ClusterUnavailable) as exc:
             turn.accepted.set_result(False)
-            self._recent.forget(turn.msg)
             log.error("could not store an inbound message: %s", exc, extra={"session": turn.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_SAVED)
         if turn.inbound_id is None:
