@@ -14,6 +14,7 @@ from gateway.core.intake.dedupe import RecentMessages
 from gateway.core.intake.ownership import Owners
 from gateway.core.live import Reads
 from gateway.core.messages import InboundMessage
+from gateway.core.outage import OutageLog
 from gateway.core.ports import InboundRecord, InboundStatus, NoticeKind, Outlet, Outlets, Store, StoreError
 from gateway.core.sessions.queue import TurnQueue
 from gateway.core.settings import CoreSettings
@@ -35,6 +36,8 @@ class Recovery:
         self._queue = queue
         self._recent = recent
         self._settings = settings
+        # Adoption is retried every scan while the store is down: one line per outage, not per try.
+        self._outage = OutageLog(log, "recovering sessions taken over")
 
     async def recover_all(self) -> None:
         """At start-up: everything the store can enumerate (a shared store leaves this to takeovers)."""
@@ -47,9 +50,11 @@ class Recovery:
         try:
             records = await self._store.unfinished_inbound(session)
         except StoreError as exc:
-            log.warning("could not read what %s left open: %s", session, exc, extra={"session": session})
+            self._outage.failed(type(exc).__name__, f"could not read what {session} left open "
+                                f"(retried while the store fails): {exc}")
             return False
         if not records:
+            self._outage.recovered("the store answers again")
             return True
         log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
         try:
@@ -57,8 +62,10 @@ class Recovery:
         except StoreError as exc:
             # Adoption runs inside whatever routed a message here (an HTTP request, a forward):
             # its failure is this worker's to log, never that client's 5xx.
-            log.warning("could not finish what %s left open: %s", session, exc, extra={"session": session})
+            self._outage.failed(type(exc).__name__, f"could not finish what {session} left open "
+                                f"(retried while the store fails): {exc}")
             return False
+        self._outage.recovered("the store answers again")
         return True
 
     async def recover(self, records: list[InboundRecord], *, cut_off: ToolReason) -> None:
