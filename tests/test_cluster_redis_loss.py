@@ -135,3 +135,39 @@ async def test_after_redis_restarts_empty_no_worker_runs_a_session_another_may_s
                   f"{waited:.2f} s after; b answered {statuses}")
     finally:
         end_all(*workers)
+
+
+async def test_after_redis_restarts_empty_the_telegram_poller_stops_and_nobody_polls_during_the_quarantine(
+        provider: FakeProvider, start_redis: RedisFactory, tmp_path: Path) -> None:
+    """The poller's ingress lease is lost with Redis's data like a session's: its holder stops
+    polling as soon as it notices, and nobody takes the lease for one TTL — a holder that has not
+    noticed yet may still be polling, and two pollers of one bot cut each other off (409). Then
+    polling resumes and a message sent meanwhile is answered."""
+    ttl = 6.0
+    provider.delay_s, provider.words = 0.0, 2
+    redis = start_redis()  # no persistence: a restart comes back empty
+    workers: list[Worker] = []
+    try:
+        async with FakeTelegramAPI() as fake:
+            env = {**_env(fake), "SWITCHBOARD_TELEGRAM__MODE": "polling", "SWITCHBOARD_TELEGRAM__POLL_TIMEOUT_S": "1"}
+            a, b = (Worker(name, redis.url, provider.base_url, tmp_path, ttl_s=ttl, **env) for name in "ab")
+            workers += [a, b]
+            await start_all(a, b)
+            fake.push_text(42, "first", user_id=42)
+            await until(lambda: bool(_answers(fake, 42, "first")), 15, "first never answered", every=0.05)
+            redis.kill()
+            await asyncio.to_thread(redis.start)  # the same port, nothing in it
+            restarted = fake.clock()
+            await until(lambda: all("Redis lost its data" in w.log.read_text() for w in (a, b)), 3 * ttl,
+                        "a worker never noticed", every=0.1)
+            fake.push_text(42, "second", user_id=42)
+            await until(lambda: bool(_answers(fake, 42, "second")), 4 * ttl, "second never answered", every=0.05)
+    finally:
+        end_all(*workers)
+    after = [p.time - restarted for p in fake.polls if p.time >= restarted]
+    # A poll started before the holder noticed ends within its 1 s timeout; then none until the
+    # quarantine (one TTL from when each worker noticed) is over.
+    early = [round(t, 2) for t in after if 1.5 <= t < 0.9 * ttl]
+    assert early == [], f"polled during the quarantine, at {early} s after the restart"
+    assert [p.status for p in fake.polls if p.time >= restarted and p.status == 409] == []
+    assert len(_answers(fake, 42, "second")) == 1

@@ -12,6 +12,7 @@ from typing import cast
 from redis.exceptions import RedisError
 
 from agent_cache import keys
+from agent_cache.leases import DataLost
 from gateway.cluster.coordinator import Cluster
 from gateway.core.outage import OutageLog
 
@@ -53,13 +54,25 @@ class IngressLeader:
     async def attempt(self) -> float | None:
         """One try: None once this worker holds the lease, else the seconds to wait before the next
         (until the holder's lease would lapse, and never more than `_retry_s`)."""
+        loss = self.cluster.loss
         try:
+            await loss.fresh()
+            if loss.quarantined():  # a holder that has not noticed Redis's loss may still be polling
+                self._outage.failed("quarantined", loss.refusal(), level=logging.INFO)
+                return self._retry_s
+            losses = loss.losses
             got = await self.cluster.leases.acquire(self.name, keys.ingress(self.name),
                                                     keys.ingress_state(self.name, "fence"))
+        except DataLost:
+            await loss.lost()
+            return self._retry_s
         except (RedisError, OSError) as exc:
             self._outage.failed("unreachable", f"cannot reach Redis ({type(exc).__name__})")
             return self._retry_s
         self._outage.recovered("Redis answers again")
+        if got.lease is not None and loss.losses != losses:  # taken across a loss: not trusted
+            self.cluster.leases.drop([self.name], "Redis lost its data while it was acquired")
+            return self._retry_s
         if got.lease is not None:
             self.cluster.ingress[self.name] = "leader"
             self._announced = False

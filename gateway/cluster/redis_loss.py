@@ -41,7 +41,7 @@ class RedisLoss:
     def __init__(self, redis: AnyRedis, leases: LeaseManager, *, ingress: dict[str, str], ttl_s: float) -> None:
         self.redis = redis
         self.leases = leases
-        self.ingress = ingress  # ingress lease names (not sessions: their holders watch them themselves)
+        self.ingress = ingress  # ingress lease names (not sessions: not listed for adoption)
         self.ttl_s = ttl_s
         self.inbox: Inbox | None = None  # made again after a loss (set once the worker has one)
         self.value: str | None = None  # the sentinel's value when we joined
@@ -95,7 +95,7 @@ class RedisLoss:
         later, meanwhile overlapping a turn another worker may have started for the session)."""
         while True:
             await asyncio.sleep(SENTINEL_EVERY_S)
-            if not self._recovering and len(self.leases.held) <= len(self.ingress):
+            if not self._recovering and not self.leases.held:
                 continue  # nothing at stake; the heartbeat looks every TTL/3
             try:
                 await self.fresh()
@@ -118,12 +118,15 @@ class RedisLoss:
             self.losses += 1
             self._quarantine_until = lease_clock() + self.ttl_s
             held = [name for name in self.leases.held if name not in self.ingress]
+            ingress = [name for name in self.leases.held if name in self.ingress]
             self._relist.update(held)
-            log.error("cluster: Redis lost its data (restarted without persistence?): %d session(s) held here "
-                      "were dropped and are taken again after %.1f s (one lease TTL: a worker that has not "
-                      "noticed yet may still be running a turn); inboxes are re-established",
-                      len(held), self.ttl_s)
-            self.leases.drop(held, "Redis lost its data")
+            log.error("cluster: Redis lost its data (restarted without persistence?): %d session(s) and %d "
+                      "ingress lease(s) held here were dropped and are taken again after %.1f s (one lease "
+                      "TTL: a worker that has not noticed yet may still be running a turn, polling Telegram "
+                      "or holding a Discord shard); inboxes are re-established", len(held), len(ingress), self.ttl_s)
+            # Ingress leases too: their pollers and shards stop at once, and nobody takes them over
+            # before the quarantine ends (two pollers of one bot, or two connections of one shard).
+            self.leases.drop([*held, *ingress], "Redis lost its data")
         try:
             if self.inbox is not None:
                 await self.inbox.create()
