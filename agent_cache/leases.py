@@ -594,6 +594,11 @@ class LeaseManager:
         for name in names:
             self._lose(name, expired=False, why=why)
 
+    def lost_since(self, at: float) -> list[str]:
+        """Leases lost (by this worker's clock or at renewal) since `at` (lease clock), as far back
+        as two TTLs, and not held again since."""
+        return [name for name, lost in self._lost_at.items() if lost >= at]
+
     def _lose(self, name: str, *, expired: bool, why: str | None = None) -> None:
         lease = self.held.pop(name, None)
         self.renewed_at.pop(name, None)

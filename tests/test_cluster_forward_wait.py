@@ -220,3 +220,4 @@ async def test_a_message_the_owner_could_not_take_is_forwarded_again_when_the_pl
         await router.shutdown(GATEWAY_RESTART, grace_s=5)
         await sender.stop()
         await owner.stop()
+

@@ -10,10 +10,16 @@ from pathlib import Path
 
 import aiohttp
 
+from agent_cache import keys
+from gateway.cluster.coordinator import Cluster
+from gateway.core.metrics import Metrics
+from gateway.store.redis import connect
 from tests.conftest import RedisFactory
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
+from tests.support.cluster_events import Working
 from tests.support.procs import until
+from tests.support.redis_server import RedisServer
 from tests.support.workers import Worker, content, end_all, start_all
 
 TTL = 3.0
@@ -171,3 +177,25 @@ async def test_after_redis_restarts_empty_the_telegram_poller_stops_and_nobody_p
     assert early == [], f"polled during the quarantine, at {early} s after the restart"
     assert [p.status for p in fake.polls if p.time >= restarted and p.status == 409] == []
     assert len(_answers(fake, 42, "second")) == 1
+
+
+async def test_a_session_lost_at_renewal_just_before_the_data_loss_was_noticed_is_listed_again(
+        redis_server: RedisServer) -> None:
+    """Redis came back empty and a renewal round found the session's lease gone an instant before
+    the sentinel look noticed why: the session had been dropped already, so the loss handling did
+    not list it, and the wipe had taken its listing too — nobody adopted it, and its open turn
+    stayed open for good (the chaos soak, PostgreSQL with --wipe, seed 2: 14 sessions)."""
+    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=TTL, metrics=Metrics())
+    await worker.start(Working())
+    client = redis_server.client()
+    try:
+        assert (await worker.route("api:dm:s1")).fence is not None
+        client.delete(keys.lease("api:dm:s1"))  # the wipe, as the renewal round meets it first
+        await worker.leases.renew_all()
+        assert "api:dm:s1" not in worker.leases.held
+        client.flushall()  # ... and the rest of it, which the sentinel look notices
+        await worker.loss.lost()
+        assert client.zscore(keys.leased(), "api:dm:s1") is not None, "the lost session is listed nowhere"
+    finally:
+        client.close()
+        await worker.stop()

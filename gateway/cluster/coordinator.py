@@ -88,7 +88,9 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._chores: set[asyncio.Task[None]] = set()
         self._housekeeping = OutageLog(log, "cluster housekeeping")
-        self.loss = RedisLoss(redis, self.leases, ingress=self.ingress, ttl_s=ttl_s)  # and its quarantine
+        self.ingress_names: set[str] = set()  # every ingress lease a leader here stands for
+        self.loss = RedisLoss(redis, self.leases, ingress=self.ingress, ingress_names=self.ingress_names,
+                              ttl_s=ttl_s)  # and its quarantine
 
     @property
     def worker_id(self) -> str:

@@ -35,6 +35,7 @@ class IngressLeader:
     def __init__(self, cluster: Cluster, name: str) -> None:
         self.cluster = cluster
         self.name = name
+        cluster.ingress_names.add(name)
         self._save = cluster.redis.register_script(_SAVE)
         self._outage = OutageLog(log, f"ingress {name}")  # Redis unreachable while standing by
         self._announced = False  # "standing by" logged (once per stretch of standing by)

@@ -38,10 +38,12 @@ SENTINEL_EVERY_S = 0.05
 
 
 class RedisLoss:
-    def __init__(self, redis: AnyRedis, leases: LeaseManager, *, ingress: dict[str, str], ttl_s: float) -> None:
+    def __init__(self, redis: AnyRedis, leases: LeaseManager, *, ingress: dict[str, str], ingress_names: set[str],
+                 ttl_s: float) -> None:
         self.redis = redis
         self.leases = leases
-        self.ingress = ingress  # ingress lease names (not sessions: not listed for adoption)
+        self.ingress = ingress  # ingress leases held (not sessions: not listed for adoption)
+        self.ingress_names = ingress_names  # every ingress lease this worker stands for, held or not
         self.ttl_s = ttl_s
         self.inbox: Inbox | None = None  # made again after a loss (set once the worker has one)
         self.value: str | None = None  # the sentinel's value when we joined
@@ -120,6 +122,12 @@ class RedisLoss:
             held = [name for name in self.leases.held if name not in self.ingress]
             ingress = [name for name in self.leases.held if name in self.ingress]
             self._relist.update(held)
+            # Also what a renewal round found gone an instant before this look noticed why: the
+            # loss took its listing too, and its turn was cut off with work open. (An ingress
+            # lease lost is never listed: its standby takes it by itself.) Listing one another
+            # worker took meanwhile is harmless: the scan finds it held.
+            self._relist.update(name for name in self.leases.lost_since(lease_clock() - self.ttl_s)
+                                if name not in self.ingress_names)
             log.error("cluster: Redis lost its data (restarted without persistence?): %d session(s) and %d "
                       "ingress lease(s) held here were dropped and are taken again after %.1f s (one lease "
                       "TTL: a worker that has not noticed yet may still be running a turn, polling Telegram "
