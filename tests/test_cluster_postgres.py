@@ -214,3 +214,52 @@ def _closed(url: str, session: str) -> Any:
             await conn.close()
         return bool(rows) and all(r["status"] not in OPEN_STATUSES for r in rows)
     return check
+
+
+async def test_a_relayed_answer_that_ends_while_redis_is_down_still_reaches_its_client(
+        start_redis: Any, provider: FakeProvider, tmp_path: Path, pg_url: str) -> None:
+    """The client waits on b; a owns the session and runs the turn. Its answer ends, and is recorded
+    in PostgreSQL, while Redis is down: the relay events carrying the end could not be written.
+    They were dropped, and the client was left waiting (or told to retry an answer already
+    recorded, which its retry then recorded twice); now they are written once Redis is back."""
+    from tests.fakes.openai_provider import Script
+
+    redis = start_redis("redis", persistence=True)  # a restart keeps the leases: only the outage matters
+    provider.delay_s, provider.words = 0.0, 2
+    words = " ".join(f"w{i}" for i in range(40))
+    provider.by_text["long"] = Script(text=words, delay_s=0.05)  # 2 s
+    a, b = (Worker(name, redis.url, provider.base_url, tmp_path, ttl_s=6.0, SWITCHBOARD_STORE__URL=pg_url)
+            for name in ("a", "b"))
+    try:
+        await start_all(a, b)
+        async with aiohttp.ClientSession() as http:
+            assert (await a.ask(http, "r", "hello"))[0] == 200  # a owns r
+            asking = asyncio.ensure_future(b.ask(http, "r", "long"))
+            try:
+                await until("a streaming", _streaming(provider, "long"), timeout_s=15)
+                redis.kill()
+                await until("a's answer recorded while Redis is down", _recorded(pg_url, "api:dm:r", words),
+                            timeout_s=15)
+                await asyncio.sleep(0.5)  # its end is published (and fails) right after the record lands
+                assert "relay publisher: could not publish" in a.log.read_text(errors="replace")
+                await asyncio.to_thread(redis.start)
+                status, body = await asyncio.wait_for(asking, 30)
+            finally:
+                asking.cancel()
+    finally:
+        end_all(a, b)
+    assert status == 200, body
+    assert content(body).rstrip() == words
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def _recorded(url: str, session: str, text: str) -> Any:
+    async def check() -> bool:
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch("SELECT content FROM messages WHERE session_key = $1 AND role = 'assistant'",
+                                    session)
+        finally:
+            await conn.close()
+        return any(r["content"].rstrip() == text for r in rows)
+    return check

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from redis.exceptions import RedisError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis
+from gateway.core.backoff import Backoff
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import ChatRef, InboundMessage
 from gateway.core.outage import OutageLog
@@ -37,6 +39,8 @@ STREAM_MAXLEN = 100_000  # entries kept per relay stream (approximately): minute
 READ_COUNT = 500
 OWNER_GONE = "The worker running this conversation stopped; please try again."
 OWNER_GONE_RETRY_S = 2.0
+RELAY_LOST = ToolReason.system("part of the answer was lost on its way from the worker running it")
+OWNER_GIVEN_UP = ToolReason.system("its client was told the worker running it stopped")
 
 Event = dict[str, Any]
 
@@ -63,30 +67,52 @@ class RelayPublisher:
         self._queue.put_nowait((worker, event))
 
     async def _flush(self) -> None:
+        backoff = Backoff(0.05, 1.0)
         while True:
             batch = [await self._queue.get()]
             while not self._queue.empty() and len(batch) < READ_COUNT:
                 batch.append(self._queue.get_nowait())
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for worker, event in batch:
-                        pipe.xadd(keys.relay(worker), {"e": json.dumps(event, ensure_ascii=False)},
-                                  maxlen=STREAM_MAXLEN, approximate=True)
-                    await pipe.execute()
-            except (RedisError, OSError) as exc:  # the receiver gives up on its owner in time
-                self._outage.failed(type(exc).__name__, f"could not publish {len(batch)} event(s): {exc}")
-                continue
-            self._outage.recovered("publishing again")
+            # Invariant: a batch is written before any later event (order per relay), and is
+            # retried until it is: a turn's end lost here would leave its client told to retry an
+            # answer that is recorded. A retry after a partial write repeats events; receivers
+            # drop repeats by number.
+            while True:
+                if await self._write(batch):
+                    break
+                await asyncio.sleep(backoff.step())
+            backoff.reset()
+
+    async def _write(self, batch: list[tuple[str, Event]]) -> bool:
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker, event in batch:
+                    pipe.xadd(keys.relay(worker), {"e": json.dumps(event, ensure_ascii=False)},
+                              maxlen=STREAM_MAXLEN, approximate=True)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._outage.failed(type(exc).__name__, f"could not publish {len(batch)} event(s), retrying: {exc}")
+            return False
+        self._outage.recovered("publishing again")
+        return True
+
+
+class _Channel:
+    """One relay's events, numbered from 1 in the order the owner says them (the reply's and the
+    notices alike): the receiver drops a repeat and notices a gap."""
+
+    def __init__(self, publisher: RelayPublisher, worker: str, relay_id: str) -> None:
+        self._publisher, self._worker, self._id = publisher, worker, relay_id
+        self._numbers = itertools.count(1)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self._publisher.publish(self._worker, {"r": self._id, "n": next(self._numbers), "e": kind, **fields})
 
 
 class RelayReply(Reply):
     """A turn's reply, run on the owner, for a client connected to another worker."""
 
-    def __init__(self, publisher: RelayPublisher, worker: str, relay_id: str) -> None:
-        self._publisher, self._worker, self._id = publisher, worker, relay_id
-
-    def _send(self, kind: str, **fields: Any) -> None:
-        self._publisher.publish(self._worker, {"r": self._id, "e": kind, **fields})
+    def __init__(self, channel: _Channel) -> None:
+        self._send = channel.send
 
     async def delta(self, text: str) -> None:
         self._send("delta", t=text)
@@ -112,7 +138,8 @@ class RelayOutlet:
     notices going to the worker the client is connected to."""
 
     def __init__(self, inner: Outlet, publisher: RelayPublisher, worker: str, relay_id: str) -> None:
-        self._inner, self._publisher, self._worker, self._id = inner, publisher, worker, relay_id
+        self._inner = inner
+        self._channel = _Channel(publisher, worker, relay_id)
 
     @property
     def name(self) -> str:
@@ -135,13 +162,12 @@ class RelayOutlet:
         return self._inner.answers_later
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
-        return RelayReply(self._publisher, self._worker, self._id)
+        return RelayReply(self._channel)
 
     async def notify(self, chat: ChatRef, text: str, *, reply_to: str | None = None,
                      kind: NoticeKind = NoticeKind.INFO, reason: ToolReason | None = None) -> None:
-        self._publisher.publish(self._worker, {"r": self._id, "e": "notice", "t": text, "k": kind.value,
-                                               "rk": reason.kind if reason else None,
-                                               "rx": reason.text if reason else None})
+        self._channel.send("notice", t=text, k=kind.value, rk=reason.kind if reason else None,
+                           rx=reason.text if reason else None)
 
 
 @dataclass(eq=False)
@@ -158,6 +184,7 @@ class _Link:
     token: str | None = None  # the owner's run: what a cancel from here names
     cancel: ToolReason | None = None  # cancelled here before the owner's token was known
     last_event: float = field(default_factory=time.monotonic)
+    next_number: int = 1  # the number of the owner's next event (see `_Channel`)
 
 
 CancelSender = Callable[[str, str, str, ToolReason], Awaitable[None]]  # (owner, session, token, reason)
@@ -238,9 +265,17 @@ class RelayReader:
         except (KeyError, ValueError, TypeError):
             log.warning("dropping a malformed relay event")
             return
-        if link is not None:  # (None: a relay that ended here already, or another incarnation's)
-            link.last_event = time.monotonic()
-            link.events.put_nowait(event)
+        if link is None:  # a relay that ended here already, or another incarnation's
+            return
+        number = event.get("n", link.next_number)
+        if number < link.next_number:  # a repeat: the owner retried a write that had landed
+            return
+        if number > link.next_number:  # events Redis lost (it restarted without them)
+            self._end(link, RELAY_LOST)
+            return
+        link.next_number += 1
+        link.last_event = time.monotonic()
+        link.events.put_nowait(event)
 
     async def _play(self, link: _Link) -> None:
         """Until the relay ends: its events into the client's reply. A cancel of the local run
@@ -259,7 +294,10 @@ class RelayReader:
 
     async def _watch_owners(self) -> None:
         """A relay whose owner stopped being alive ends here, retryably: its client does not wait
-        for events nobody will publish."""
+        for events nobody will publish. Gone means no heartbeat for a whole TTL past the key's
+        expiry: a Redis that restarted (its keys expired meanwhile, or lost) is missing the key of
+        an owner alive and streaming until that owner's next heartbeat, within a third of a TTL."""
+        missing_since: dict[str, float] = {}
         while True:
             await asyncio.sleep(self._ttl_s / 3)
             owners = {link.owner for link in self._links.values() if link.token is not None}
@@ -268,15 +306,28 @@ class RelayReader:
                     alive = await self._redis.exists(keys.worker_alive(owner))
                 except (RedisError, OSError):
                     continue  # Redis itself is down: the publisher's side cannot be told either
-                if not alive:
+                if alive:
+                    missing_since.pop(owner, None)
+                elif time.monotonic() - missing_since.setdefault(owner, time.monotonic()) >= self._ttl_s:
                     self._owner_gone(owner)
+            for owner in set(missing_since) - owners:
+                del missing_since[owner]
 
     def _owner_gone(self, owner: str) -> None:
         for link in [x for x in self._links.values() if x.owner == owner]:
             log.warning("the owner of a relayed turn (%s) is gone", owner, extra={"session": link.run.session_key})
+            self._cancel(link, OWNER_GIVEN_UP)  # if it lives after all, it must not record the answer as whole
             link.events.put_nowait({"e": "failed", "t": OWNER_GONE, "a": OWNER_GONE_RETRY_S})
             link.events.put_nowait({"e": "settled", "p": None})
             self._links.pop(link.relay_id, None)
+
+    def _end(self, link: _Link, reason: ToolReason) -> None:
+        """End a relay here as interrupted (`reason`), and stop its run on the owner."""
+        log.warning("a relayed turn ends here: %s", reason.text, extra={"session": link.run.session_key})
+        self._cancel(link, reason)
+        link.events.put_nowait({"e": "interrupted", "k": reason.kind, "x": reason.text})
+        link.events.put_nowait({"e": "settled", "p": None})
+        self._links.pop(link.relay_id, None)
 
 
 async def _notice(link: _Link, event: Event) -> None:
