@@ -30,10 +30,11 @@ Invariants:
     superseded; it is in the transcript (a webhook 2xx is a promise to keep it); every partial
     answer shown for it is followed by an answer or a notice for it; no takeover notice follows
     its whole answer; its first answer or notice comes within a bound (records.outcome_bound:
-    answer time + 3 s, plus for each fault that can hold it up its length + TTL + 2 s); a turn
-    streaming when a pause or a Redis restart began shows something within TTL + 2 s after the
-    fault ended; a turn streaming on a process that is killed, restarted, or stopped past TTL +
-    2 s is taken over (a notice or a stream for it from another incarnation) within TTL + 2 s.
+    answer time + 3 s, plus for each fault that can hold it up its length + TTL + 2 s, and one
+    TTL more for Redis back empty: the workers' quarantine); a turn streaming when a pause or a
+    Redis restart began shows something within TTL + 2 s (+ the quarantine) after the fault
+    ended; a turn streaming on a process that is killed, restarted, or stopped past TTL + 2 s is
+    taken over (a notice or a stream for it from another incarnation) within TTL + 2 s.
 (c) *Acquisitions* of a session: each turn's first stream (by its incarnation) and each takeover
     notice. Output of a turn (its Telegram sends and edits, a stop notice, "typing", and provider
     requests that continue it after a tool) must not happen after another incarnation's later
@@ -75,6 +76,7 @@ from tests.chaos.records import (
     chat_of,
     message_tag,
     outcome_bound,
+    quarantine_s,
     stream_number,
 )
 
@@ -541,8 +543,9 @@ class _Checker:
 
     def check_progress_after_faults(self) -> None:
         """A turn in flight when a pause or a Redis restart began shows something within TTL + 2 s
-        after the fault is over: more of its answer, its end, or a notice. (A pause that outlasts
-        TTL + 2 s is check_takeover_latency's case.)"""
+        after the fault is over (one TTL more after Redis came back empty: the quarantine): more
+        of its answer, its end, or a notice. (A pause that outlasts TTL + 2 s is
+        check_takeover_latency's case.)"""
         for f in self.r.faults:
             if f.kind not in ("pause_short", "pause_long", "redis_restart", "redis_wipe", "pg_restart") \
                     or f.ended_at is None:
@@ -550,7 +553,7 @@ class _Checker:
             start, back = f.started_at, f.ended_at
             if f.kind == "pause_long" and back >= start + self.r.ttl_s + TAKEOVER_SLACK_S:
                 continue
-            limit = back + self.r.ttl_s + TAKEOVER_SLACK_S
+            limit = back + self.r.ttl_s + TAKEOVER_SLACK_S + quarantine_s(f.kind, self.r.ttl_s)
             for s in self.r.streams:
                 if (f.target not in SHARED and s.via != f.target) or not s.session or s.session[0] != "g":
                     continue
@@ -575,7 +578,7 @@ class _Checker:
                 self.add("stall", m.session,
                          f"[{m.tag}] streaming (c{s.number} on {s.via}) when {f.kind} {f.target} began at "
                          f"{self.t(start)}; it ended at {self.t(back)}, and nothing was shown for the message "
-                         f"until {self.t(limit)} (TTL + {TAKEOVER_SLACK_S:g} s later): last output before "
+                         f"until {self.t(limit)} ({limit - back:.1f} s later): last output before "
                          f"{self.t(max(before, default=None))}, next {self.t(min(after, default=None))}")
 
     def _concerns(self, call: TgCall, m: TgMessage) -> bool:

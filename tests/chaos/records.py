@@ -30,21 +30,30 @@ BASE_SLACK_S = 3.0  # on top of the answer time, before a first answer or notice
 TAKEOVER_SLACK_S = 2.0  # a lost owner's turns get a new owner within TTL + this
 
 
+def quarantine_s(kind: str, ttl_s: float) -> float:
+    """How long workers take no session after the fault on top of its TTL: a Redis that came
+    back empty (`redis_wipe`) makes every worker quarantine acquisitions for one lease TTL
+    (gateway/cluster/redis_loss.py), so a holder that has not noticed yet runs out first."""
+    return ttl_s if kind == "redis_wipe" else 0.0
+
+
 def outcome_bound(accepted: float, faults: list[FaultRecord], *, answer_s: float, ttl_s: float, now: float,
                   owner_at: Callable[[float], str | None]) -> tuple[float, list[FaultRecord]]:
     """Latest acceptable time for the first answer or notice of a message accepted at `accepted`:
     answer time + BASE_SLACK_S, plus for each fault that touches that window and can hold the
     message up — a Redis restart, or a fault of the session's owner (`owner_at(fault start)`:
     the incarnation that last started a stream for it; None: unknown, so it counts) — its length +
-    TTL + TAKEOVER_SLACK_S (a fault still going on counts until `now`). Also returns those faults."""
+    TTL + TAKEOVER_SLACK_S, + one more TTL for Redis back empty (the quarantine, `quarantine_s`)
+    (a fault still going on counts until `now`). Also returns those faults."""
     end = accepted + answer_s + BASE_SLACK_S
     touching = []
     for f in sorted(faults, key=lambda f: f.started_at):
         if f.target != "redis" and (owner := owner_at(f.started_at)) is not None and owner != f.target:
             continue
         f_end = f.ended_at if f.ended_at is not None else now
-        if f.started_at < end and f_end + ttl_s + TAKEOVER_SLACK_S > accepted:
-            end += (f_end - f.started_at) + ttl_s + TAKEOVER_SLACK_S
+        extra = ttl_s + TAKEOVER_SLACK_S + quarantine_s(f.kind, ttl_s)
+        if f.started_at < end and f_end + extra > accepted:
+            end += (f_end - f.started_at) + extra
             touching.append(f)
     return end, touching
 

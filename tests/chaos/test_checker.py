@@ -239,3 +239,15 @@ def test_saved_records_check_the_same_after_loading(tmp_path: Path) -> None:
     report = check(rec)
     save(rec, report, tmp_path)
     assert check(load(tmp_path / "chaos-7-redis.json")).text() == report.text()
+
+
+def test_redis_back_empty_allows_one_more_ttl_for_the_quarantine() -> None:
+    """After Redis lost its data the workers take no session for one TTL: an answer that comes
+    within the bound plus that TTL is in time; the same delay after a plain Redis restart is a stall."""
+    for kind, late in (("redis_wipe", False), ("redis_restart", True)):
+        rec = records()
+        rec.faults.append(FaultRecord(kind, "redis", 2.0, ended_at=3.0))
+        msg = message(rec, "g01", 1, 1.0)
+        stream(rec, msg, 1, "w1.1", 15.0, 16.0)  # first shown 15.1, whole at 15.95: 14.95 s after acceptance
+        report = check(rec)
+        assert kinds(report) == ({"stall": 1} if late else {}), report.text()
