@@ -43,7 +43,11 @@ Invariants:
 (d) The final transcript: each user row is followed, before the next user row, by exactly one
     assistant row without tool calls (the answer or the interruption) as the last row of the
     turn — or by an interrupted tool result, if the turn was cut off while a tool ran; no message
-    is recorded twice; an API answer given as whole is recorded as whole.
+    is recorded twice; an API answer given as whole is recorded as whole. User rows keep the
+    order the messages were sent in, as far as the client could know it: a message acknowledged
+    (a webhook 2xx, an API 200) before another was first sent is recorded before it. (Retries
+    and resends of one message are one message; a message never acknowledged sets no order: a
+    client that gave up on it, or whose request timed out, cannot know where it was put.)
 (e) After settling, no inbound record is still open (accepted / running / restart) for a session
     with nothing running; no tool process of a killed worker outlives it by 0.5 s;
     no worker process exits unless killed.
@@ -105,6 +109,8 @@ KINDS = {
     "transcript-unanswered": "a user row with no assistant row after it",
     "transcript-extra-assistant": "an assistant row with no user row before it (two answers for one message)",
     "transcript-duplicate-user": "one message recorded as a user row twice",
+    "transcript-out-of-order": "a user's messages recorded out of the order they were sent in: a message "
+                               "acknowledged to its client before the next one was sent is recorded after it",
     "api-answer-not-recorded": "the API answered 200, but the transcript has no such answer",
     "api-bad-answer": "a 200 answer that is neither whole nor marked interrupted",
     "api-400-for-unavailable": "the API answered 400 for a transient failure (should be 503 + Retry-After)",
@@ -275,6 +281,7 @@ class _Checker:
         self.check_takeover_latency()
         self.check_progress_after_faults()
         self.check_transcripts()
+        self.check_send_order()
         self.check_api()
         self.check_open_inbound()
         for worker_id, text in sorted(self.r.log_tails.items()):
@@ -627,6 +634,40 @@ class _Checker:
                     self.add("transcript-extra-assistant", session, f"rows after the end of {_label(rows[i])}'s "
                              "turn: " + _window(rows, closing[0] + 1))
 
+    def _send_times(self) -> dict[str, tuple[float, float | None]]:
+        """Message tag ("g03 m2", "a01 m3") -> (first sent, first acknowledged or None)."""
+        out: dict[str, tuple[float, float | None]] = {}
+        for m in self.r.telegram:
+            out[m.tag] = (m.attempts[0].at if m.attempts else m.sent_at, m.accepted_at)
+        for api in self.r.api:
+            if api.attempts:
+                acks = [a.ended_at for a in api.attempts if a.status == 200]
+                out[api.tag] = (api.attempts[0].at, min(acks, default=None))
+        return out
+
+    def check_send_order(self) -> None:
+        """A message acknowledged to its client before another of the session's messages was first
+        sent must be recorded before it: a row of the later message above a row of the earlier
+        one is a message put out of order (the client had been told the earlier one was taken)."""
+        times = self._send_times()
+        for session, rows in sorted(self.r.transcripts.items()):
+            seq = [(i, _message_of(tag)) for i, row in enumerate(rows)
+                   if row.role == "user" and (tag := message_tag(row.content)) is not None]
+            reported: set[str] = set()
+            for j, (row_j, later) in enumerate(seq):
+                ack = times.get(later, (0.0, None))[1]
+                if ack is None:
+                    continue
+                for row_i, earlier in seq[:j]:
+                    sent = times.get(earlier, (None, None))[0]
+                    if earlier == later or earlier in reported or sent is None or sent <= ack:
+                        continue
+                    reported.add(earlier)
+                    self.add("transcript-out-of-order", session,
+                             f"[{earlier}] (first sent at {self.t(sent)}) recorded as row {row_i}, before "
+                             f"[{later}] (row {row_j}), which had been acknowledged at {self.t(ack)}: "
+                             + _window(rows, row_i) + self.fault_before(sent))
+
     # the HTTP API's answers
 
     def check_api(self) -> None:
@@ -684,6 +725,11 @@ def _stream(s: Stream, active: list[tuple[float, float]], t: Callable[[float | N
     what += " + its tool run" if s.tool_call else ""
     spans = ", ".join(f"{t(a)}-{t(b)}" for a, b in active) or "never"
     return f"c{s.number} ({s.via}, [{s.tag}]{what}, active {spans})"
+
+
+def _message_of(tag: str) -> str:
+    """"a01 m3 t2" -> "a01 m3": the attempts of one API message are one message."""
+    return " ".join(tag.split()[:2])
 
 
 def _session_of_key(key: str) -> str:

@@ -251,3 +251,50 @@ def test_redis_back_empty_allows_one_more_ttl_for_the_quarantine() -> None:
         stream(rec, msg, 1, "w1.1", 15.0, 16.0)  # first shown 15.1, whole at 15.95: 14.95 s after acceptance
         report = check(rec)
         assert kinds(report) == ({"stall": 1} if late else {}), report.text()
+
+
+def test_a_message_recorded_after_one_sent_later_is_out_of_order() -> None:
+    rec = records()
+    first = message(rec, "g01", 1, 1.0)  # acknowledged at 1.0
+    stream(rec, first, 1, "w1.1", 1.1, 4.0)
+    second = message(rec, "g01", 2, 5.0)  # sent after the first was acknowledged
+    stream(rec, second, 2, "w1.1", 5.1, 8.0)
+    assert check(rec).ok
+    rows = rec.transcripts["g01"]
+    rec.transcripts["g01"] = rows[2:] + rows[:2]  # the second message's turn recorded first
+    report = check(rec)
+    assert kinds(report) == {"transcript-out-of-order": 1}, report.text()
+    assert "[g01 m2]" in report.text() and "[g01 m1]" in report.text()
+
+
+def test_send_order_binds_only_acknowledged_messages_and_counts_retries_as_one() -> None:
+    rec = records()
+    # a01 m1: first attempt timed out (never acknowledged), the client gave up on it
+    lost = ApiMessage("a01 m1", "a01", outcome="refused",
+                      attempts=[Attempt(1.0, "w1.1", None, 9.0, error="TimeoutError")])
+    # a01 m2: answered at its second attempt
+    done = ApiMessage("a01 m2", "a01", outcome="answered",
+                      attempts=[Attempt(10.0, "w2.1", 503, 10.1, retry_after="1"),
+                                Attempt(11.0, "w2.1", 200, 14.0, body=f"{answer_tag('a01 m2 t2', 2)} w0 END")])
+    rec.api += [lost, done]
+    rec.streams += [Stream(2, "w2.1", 11.1, 13.9, True, "a01 m2 t2", resume=False),
+                    Stream(1, "w1.1", 15.0, 16.0, True, "a01 m1 t1", resume=False)]
+    # the timed-out attempt was taken after all, after the next message: no promise was broken
+    rec.transcripts["a01"] = [Row("user", "[a01 m2 t1] question 2", None, None),
+                              Row("assistant", "", "system", "session lease lost"),
+                              Row("user", "[a01 m2 t2] question 2", None, None),
+                              Row("assistant", f"{answer_tag('a01 m2 t2', 2)} w0 END", None, None),
+                              Row("user", "[a01 m1 t1] question 1", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None)]
+    report = check(rec)
+    assert "transcript-out-of-order" not in kinds(report), report.text()
+    # ...but a third message sent after m2's 200 and recorded before m2 is out of order
+    third = ApiMessage("a01 m3", "a01", outcome="answered",
+                       attempts=[Attempt(20.0, "w1.1", 200, 24.0, body=f"{answer_tag('a01 m3 t1', 3)} w0 END")])
+    rec.api.append(third)
+    rec.streams.append(Stream(3, "w1.1", 20.1, 23.9, True, "a01 m3 t1", resume=False))
+    rec.transcripts["a01"][0:0] = [Row("user", "[a01 m3 t1] question 3", None, None),
+                                   Row("assistant", f"{answer_tag('a01 m3 t1', 3)} w0 END", None, None)]
+    report = check(rec)
+    assert kinds(report).get("transcript-out-of-order") == 1, report.text()
+    assert "[a01 m3]" in report.text()
