@@ -696,7 +696,9 @@ class _Checker:
                 ok = closing is not None and (
                     not answered or (closing.interrupted_by is None and stream_number(closing.content) is not None))
                 if not ok:
-                    died = [f for f in self.r.faults if f.target in (a.target, *SHARED)
+                    # the worker asked, or (relayed from another worker) the one that ran the turn
+                    ran = {s.via for s in self.streams_by_session.get(m.session, []) if s.tag == tag}
+                    died = [f for f in self.r.faults if f.target in (a.target, *ran, *SHARED)
                             and 0 <= f.started_at - a.ended_at <= AT_FAULT_S]
                     what = f"[{tag}] answered 200 ({'whole' if answered else a.interrupted}) by {a.target} at " \
                            f"{self.t(a.ended_at)}; transcript: {_row(closing)}" \

@@ -53,7 +53,8 @@ class Settings:
     quiet_s: float = 2.0
     settle_max_s: float = 16.0
     telegram_chats: int = 8
-    api_sessions: int = 4
+    api_sessions: int = 4  # hundreds are fine: their users think longer in proportion (traffic.api_load)
+    api_balance: str = "random"  # each API request to a random live worker; "pinned": a worker per session
     words: int = 36
     delay_s: float = 0.09
     patience_s: float = 40.0
@@ -83,7 +84,7 @@ async def run_scenario(settings: Settings, tmp: Path) -> tuple[Records, Report]:
         traffic = Traffic(cluster, settings.seed, telegram_chats=settings.telegram_chats,
                           api_sessions=settings.api_sessions, stop_at=stop_at,
                           hard_stop=stop_at + settings.settle_max_s, faults=fault_log, patience_s=settings.patience_s,
-                          early_p=settings.early_p)
+                          early_p=settings.early_p, api_balance=settings.api_balance)
         traffic_task = asyncio.create_task(traffic.run())
         schedule = faults.plan(settings.seed, ttl_s=settings.ttl_s, workers=settings.workers,
                                kinds_allowed=settings.kinds)

@@ -298,3 +298,21 @@ def test_send_order_binds_only_acknowledged_messages_and_counts_retries_as_one()
     report = check(rec)
     assert kinds(report).get("transcript-out-of-order") == 1, report.text()
     assert "[a01 m3]" in report.text()
+
+
+def test_an_api_answer_relayed_from_an_owner_that_died_just_after_is_tolerated() -> None:
+    """With requests spread over random workers the turn runs on the session's owner and its
+    answer is relayed: the owner's death just after the answer may lose its record (at-least-once)."""
+    rec = records()
+    api = ApiMessage("a01 m1", "a01", outcome="answered",
+                     attempts=[Attempt(1.0, "w1.1", 200, 5.0, body=f"{answer_tag('a01 m1 t1', 1)} w0 END")])
+    rec.api.append(api)
+    rec.streams.append(Stream(1, "w2.1", 1.1, 4.9, True, "a01 m1 t1", resume=False))  # the owner ran it
+    rec.transcripts["a01"] = [Row("user", "[a01 m1 t1] question", None, None),
+                              Row("assistant", "", "system", "worker stopped responding; session taken over")]
+    rec.faults.append(FaultRecord("kill", "w2.1", 5.2, ended_at=9.0))
+    rec.incarnations["w2.1"].ended_at = 5.2
+    report = check(rec)
+    assert report.ok and report.tolerated, report.text()
+    rec.faults[0].started_at = rec.incarnations["w2.1"].ended_at = 7.0  # long after: the record was lost
+    assert kinds(check(rec)) == {"api-answer-not-recorded": 1}
