@@ -48,6 +48,10 @@ Invariants:
     (a webhook 2xx, an API 200) before another was first sent is recorded before it. (Retries
     and resends of one message are one message; a message never acknowledged sets no order: a
     client that gave up on it, or whose request timed out, cannot know where it was put.)
+(f) Leases, from Redis' own record of every lease write (tests/chaos/lease_log.py): a holder's
+    lease runs from its acquisition until its release, or its last extension + the TTL it set,
+    or its process' death; no other incarnation acquires the session's lease inside that
+    (tolerance LEASE_TOLERANCE_S); every acquisition's fencing number is above all earlier ones.
 (e) After settling, no inbound record is still open (accepted / running / restart) for a session
     with nothing running; no tool process of a killed worker outlives it by 0.5 s;
     no worker process exits unless killed.
@@ -72,6 +76,7 @@ from tests.chaos.records import (
     TAKEOVER_SLACK_S,
     BotMessage,
     FaultRecord,
+    LeaseEvent,
     Records,
     Row,
     Stream,
@@ -81,6 +86,7 @@ from tests.chaos.records import (
     message_tag,
     outcome_bound,
     quarantine_s,
+    session_of_key,
     stream_number,
 )
 
@@ -90,6 +96,7 @@ TOOL_WINDOW_S = 5.0  # a tool run after a stream that asked for it, at most (the
 WAKE_GRACE_S = 1.0
 INFLIGHT_S = 0.05
 AT_FAULT_S = 0.5  # an answer shown this shortly before its process died may be shown again (at-least-once)
+LEASE_TOLERANCE_S = 0.01  # both ends of a lease overlap are Redis' own clock
 REFUSALS_400 = ("storage", "unavailable", "could not save", "could not pass")
 
 KINDS = {
@@ -117,6 +124,10 @@ KINDS = {
     "api-503-without-retry-after": "a 503 without a Retry-After header",
     "api-unexpected-status": "an API status other than 200, 400 (busy elsewhere) and 503",
     "open-inbound": "after settling, an inbound record still open with nothing running for its session",
+    "lease-overlap": "by Redis' own record of the lease writes (MONITOR), another incarnation acquired a session's "
+                     "lease while its holder still held it (not released, not expired by its last renewal + TTL, "
+                     "holder alive)",
+    "fence-not-growing": "an acquisition of a session's lease took a fencing number not above an earlier one",
     "orphaned-tool": "a killed worker's tool process still running half a second after the kill",
     "restart-failed": "a worker process could not be (re)started",
     "worker-crashed": "a worker process exited although nobody killed it",
@@ -284,6 +295,7 @@ class _Checker:
         self.check_send_order()
         self.check_api()
         self.check_open_inbound()
+        self.check_leases()
         for worker_id, text in sorted(self.r.log_tails.items()):
             self.notes.append(f"{worker_id} log: {text}")
         counts = {
@@ -302,6 +314,7 @@ class _Checker:
             "provider streams": len(self.r.streams),
             "telegram calls": len(self.r.calls),
             "faults": len(self.r.faults),
+            "lease acquisitions": sum(e.op == "acquire" for e in self.r.leases),
         }
         return Report(self.r.seed, counts, self.v, self.tolerated,
                       [f.describe(self.r.t0) for f in self.r.faults], self.notes)
@@ -708,11 +721,77 @@ class _Checker:
                     else:
                         self.add("api-answer-not-recorded", m.session, what + self.fault_before(a.ended_at))
 
+    # (f) leases, as Redis recorded them
+
+    def check_leases(self) -> None:
+        if not self.r.leases_monitored:
+            return
+        if self.r.lease_gaps:
+            self.notes.append("lease monitor not connected: " + ", ".join(
+                f"{self.t(a)}-{self.t(b)}" for a, b in self.r.lease_gaps))
+        by_session: dict[str, list[LeaseEvent]] = defaultdict(list)
+        for e in sorted(self.r.leases, key=lambda e: e.at):
+            by_session[e.session].append(e)
+        for session, events in sorted(by_session.items()):
+            self._check_fences(session, events)
+            self._check_holders(session, events)
+
+    def _check_fences(self, session: str, events: list[LeaseEvent]) -> None:
+        """Every acquisition's fencing number is above every earlier one of the session."""
+        top: LeaseEvent | None = None
+        for e in events:
+            if e.op != "acquire" or e.fence is None:
+                continue
+            if top is not None and top.fence is not None and e.fence <= top.fence:
+                self.add("fence-not-growing", session,
+                         f"{e.holder} acquired the lease at {self.t(e.at)} with fence {e.fence}, not above fence "
+                         f"{top.fence} taken by {top.holder} at {self.t(top.at)}" + self.fault_before(e.at))
+            if top is None or top.fence is None or e.fence > top.fence:
+                top = e
+
+    def _lease_end(self, h: _Holding) -> float:
+        """Until when a holder held the lease by its own record: its expiry, or its process' death."""
+        inc = self.r.incarnations.get(h.holder)
+        died = inc.ended_at if inc is not None and inc.ended_at is not None else float("inf")
+        return min(h.expires, died)
+
+    def _check_holders(self, session: str, events: list[LeaseEvent]) -> None:
+        """No acquisition by another token while a holder's lease runs (release, expiry, death)."""
+        held: dict[str, _Holding] = {}
+        for e in events:
+            if e.op == "release":
+                held.pop(e.token, None)
+            elif e.op == "extend":
+                h = held.setdefault(e.token, _Holding(e.holder, e.at, None, e.at, e.at + e.ttl_s))
+                h.last, h.expires = e.at, e.at + e.ttl_s
+            else:
+                for token, h in list(held.items()):
+                    if token != e.token and self._lease_end(h) > e.at + LEASE_TOLERANCE_S:
+                        self._overlap(session, h, e)
+                    if token != e.token:
+                        del held[token]
+                h = held.get(e.token)
+                if h is None or h.holder != e.holder:
+                    held[e.token] = _Holding(e.holder, e.at, e.fence, e.at, e.at + e.ttl_s)
+                else:  # the holder again (it had reported the lease lost): a new fence, the same holder
+                    h.fence, h.last = e.fence, e.at
+
+    def _overlap(self, session: str, h: _Holding, e: LeaseEvent) -> None:
+        what = (f"{h.holder} acquired the lease at {self.t(h.start)} (fence {h.fence}), last renewed at "
+                f"{self.t(h.last)}, so held it until {self.t(self._lease_end(h))}; {e.holder} acquired it at "
+                f"{self.t(e.at)} (fence {e.fence}), {self._lease_end(h) - e.at:.2f} s before that")
+        unseen = [(a, b) for a, b in self.r.lease_gaps if a < e.at and (b is None or b > h.last)]
+        if unseen:
+            self.tolerated.append(f"{session}: {what}; the lease monitor was not connected at "
+                                  f"{self.t(unseen[0][0])}-{self.t(unseen[0][1])} (a release may be unseen)")
+        else:
+            self.add("lease-overlap", session, what + self.fault_before(e.at))
+
     # (e) nothing left open
 
     def check_open_inbound(self) -> None:
         for rec in self.r.open_inbound:
-            session = _session_of_key(rec.session_key)
+            session = session_of_key(rec.session_key)
             running = [s for s in self.streams_by_session.get(session, []) if s.ended_at is None]
             if running:
                 continue
@@ -720,6 +799,15 @@ class _Checker:
                 else "no lease"
             self.add("open-inbound", session, f"inbound {rec.inbound_id} [{message_tag(rec.text) or rec.text[:40]}] "
                      f"still {rec.status!r} at the end, nothing running; {lease}")
+
+
+@dataclass
+class _Holding:
+    holder: str
+    start: float
+    fence: int | None
+    last: float  # its last write (acquisition or extension)
+    expires: float
 
 
 def _stream(s: Stream, active: list[tuple[float, float]], t: Callable[[float | None], str]) -> str:
@@ -732,14 +820,6 @@ def _stream(s: Stream, active: list[tuple[float, float]], t: Callable[[float | N
 def _message_of(tag: str) -> str:
     """"a01 m3 t2" -> "a01 m3": the attempts of one API message are one message."""
     return " ".join(tag.split()[:2])
-
-
-def _session_of_key(key: str) -> str:
-    """"telegram:group:-103" -> "g03"; "api:dm:a01" -> "a01"."""
-    platform, _kind, chat = key.split(":", 2)
-    if platform == "telegram":
-        return f"g{-int(chat) - 100:02d}"
-    return chat
 
 
 def _label(row: Row) -> str:

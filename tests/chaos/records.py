@@ -223,6 +223,27 @@ class Row:
 
 
 @dataclass
+class LeaseEvent:
+    """A write to a session's lease, as Redis ran it (tests/chaos/lease_log.py)."""
+
+    at: float
+    session: str  # "g03", "a01"
+    op: str  # acquire (with its fence) | extend (PEXPIRE: the acquisition's TTL, a renewal) | release
+    token: str  # the lease token, "<worker id>/<incarnation id>"
+    fence: int | None
+    ttl_s: float  # extend: the lease's new time to live
+    holder: str = ""  # the incarnation ("w2.1") the token belongs to
+
+
+def session_of_key(key: str) -> str:
+    """"telegram:group:-103" -> "g03"; "api:dm:a01" -> "a01"."""
+    platform, _kind, chat = key.split(":", 2)
+    if platform == "telegram":
+        return f"g{-int(chat) - 100:02d}"
+    return chat
+
+
+@dataclass
 class OpenInbound:
     session_key: str
     inbound_id: str
@@ -253,3 +274,6 @@ class Records:
     harness_errors: list[str] = field(default_factory=list)
     crashed: dict[str, int] = field(default_factory=dict)  # incarnation -> exit status (nobody killed it)
     log_tails: dict[str, str] = field(default_factory=dict)  # worker id -> errors seen in its log
+    leases: list[LeaseEvent] = field(default_factory=list)  # every lease write Redis ran, in order
+    lease_gaps: list[tuple[float, float | None]] = field(default_factory=list)  # the monitor was not connected
+    leases_monitored: bool = False  # False: no lease records (an old run's records)

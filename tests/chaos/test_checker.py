@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.chaos import lease_log
 from tests.chaos.checker import Report, check
 from tests.chaos.records import (
     ApiMessage,
@@ -12,6 +13,7 @@ from tests.chaos.records import (
     BotMessage,
     FaultRecord,
     Incarnation,
+    LeaseEvent,
     OpenInbound,
     Records,
     Row,
@@ -316,3 +318,61 @@ def test_an_api_answer_relayed_from_an_owner_that_died_just_after_is_tolerated()
     assert report.ok and report.tolerated, report.text()
     rec.faults[0].started_at = rec.incarnations["w2.1"].ended_at = 7.0  # long after: the record was lost
     assert kinds(check(rec)) == {"api-answer-not-recorded": 1}
+
+
+def lease(rec: Records, at: float, op: str, holder: str, fence: int | None = None, ttl: float = 3.0,
+          session: str = "g01") -> None:
+    rec.leases.append(LeaseEvent(at, session, op, f"{holder.split('.')[0]}/{holder}", fence, ttl, holder))
+    rec.leases_monitored = True
+
+
+def test_a_lease_taken_while_its_holder_still_holds_it_is_an_overlap() -> None:
+    rec = records()
+    lease(rec, 1.0, "acquire", "w1.1", 100)
+    lease(rec, 1.0, "extend", "w1.1")
+    lease(rec, 2.0, "extend", "w1.1")  # renewed: held until 5.0
+    lease(rec, 5.5, "acquire", "w2.1", 200)  # after it ran out: fine
+    lease(rec, 5.5, "extend", "w2.1")
+    lease(rec, 6.0, "release", "w2.1")
+    lease(rec, 6.5, "acquire", "w1.1", 300)  # after the release: fine
+    lease(rec, 6.5, "extend", "w1.1")
+    assert check(rec).ok, check(rec).text()
+    # Redis came back empty at 7.0; w2.1 took the lease while w1.1's last renewal (6.5) ran until 9.5
+    rec.faults.append(FaultRecord("redis_wipe", "redis", 7.0, ended_at=7.5))
+    lease(rec, 8.0, "acquire", "w2.1", 400)
+    report = check(rec)
+    assert kinds(report) == {"lease-overlap": 1}, report.text()
+    assert "w1.1" in report.text() and "1.50 s before" in report.text() and "redis_wipe" in report.text()
+
+
+def test_a_dead_holders_lease_may_be_taken_and_fences_must_grow() -> None:
+    rec = records()
+    rec.incarnations["w1.1"].ended_at = 2.0  # killed: its restart takes its leases over at once
+    rec.incarnations["w1.2"] = Incarnation("w1.2", "w1", pid=2, started_at=2.5, ready_at=3.0)
+    lease(rec, 1.0, "acquire", "w1.1", 100)
+    lease(rec, 1.0, "extend", "w1.1")
+    lease(rec, 3.0, "acquire", "w1.2", 200)
+    assert check(rec).ok, check(rec).text()
+    lease(rec, 9.0, "acquire", "w2.1", 150)  # long after, but a smaller fence
+    assert kinds(check(rec)) == {"fence-not-growing": 1}
+
+
+def test_lease_writes_are_read_from_the_monitor_log() -> None:
+    wall = 1000.0  # the monitor's clock is Redis' wall clock: offset 1000 s from the records'
+    text = (f"connect {wall + 0.9}\nOK\n"
+            f'{wall + 1.0} [0 127.0.0.1:5000] "evalsha" "abc" "2" "sb:{{s:telegram:group:-101}}:lease" '
+            f'"sb:{{s:telegram:group:-101}}:fence" "w1/x1" "w1" "3000"\n'
+            f'{wall + 1.0} [0 lua] "HSET" "sb:{{s:telegram:group:-101}}:lease" "token" "w1/x1" "worker" "w1" '
+            f'"fence" "1796538173871"\n'
+            f'{wall + 1.0} [0 lua] "PEXPIRE" "sb:{{s:telegram:group:-101}}:lease" "3000"\n'
+            f'{wall + 2.0} [0 127.0.0.1:5000] "evalsha" "def" "1" "sb:{{s:api:dm:a01}}:lease" "w1/x1" "7"\n'
+            f'{wall + 2.0} [0 lua] "DEL" "sb:{{s:api:dm:a01}}:lease"\n'
+            f"lost {wall + 3.0}\nconnect {wall + 3.5}\nOK\n"
+            f'{wall + 4.0} [0 lua] "PEXPIRE" "sb:{{s:telegr')  # cut off mid-line
+    incs = {"w1.1": Incarnation("w1.1", "w1", 1, started_at=0.0)}
+    events, gaps = lease_log.parse(text, clock_offset=wall, incarnations=incs, ttl_s=3.0)
+    assert [(e.at, e.session, e.op, e.fence, e.holder) for e in events] == [
+        (1.0, "g01", "acquire", 1796538173871, "w1.1"), (1.0, "g01", "extend", None, "w1.1"),
+        (2.0, "a01", "release", None, "w1.1")]
+    assert events[1].ttl_s == 3.0 and events[2].token == "w1/x1"
+    assert gaps == [(3.0, 3.5)]
