@@ -212,7 +212,7 @@ class Traffic:
         rng = self._rng(session)
         ids = self.cluster.worker_ids
         pinned = ids[int(session[1:]) % len(ids)]
-        await asyncio.sleep(rng.uniform(0.0, 1.5 * self.api_load))
+        await self._think(rng.uniform(0.0, 1.5 * self.api_load))
         for n in itertools.count(1):
             if time.monotonic() >= self.stop_at:
                 return
@@ -247,7 +247,11 @@ class Traffic:
                     with contextlib.suppress(ValueError):
                         delay = min(2.0, max(0.1, float(attempt.retry_after)))
                 await asyncio.sleep(delay * rng.uniform(0.8, 1.2))
-            await asyncio.sleep(rng.uniform(0.3, 2.0) * self.api_load)
+            await self._think(rng.uniform(0.3, 2.0) * self.api_load)
+
+    async def _think(self, seconds: float) -> None:
+        """An API user's pause, cut short when the traffic stops (so a long think never outlasts it)."""
+        await asyncio.sleep(max(0.0, min(seconds, self.stop_at - time.monotonic())))
 
     def _api_target(self, rng: random.Random, pinned: str, live: list[tuple[Worker, Incarnation]]) -> str:
         """The worker id this attempt goes to: a random live one, or (pinned) the session's own
