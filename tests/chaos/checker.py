@@ -770,11 +770,11 @@ class _Checker:
                         self._overlap(session, h, e)
                     if token != e.token:
                         del held[token]
-                h = held.get(e.token)
-                if h is None or h.holder != e.holder:
+                again = held.get(e.token)
+                if again is None or again.holder != e.holder:
                     held[e.token] = _Holding(e.holder, e.at, e.fence, e.at, e.at + e.ttl_s)
                 else:  # the holder again (it had reported the lease lost): a new fence, the same holder
-                    h.fence, h.last = e.fence, e.at
+                    again.fence, again.last = e.fence, e.at
 
     def _overlap(self, session: str, h: _Holding, e: LeaseEvent) -> None:
         what = (f"{h.holder} acquired the lease at {self.t(h.start)} (fence {h.fence}), last renewed at "
