@@ -464,34 +464,12 @@ class _Checker:
             self.counts["tg no outcome"] += 1
             return
         if len(answers) > 1:
-            first = min(answers, key=lambda b: b.changed_at)
-            stream = self.streams.get(stream_number(first.text) or 0)
-            at_fault = stream is not None and any(
-                f.target in (stream.via, *SHARED) and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
-                for f in self.r.faults)
-            shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
-            if at_fault:
-                self.tolerated.append(f"{m.session}: [{m.tag}] answered twice ({shown}); the first just before a fault")
-            else:
-                self.add("answered-twice", m.session, f"[{m.tag}] whole answers: {shown}" + self.fault_before(
-                    max(b.changed_at for b in answers)))
+            self._answered_twice(m, answers)
         for b in notices:
             if FAIL_MARK in b.text:
                 self.add("agent-failed", m.session, f"[{m.tag}] {b.via} at {self.t(b.changed_at)}: {b.text[-80:]!r}")
         if answers:
-            done = min(b.changed_at for b in answers)
-            later = [b for b in notices if b.reply_to == m.message_id and b.sent_at > done and is_takeover(b.text)]
-            if later:
-                stream = self.streams.get(stream_number(min(answers, key=lambda b: b.changed_at).text) or 0)
-                faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, *SHARED)
-                           and 0 <= f.started_at - done <= AT_FAULT_S]
-                what = (f"[{m.tag}] whole answer shown at {self.t(done)} (c{stream.number if stream else '?'} by "
-                        f"{stream.via if stream else '?'}), then {later[0].via} said {later[0].text[:70]!r} at "
-                        f"{self.t(later[0].sent_at)}")
-                if faulted:
-                    self.tolerated.append(f"{m.session}: {what}; {faulted[0].kind} right after the answer")
-                else:
-                    self.add("answered-then-taken-over", m.session, what + self.fault_before(later[0].sent_at))
+            self._taken_over_after_answer(m, answers, notices)
         outcomes = answers + notices
         frozen = [p for p in partials if not any(o.changed_at >= p.sent_at for o in outcomes)]
         first_outcome = min((o.changed_at for o in outcomes), default=None)
@@ -527,6 +505,35 @@ class _Checker:
         elif outcome == "superseded" and m.next_sent_at is not None and m.next_sent_at > limit:
             self.add("stall", m.session, f"[{m.tag}] accepted at {self.t(accepted)}, no answer or notice before "
                      f"the user gave up at {self.t(m.next_sent_at)} (bound {limit - accepted:.1f} s = {why})")
+
+    def _answered_twice(self, m: TgMessage, answers: list[BotMessage]) -> None:
+        first = min(answers, key=lambda b: b.changed_at)
+        stream = self.streams.get(stream_number(first.text) or 0)
+        at_fault = stream is not None and any(
+            f.target in (stream.via, *SHARED) and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
+            for f in self.r.faults)
+        shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
+        if at_fault:
+            self.tolerated.append(f"{m.session}: [{m.tag}] answered twice ({shown}); the first just before a fault")
+        else:
+            self.add("answered-twice", m.session, f"[{m.tag}] whole answers: {shown}" + self.fault_before(
+                max(b.changed_at for b in answers)))
+
+    def _taken_over_after_answer(self, m: TgMessage, answers: list[BotMessage], notices: list[BotMessage]) -> None:
+        done = min(b.changed_at for b in answers)
+        later = [b for b in notices if b.reply_to == m.message_id and b.sent_at > done and is_takeover(b.text)]
+        if not later:
+            return
+        stream = self.streams.get(stream_number(min(answers, key=lambda b: b.changed_at).text) or 0)
+        faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, *SHARED)
+                   and 0 <= f.started_at - done <= AT_FAULT_S]
+        what = (f"[{m.tag}] whole answer shown at {self.t(done)} (c{stream.number if stream else '?'} by "
+                f"{stream.via if stream else '?'}), then {later[0].via} said {later[0].text[:70]!r} at "
+                f"{self.t(later[0].sent_at)}")
+        if faulted:
+            self.tolerated.append(f"{m.session}: {what}; {faulted[0].kind} right after the answer")
+        else:
+            self.add("answered-then-taken-over", m.session, what + self.fault_before(later[0].sent_at))
 
     # adoption: a turn cut off by a dead or stopped process gets a new owner within TTL + 2 s
 
