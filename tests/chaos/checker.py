@@ -74,6 +74,7 @@ from tests.chaos.records import (
     STOP_MARK,
     TAKEOVER_MARKERS,
     TAKEOVER_SLACK_S,
+    ApiMessage,
     BotMessage,
     FaultRecord,
     LeaseEvent,
@@ -120,6 +121,8 @@ KINDS = {
                                "acknowledged to its client before the next one was sent is recorded after it",
     "api-answer-not-recorded": "the API answered 200, but the transcript has no such answer",
     "api-bad-answer": "a 200 answer that is neither whole nor marked interrupted",
+    "api-refused-but-answered": "the API told the client to try again (503, 400) for a message whose turn was answered "
+                                "whole and recorded: a retry (the SDKs retry 503 themselves) records the message twice",
     "api-400-for-unavailable": "the API answered 400 for a transient failure (should be 503 + Retry-After)",
     "api-503-without-retry-after": "a 503 without a Retry-After header",
     "api-unexpected-status": "an API status other than 200, 400 (busy elsewhere) and 503",
@@ -704,6 +707,7 @@ class _Checker:
                 elif a.status is not None and a.status not in (200, 400, 503):
                     self.add("api-unexpected-status", m.session,
                              f"[{m.tag}] {a.status} from {a.target} at {self.t(a.at)}: {(a.error or a.body)[:100]!r}")
+            self._check_refused_but_answered(m)
             for t, a in enumerate(m.attempts, 1):
                 if a.status != 200:
                     continue
@@ -793,6 +797,30 @@ class _Checker:
                                   f"{self.t(unseen[0][0])}-{self.t(unseen[0][1])} (a release may be unseen)")
         else:
             self.add("lease-overlap", session, what + self.fault_before(e.at))
+
+    def _check_refused_but_answered(self, m: ApiMessage) -> None:
+        """An attempt answered "try again" (any status but 200; a timeout is no answer) whose turn
+        the transcript closes with a whole answer: the client was told its message was not taken.
+        Tolerated when the worker that ran the turn died or stopped just after its answer (the
+        relay of a dying owner ends with a retryable error: at-least-once)."""
+        for t, a in enumerate(m.attempts, 1):
+            if a.status is None or a.status == 200:
+                continue
+            tag = f"{m.tag} t{t}"
+            closing = _closing(self.turn_of(m.session, tag))
+            if closing is None or closing.interrupted_by is not None or stream_number(closing.content) is None:
+                continue
+            stream = self.streams.get(stream_number(closing.content) or 0)
+            done = stream.ended_at if stream is not None and stream.ended_at is not None else a.ended_at
+            ran = stream.via if stream is not None else "?"
+            what = (f"[{tag}] answered {a.status} {(a.error or '')[:60]!r} by {a.target} at {self.t(a.ended_at)} "
+                    f"({a.ended_at - a.at:.1f} s after it was sent), but its turn was answered whole and recorded "
+                    f"(c{stream.number if stream else '?'} by {ran}, ended {self.t(done)})")
+            died = [f for f in self.r.faults if f.target == ran and 0 <= f.started_at - done <= AT_FAULT_S]
+            if died:
+                self.tolerated.append(f"{m.session}: {what}; {died[0].kind} {ran} just after")
+            else:
+                self.add("api-refused-but-answered", m.session, what + self.fault_before(done))
 
     # (e) nothing left open
 

@@ -376,3 +376,32 @@ def test_lease_writes_are_read_from_the_monitor_log() -> None:
         (2.0, "a01", "release", None, "w1.1")]
     assert events[1].ttl_s == 3.0 and events[2].token == "w1/x1"
     assert gaps == [(3.0, 3.5)]
+
+
+def test_an_api_retry_asked_for_a_message_answered_and_recorded_is_reported() -> None:
+    """A relayed turn answered whole and recorded while Redis was down: the relaying worker tells
+    its client to try again, and the retry records the message twice."""
+    rec = records()
+    rec.faults.append(FaultRecord("redis_wipe", "redis", 4.0, ended_at=5.0))
+    api = ApiMessage("a01 m1", "a01", outcome="answered", attempts=[
+        Attempt(1.0, "w1.1", 503, 12.0, error="The worker running this conversation stopped; please try again",
+                retry_after="5"),
+        Attempt(13.0, "w1.1", 200, 17.0, body=f"{answer_tag('a01 m1 t2', 2)} w0 END")])
+    rec.api.append(api)
+    rec.streams += [Stream(1, "w2.1", 1.1, 4.5, True, "a01 m1 t1", resume=False),
+                    Stream(2, "w2.1", 13.1, 16.9, True, "a01 m1 t2", resume=False)]
+    rec.transcripts["a01"] = [Row("user", "[a01 m1 t1] question", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None),
+                              Row("user", "[a01 m1 t2] question", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t2', 2)} w0 END", None, None)]
+    report = check(rec)
+    assert kinds(report) == {"api-refused-but-answered": 1}, report.text()
+    assert "[a01 m1 t1] answered 503" in report.text() and "c1 by w2.1" in report.text()
+    # the same 503 for a turn cut off (its owner died: taken over, not answered) is the retry it asks for
+    rec.transcripts["a01"][1] = Row("assistant", "", "system", "worker stopped responding; session taken over")
+    assert check(rec).ok, check(rec).text()
+    # ...and an owner that dies just after recording its answer cannot relay it any more: tolerated
+    rec.transcripts["a01"][1] = Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None)
+    rec.faults[0] = FaultRecord("kill", "w2.1", 4.7, ended_at=8.0, replacement="w2.2")
+    report = check(rec)
+    assert report.ok and report.tolerated, report.text()
