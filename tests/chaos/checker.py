@@ -30,10 +30,11 @@ Invariants:
     superseded; it is in the transcript (a webhook 2xx is a promise to keep it); every partial
     answer shown for it is followed by an answer or a notice for it; no takeover notice follows
     its whole answer; its first answer or notice comes within a bound (records.outcome_bound:
-    answer time + 3 s, plus for each fault that can hold it up its length + TTL + 2 s); a turn
-    streaming when a pause or a Redis restart began shows something within TTL + 2 s after the
-    fault ended; a turn streaming on a process that is killed, restarted, or stopped past TTL +
-    2 s is taken over (a notice or a stream for it from another incarnation) within TTL + 2 s.
+    answer time + 3 s, plus for each fault that can hold it up its length + TTL + 2 s, and one
+    TTL more for Redis back empty: the workers' quarantine); a turn streaming when a pause or a
+    Redis restart began shows something within TTL + 2 s (+ the quarantine) after the fault
+    ended; a turn streaming on a process that is killed, restarted, or stopped past TTL + 2 s is
+    taken over (a notice or a stream for it from another incarnation) within TTL + 2 s.
 (c) *Acquisitions* of a session: each turn's first stream (by its incarnation) and each takeover
     notice. Output of a turn (its Telegram sends and edits, a stop notice, "typing", and provider
     requests that continue it after a tool) must not happen after another incarnation's later
@@ -42,7 +43,15 @@ Invariants:
 (d) The final transcript: each user row is followed, before the next user row, by exactly one
     assistant row without tool calls (the answer or the interruption) as the last row of the
     turn — or by an interrupted tool result, if the turn was cut off while a tool ran; no message
-    is recorded twice; an API answer given as whole is recorded as whole.
+    is recorded twice; an API answer given as whole is recorded as whole. User rows keep the
+    order the messages were sent in, as far as the client could know it: a message acknowledged
+    (a webhook 2xx, an API 200) before another was first sent is recorded before it. (Retries
+    and resends of one message are one message; a message never acknowledged sets no order: a
+    client that gave up on it, or whose request timed out, cannot know where it was put.)
+(f) Leases, from Redis' own record of every lease write (tests/chaos/lease_log.py): a holder's
+    lease runs from its acquisition until its release, or its last extension + the TTL it set,
+    or its process' death; no other incarnation acquires the session's lease inside that
+    (tolerance LEASE_TOLERANCE_S); every acquisition's fencing number is above all earlier ones.
 (e) After settling, no inbound record is still open (accepted / running / restart) for a session
     with nothing running; no tool process of a killed worker outlives it by 0.5 s;
     no worker process exits unless killed.
@@ -65,8 +74,10 @@ from tests.chaos.records import (
     STOP_MARK,
     TAKEOVER_MARKERS,
     TAKEOVER_SLACK_S,
+    ApiMessage,
     BotMessage,
     FaultRecord,
+    LeaseEvent,
     Records,
     Row,
     Stream,
@@ -75,6 +86,8 @@ from tests.chaos.records import (
     chat_of,
     message_tag,
     outcome_bound,
+    quarantine_s,
+    session_of_key,
     stream_number,
 )
 
@@ -84,6 +97,7 @@ TOOL_WINDOW_S = 5.0  # a tool run after a stream that asked for it, at most (the
 WAKE_GRACE_S = 1.0
 INFLIGHT_S = 0.05
 AT_FAULT_S = 0.5  # an answer shown this shortly before its process died may be shown again (at-least-once)
+LEASE_TOLERANCE_S = 0.01  # both ends of a lease overlap are Redis' own clock
 REFUSALS_400 = ("storage", "unavailable", "could not save", "could not pass")
 
 KINDS = {
@@ -103,12 +117,20 @@ KINDS = {
     "transcript-unanswered": "a user row with no assistant row after it",
     "transcript-extra-assistant": "an assistant row with no user row before it (two answers for one message)",
     "transcript-duplicate-user": "one message recorded as a user row twice",
+    "transcript-out-of-order": "a user's messages recorded out of the order they were sent in: a message "
+                               "acknowledged to its client before the next one was sent is recorded after it",
     "api-answer-not-recorded": "the API answered 200, but the transcript has no such answer",
     "api-bad-answer": "a 200 answer that is neither whole nor marked interrupted",
+    "api-refused-but-answered": "the API told the client to try again (503, 400) for a message whose turn was answered "
+                                "whole and recorded: a retry (the SDKs retry 503 themselves) records the message twice",
     "api-400-for-unavailable": "the API answered 400 for a transient failure (should be 503 + Retry-After)",
     "api-503-without-retry-after": "a 503 without a Retry-After header",
     "api-unexpected-status": "an API status other than 200, 400 (busy elsewhere) and 503",
     "open-inbound": "after settling, an inbound record still open with nothing running for its session",
+    "lease-overlap": "by Redis' own record of the lease writes (MONITOR), another incarnation acquired a session's "
+                     "lease while its holder still held it (not released, not expired by its last renewal + TTL, "
+                     "holder alive)",
+    "fence-not-growing": "an acquisition of a session's lease took a fencing number not above an earlier one",
     "orphaned-tool": "a killed worker's tool process still running half a second after the kill",
     "restart-failed": "a worker process could not be (re)started",
     "worker-crashed": "a worker process exited although nobody killed it",
@@ -273,8 +295,10 @@ class _Checker:
         self.check_takeover_latency()
         self.check_progress_after_faults()
         self.check_transcripts()
+        self.check_send_order()
         self.check_api()
         self.check_open_inbound()
+        self.check_leases()
         for worker_id, text in sorted(self.r.log_tails.items()):
             self.notes.append(f"{worker_id} log: {text}")
         counts = {
@@ -293,6 +317,7 @@ class _Checker:
             "provider streams": len(self.r.streams),
             "telegram calls": len(self.r.calls),
             "faults": len(self.r.faults),
+            "lease acquisitions": sum(e.op == "acquire" for e in self.r.leases),
         }
         return Report(self.r.seed, counts, self.v, self.tolerated,
                       [f.describe(self.r.t0) for f in self.r.faults], self.notes)
@@ -442,34 +467,12 @@ class _Checker:
             self.counts["tg no outcome"] += 1
             return
         if len(answers) > 1:
-            first = min(answers, key=lambda b: b.changed_at)
-            stream = self.streams.get(stream_number(first.text) or 0)
-            at_fault = stream is not None and any(
-                f.target in (stream.via, *SHARED) and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
-                for f in self.r.faults)
-            shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
-            if at_fault:
-                self.tolerated.append(f"{m.session}: [{m.tag}] answered twice ({shown}); the first just before a fault")
-            else:
-                self.add("answered-twice", m.session, f"[{m.tag}] whole answers: {shown}" + self.fault_before(
-                    max(b.changed_at for b in answers)))
+            self._answered_twice(m, answers)
         for b in notices:
             if FAIL_MARK in b.text:
                 self.add("agent-failed", m.session, f"[{m.tag}] {b.via} at {self.t(b.changed_at)}: {b.text[-80:]!r}")
         if answers:
-            done = min(b.changed_at for b in answers)
-            later = [b for b in notices if b.reply_to == m.message_id and b.sent_at > done and is_takeover(b.text)]
-            if later:
-                stream = self.streams.get(stream_number(min(answers, key=lambda b: b.changed_at).text) or 0)
-                faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, *SHARED)
-                           and 0 <= f.started_at - done <= AT_FAULT_S]
-                what = (f"[{m.tag}] whole answer shown at {self.t(done)} (c{stream.number if stream else '?'} by "
-                        f"{stream.via if stream else '?'}), then {later[0].via} said {later[0].text[:70]!r} at "
-                        f"{self.t(later[0].sent_at)}")
-                if faulted:
-                    self.tolerated.append(f"{m.session}: {what}; {faulted[0].kind} right after the answer")
-                else:
-                    self.add("answered-then-taken-over", m.session, what + self.fault_before(later[0].sent_at))
+            self._taken_over_after_answer(m, answers, notices)
         outcomes = answers + notices
         frozen = [p for p in partials if not any(o.changed_at >= p.sent_at for o in outcomes)]
         first_outcome = min((o.changed_at for o in outcomes), default=None)
@@ -506,6 +509,35 @@ class _Checker:
             self.add("stall", m.session, f"[{m.tag}] accepted at {self.t(accepted)}, no answer or notice before "
                      f"the user gave up at {self.t(m.next_sent_at)} (bound {limit - accepted:.1f} s = {why})")
 
+    def _answered_twice(self, m: TgMessage, answers: list[BotMessage]) -> None:
+        first = min(answers, key=lambda b: b.changed_at)
+        stream = self.streams.get(stream_number(first.text) or 0)
+        at_fault = stream is not None and any(
+            f.target in (stream.via, *SHARED) and 0 <= f.started_at - first.changed_at <= AT_FAULT_S
+            for f in self.r.faults)
+        shown = ", ".join(f"c{stream_number(b.text)} by {b.via} at {self.t(b.changed_at)}" for b in answers)
+        if at_fault:
+            self.tolerated.append(f"{m.session}: [{m.tag}] answered twice ({shown}); the first just before a fault")
+        else:
+            self.add("answered-twice", m.session, f"[{m.tag}] whole answers: {shown}" + self.fault_before(
+                max(b.changed_at for b in answers)))
+
+    def _taken_over_after_answer(self, m: TgMessage, answers: list[BotMessage], notices: list[BotMessage]) -> None:
+        done = min(b.changed_at for b in answers)
+        later = [b for b in notices if b.reply_to == m.message_id and b.sent_at > done and is_takeover(b.text)]
+        if not later:
+            return
+        stream = self.streams.get(stream_number(min(answers, key=lambda b: b.changed_at).text) or 0)
+        faulted = [f for f in self.r.faults if stream is not None and f.target in (stream.via, *SHARED)
+                   and 0 <= f.started_at - done <= AT_FAULT_S]
+        what = (f"[{m.tag}] whole answer shown at {self.t(done)} (c{stream.number if stream else '?'} by "
+                f"{stream.via if stream else '?'}), then {later[0].via} said {later[0].text[:70]!r} at "
+                f"{self.t(later[0].sent_at)}")
+        if faulted:
+            self.tolerated.append(f"{m.session}: {what}; {faulted[0].kind} right after the answer")
+        else:
+            self.add("answered-then-taken-over", m.session, what + self.fault_before(later[0].sent_at))
+
     # adoption: a turn cut off by a dead or stopped process gets a new owner within TTL + 2 s
 
     def check_takeover_latency(self) -> None:
@@ -541,8 +573,9 @@ class _Checker:
 
     def check_progress_after_faults(self) -> None:
         """A turn in flight when a pause or a Redis restart began shows something within TTL + 2 s
-        after the fault is over: more of its answer, its end, or a notice. (A pause that outlasts
-        TTL + 2 s is check_takeover_latency's case.)"""
+        after the fault is over (one TTL more after Redis came back empty: the quarantine): more
+        of its answer, its end, or a notice. (A pause that outlasts TTL + 2 s is
+        check_takeover_latency's case.)"""
         for f in self.r.faults:
             if f.kind not in ("pause_short", "pause_long", "redis_restart", "redis_wipe", "pg_restart") \
                     or f.ended_at is None:
@@ -550,7 +583,7 @@ class _Checker:
             start, back = f.started_at, f.ended_at
             if f.kind == "pause_long" and back >= start + self.r.ttl_s + TAKEOVER_SLACK_S:
                 continue
-            limit = back + self.r.ttl_s + TAKEOVER_SLACK_S
+            limit = back + self.r.ttl_s + TAKEOVER_SLACK_S + quarantine_s(f.kind, self.r.ttl_s)
             for s in self.r.streams:
                 if (f.target not in SHARED and s.via != f.target) or not s.session or s.session[0] != "g":
                     continue
@@ -575,7 +608,7 @@ class _Checker:
                 self.add("stall", m.session,
                          f"[{m.tag}] streaming (c{s.number} on {s.via}) when {f.kind} {f.target} began at "
                          f"{self.t(start)}; it ended at {self.t(back)}, and nothing was shown for the message "
-                         f"until {self.t(limit)} (TTL + {TAKEOVER_SLACK_S:g} s later): last output before "
+                         f"until {self.t(limit)} ({limit - back:.1f} s later): last output before "
                          f"{self.t(max(before, default=None))}, next {self.t(min(after, default=None))}")
 
     def _concerns(self, call: TgCall, m: TgMessage) -> bool:
@@ -624,6 +657,40 @@ class _Checker:
                     self.add("transcript-extra-assistant", session, f"rows after the end of {_label(rows[i])}'s "
                              "turn: " + _window(rows, closing[0] + 1))
 
+    def _send_times(self) -> dict[str, tuple[float, float | None]]:
+        """Message tag ("g03 m2", "a01 m3") -> (first sent, first acknowledged or None)."""
+        out: dict[str, tuple[float, float | None]] = {}
+        for m in self.r.telegram:
+            out[m.tag] = (m.attempts[0].at if m.attempts else m.sent_at, m.accepted_at)
+        for api in self.r.api:
+            if api.attempts:
+                acks = [a.ended_at for a in api.attempts if a.status == 200]
+                out[api.tag] = (api.attempts[0].at, min(acks, default=None))
+        return out
+
+    def check_send_order(self) -> None:
+        """A message acknowledged to its client before another of the session's messages was first
+        sent must be recorded before it: a row of the later message above a row of the earlier
+        one is a message put out of order (the client had been told the earlier one was taken)."""
+        times = self._send_times()
+        for session, rows in sorted(self.r.transcripts.items()):
+            seq = [(i, _message_of(tag)) for i, row in enumerate(rows)
+                   if row.role == "user" and (tag := message_tag(row.content)) is not None]
+            reported: set[str] = set()
+            for j, (row_j, later) in enumerate(seq):
+                ack = times.get(later, (0.0, None))[1]
+                if ack is None:
+                    continue
+                for row_i, earlier in seq[:j]:
+                    sent = times.get(earlier, (None, None))[0]
+                    if earlier == later or earlier in reported or sent is None or sent <= ack:
+                        continue
+                    reported.add(earlier)
+                    self.add("transcript-out-of-order", session,
+                             f"[{earlier}] (first sent at {self.t(sent)}) recorded as row {row_i}, before "
+                             f"[{later}] (row {row_j}), which had been acknowledged at {self.t(ack)}: "
+                             + _window(rows, row_i) + self.fault_before(sent))
+
     # the HTTP API's answers
 
     def check_api(self) -> None:
@@ -640,6 +707,7 @@ class _Checker:
                 elif a.status is not None and a.status not in (200, 400, 503):
                     self.add("api-unexpected-status", m.session,
                              f"[{m.tag}] {a.status} from {a.target} at {self.t(a.at)}: {(a.error or a.body)[:100]!r}")
+            self._check_refused_but_answered(m)
             for t, a in enumerate(m.attempts, 1):
                 if a.status != 200:
                     continue
@@ -652,7 +720,9 @@ class _Checker:
                 ok = closing is not None and (
                     not answered or (closing.interrupted_by is None and stream_number(closing.content) is not None))
                 if not ok:
-                    died = [f for f in self.r.faults if f.target in (a.target, *SHARED)
+                    # the worker asked, or (relayed from another worker) the one that ran the turn
+                    ran = {s.via for s in self.streams_by_session.get(m.session, []) if s.tag == tag}
+                    died = [f for f in self.r.faults if f.target in (a.target, *ran, *SHARED)
                             and 0 <= f.started_at - a.ended_at <= AT_FAULT_S]
                     what = f"[{tag}] answered 200 ({'whole' if answered else a.interrupted}) by {a.target} at " \
                            f"{self.t(a.ended_at)}; transcript: {_row(closing)}" \
@@ -662,11 +732,101 @@ class _Checker:
                     else:
                         self.add("api-answer-not-recorded", m.session, what + self.fault_before(a.ended_at))
 
+    # (f) leases, as Redis recorded them
+
+    def check_leases(self) -> None:
+        if not self.r.leases_monitored:
+            return
+        if self.r.lease_gaps:
+            self.notes.append("lease monitor not connected: " + ", ".join(
+                f"{self.t(a)}-{self.t(b)}" for a, b in self.r.lease_gaps))
+        by_session: dict[str, list[LeaseEvent]] = defaultdict(list)
+        for e in sorted(self.r.leases, key=lambda e: e.at):
+            by_session[e.session].append(e)
+        for session, events in sorted(by_session.items()):
+            self._check_fences(session, events)
+            self._check_holders(session, events)
+
+    def _check_fences(self, session: str, events: list[LeaseEvent]) -> None:
+        """Every acquisition's fencing number is above every earlier one of the session."""
+        top: LeaseEvent | None = None
+        for e in events:
+            if e.op != "acquire" or e.fence is None:
+                continue
+            if top is not None and top.fence is not None and e.fence <= top.fence:
+                self.add("fence-not-growing", session,
+                         f"{e.holder} acquired the lease at {self.t(e.at)} with fence {e.fence}, not above fence "
+                         f"{top.fence} taken by {top.holder} at {self.t(top.at)}" + self.fault_before(e.at))
+            if top is None or top.fence is None or e.fence > top.fence:
+                top = e
+
+    def _lease_end(self, h: _Holding) -> float:
+        """Until when a holder held the lease by its own record: its expiry, or its process' death."""
+        inc = self.r.incarnations.get(h.holder)
+        died = inc.ended_at if inc is not None and inc.ended_at is not None else float("inf")
+        return min(h.expires, died)
+
+    def _check_holders(self, session: str, events: list[LeaseEvent]) -> None:
+        """No acquisition by another token while a holder's lease runs (release, expiry, death)."""
+        held: dict[str, _Holding] = {}
+        for e in events:
+            if e.op == "release":
+                held.pop(e.token, None)
+            elif e.op == "extend":
+                h = held.setdefault(e.token, _Holding(e.holder, e.at, None, e.at, e.at + e.ttl_s))
+                h.last, h.expires = e.at, e.at + e.ttl_s
+            else:
+                for token, h in list(held.items()):
+                    if token != e.token and self._lease_end(h) > e.at + LEASE_TOLERANCE_S:
+                        self._overlap(session, h, e)
+                    if token != e.token:
+                        del held[token]
+                again = held.get(e.token)
+                if again is None or again.holder != e.holder:
+                    held[e.token] = _Holding(e.holder, e.at, e.fence, e.at, e.at + e.ttl_s)
+                else:  # the holder again (it had reported the lease lost): a new fence, the same holder
+                    again.fence, again.last = e.fence, e.at
+
+    def _overlap(self, session: str, h: _Holding, e: LeaseEvent) -> None:
+        what = (f"{h.holder} acquired the lease at {self.t(h.start)} (fence {h.fence}), last renewed at "
+                f"{self.t(h.last)}, so held it until {self.t(self._lease_end(h))}; {e.holder} acquired it at "
+                f"{self.t(e.at)} (fence {e.fence}), {self._lease_end(h) - e.at:.2f} s before that")
+        unseen = [(a, b) for a, b in self.r.lease_gaps if a < e.at and (b is None or b > h.last)]
+        if unseen:
+            self.tolerated.append(f"{session}: {what}; the lease monitor was not connected at "
+                                  f"{self.t(unseen[0][0])}-{self.t(unseen[0][1])} (a release may be unseen)")
+        else:
+            self.add("lease-overlap", session, what + self.fault_before(e.at))
+
+    def _check_refused_but_answered(self, m: ApiMessage) -> None:
+        """An attempt answered "try again" (any status but 200; a timeout is no answer) whose turn
+        the transcript closes with a whole answer: the client was told its message was not taken.
+        Tolerated when the worker that ran the turn died or stopped just after its answer (the
+        relay of a dying owner ends with a retryable error: at-least-once)."""
+        for t, a in enumerate(m.attempts, 1):
+            if a.status is None or a.status == 200:
+                continue
+            tag = f"{m.tag} t{t}"
+            closing = _closing(self.turn_of(m.session, tag))
+            if closing is None or closing.interrupted_by is not None or stream_number(closing.content) is None:
+                continue
+            stream = self.streams.get(stream_number(closing.content) or 0)
+            done = stream.ended_at if stream is not None and stream.ended_at is not None else a.ended_at
+            ran = stream.via if stream is not None else "?"
+            what = (f"[{tag}] answered {a.status} {(a.error or '')[:60]!r} by {a.target} at {self.t(a.ended_at)} "
+                    f"({a.ended_at - a.at:.1f} s after it was sent), but its turn was answered whole and recorded "
+                    f"(c{stream.number if stream else '?'} by {ran}, ended {self.t(done)})")
+            died = [f for f in self.r.faults if f.target == ran and 0 <= f.started_at - done <= AT_FAULT_S]
+            if died:
+                self.tolerated.append(f"{m.session}: {what}; {died[0].kind} {ran} just after")
+            else:
+                self.add("api-refused-but-answered", m.session, what + self.fault_before(done))
+
     # (e) nothing left open
 
     def check_open_inbound(self) -> None:
         for rec in self.r.open_inbound:
-            session = _session_of_key(rec.session_key)
+            session = session_of_key(rec.session_key)
             running = [s for s in self.streams_by_session.get(session, []) if s.ended_at is None]
             if running:
                 continue
@@ -676,6 +836,15 @@ class _Checker:
                      f"still {rec.status!r} at the end, nothing running; {lease}")
 
 
+@dataclass
+class _Holding:
+    holder: str
+    start: float
+    fence: int | None
+    last: float  # its last write (acquisition or extension)
+    expires: float
+
+
 def _stream(s: Stream, active: list[tuple[float, float]], t: Callable[[float | None], str]) -> str:
     what = " resume" if s.resume else ""
     what += " + its tool run" if s.tool_call else ""
@@ -683,12 +852,9 @@ def _stream(s: Stream, active: list[tuple[float, float]], t: Callable[[float | N
     return f"c{s.number} ({s.via}, [{s.tag}]{what}, active {spans})"
 
 
-def _session_of_key(key: str) -> str:
-    """"telegram:group:-103" -> "g03"; "api:dm:a01" -> "a01"."""
-    platform, _kind, chat = key.split(":", 2)
-    if platform == "telegram":
-        return f"g{-int(chat) - 100:02d}"
-    return chat
+def _message_of(tag: str) -> str:
+    """"a01 m3 t2" -> "a01 m3": the attempts of one API message are one message."""
+    return " ".join(tag.split()[:2])
 
 
 def _label(row: Row) -> str:

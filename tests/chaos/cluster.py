@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.chaos.lease_log import LeaseMonitor
 from tests.chaos.records import END, Incarnation, answer_tag, message_tag
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
@@ -104,6 +105,7 @@ class ChaosCluster:
         self._generation: dict[str, int] = {}
         self._numbers: dict[int, int] = {}  # id(connection) -> stream number
         self.tool_streams: set[int] = set()  # streams answered with a tool call
+        self.lease_monitor: LeaseMonitor | None = None
 
     @property
     def answer_s(self) -> float:
@@ -115,6 +117,9 @@ class ChaosCluster:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.redis.start)
+        # Every lease write Redis runs, from now on (it reconnects by itself after a Redis restart).
+        self.lease_monitor = LeaseMonitor(self.redis.port, self.tmp / "leases.monitor")
+        self.lease_monitor.start()
         if self.pg is not None:
             await asyncio.to_thread(self.pg.start)
             self.pg_url = await asyncio.to_thread(self.pg.create_database, "chaos")
@@ -130,6 +135,8 @@ class ChaosCluster:
                 raise result
 
     async def close(self) -> None:
+        if self.lease_monitor is not None:
+            self.lease_monitor.stop()
         for worker in self._processes:  # every process started here, standbys included
             worker.end()  # SIGKILL to its process group (ends a stopped one too)
         now = time.monotonic()

@@ -30,21 +30,30 @@ BASE_SLACK_S = 3.0  # on top of the answer time, before a first answer or notice
 TAKEOVER_SLACK_S = 2.0  # a lost owner's turns get a new owner within TTL + this
 
 
+def quarantine_s(kind: str, ttl_s: float) -> float:
+    """How long workers take no session after the fault on top of its TTL: a Redis that came
+    back empty (`redis_wipe`) makes every worker quarantine acquisitions for one lease TTL
+    (gateway/cluster/redis_loss.py), so a holder that has not noticed yet runs out first."""
+    return ttl_s if kind == "redis_wipe" else 0.0
+
+
 def outcome_bound(accepted: float, faults: list[FaultRecord], *, answer_s: float, ttl_s: float, now: float,
                   owner_at: Callable[[float], str | None]) -> tuple[float, list[FaultRecord]]:
     """Latest acceptable time for the first answer or notice of a message accepted at `accepted`:
     answer time + BASE_SLACK_S, plus for each fault that touches that window and can hold the
     message up — a Redis restart, or a fault of the session's owner (`owner_at(fault start)`:
     the incarnation that last started a stream for it; None: unknown, so it counts) — its length +
-    TTL + TAKEOVER_SLACK_S (a fault still going on counts until `now`). Also returns those faults."""
+    TTL + TAKEOVER_SLACK_S, + one more TTL for Redis back empty (the quarantine, `quarantine_s`)
+    (a fault still going on counts until `now`). Also returns those faults."""
     end = accepted + answer_s + BASE_SLACK_S
     touching = []
     for f in sorted(faults, key=lambda f: f.started_at):
         if f.target != "redis" and (owner := owner_at(f.started_at)) is not None and owner != f.target:
             continue
         f_end = f.ended_at if f.ended_at is not None else now
-        if f.started_at < end and f_end + ttl_s + TAKEOVER_SLACK_S > accepted:
-            end += (f_end - f.started_at) + ttl_s + TAKEOVER_SLACK_S
+        extra = ttl_s + TAKEOVER_SLACK_S + quarantine_s(f.kind, ttl_s)
+        if f.started_at < end and f_end + extra > accepted:
+            end += (f_end - f.started_at) + extra
             touching.append(f)
     return end, touching
 
@@ -214,6 +223,27 @@ class Row:
 
 
 @dataclass
+class LeaseEvent:
+    """A write to a session's lease, as Redis ran it (tests/chaos/lease_log.py)."""
+
+    at: float
+    session: str  # "g03", "a01"
+    op: str  # acquire (with its fence) | extend (PEXPIRE: the acquisition's TTL, a renewal) | release
+    token: str  # the lease token, "<worker id>/<incarnation id>"
+    fence: int | None
+    ttl_s: float  # extend: the lease's new time to live
+    holder: str = ""  # the incarnation ("w2.1") the token belongs to
+
+
+def session_of_key(key: str) -> str:
+    """"telegram:group:-103" -> "g03"; "api:dm:a01" -> "a01"."""
+    platform, _kind, chat = key.split(":", 2)
+    if platform == "telegram":
+        return f"g{-int(chat) - 100:02d}"
+    return chat
+
+
+@dataclass
 class OpenInbound:
     session_key: str
     inbound_id: str
@@ -244,3 +274,6 @@ class Records:
     harness_errors: list[str] = field(default_factory=list)
     crashed: dict[str, int] = field(default_factory=dict)  # incarnation -> exit status (nobody killed it)
     log_tails: dict[str, str] = field(default_factory=dict)  # worker id -> errors seen in its log
+    leases: list[LeaseEvent] = field(default_factory=list)  # every lease write Redis ran, in order
+    lease_gaps: list[tuple[float, float | None]] = field(default_factory=list)  # the monitor was not connected
+    leases_monitored: bool = False  # False: no lease records (an old run's records)

@@ -19,7 +19,7 @@ from typing import Any
 
 from agent_cache import keys
 from platforms.telegram_draft import STATUS_TEXT
-from tests.chaos import faults
+from tests.chaos import faults, lease_log
 from tests.chaos.checker import Report, check
 from tests.chaos.cluster import ChaosCluster
 from tests.chaos.records import (
@@ -28,6 +28,7 @@ from tests.chaos.records import (
     BotMessage,
     FaultRecord,
     Incarnation,
+    LeaseEvent,
     OpenInbound,
     Records,
     Row,
@@ -53,7 +54,8 @@ class Settings:
     quiet_s: float = 2.0
     settle_max_s: float = 16.0
     telegram_chats: int = 8
-    api_sessions: int = 4
+    api_sessions: int = 4  # hundreds are fine: their users think longer in proportion (traffic.api_load)
+    api_balance: str = "random"  # each API request to a random live worker; "pinned": a worker per session
     words: int = 36
     delay_s: float = 0.09
     patience_s: float = 40.0
@@ -83,7 +85,7 @@ async def run_scenario(settings: Settings, tmp: Path) -> tuple[Records, Report]:
         traffic = Traffic(cluster, settings.seed, telegram_chats=settings.telegram_chats,
                           api_sessions=settings.api_sessions, stop_at=stop_at,
                           hard_stop=stop_at + settings.settle_max_s, faults=fault_log, patience_s=settings.patience_s,
-                          early_p=settings.early_p)
+                          early_p=settings.early_p, api_balance=settings.api_balance)
         traffic_task = asyncio.create_task(traffic.run())
         schedule = faults.plan(settings.seed, ttl_s=settings.ttl_s, workers=settings.workers,
                                kinds_allowed=settings.kinds)
@@ -179,11 +181,28 @@ async def collect(cluster: ChaosCluster, traffic: Traffic, fault_log: list[Fault
         _read_store, cluster.redis, traffic.sessions, cluster.worker_ids)
     if cluster.pg_url is not None:  # the history is in PostgreSQL: read it there
         transcripts, open_inbound = await _read_postgres(cluster.pg_url, cluster.redis, traffic.sessions)
+    leases, lease_gaps = _read_leases(cluster)
     return Records(seed=seed, ttl_s=cluster.ttl_s, answer_s=cluster.answer_s, t0=t0, traffic_end=traffic_end,
                    collected_at=time.monotonic(), incarnations=dict(cluster.incarnations), faults=fault_log,
                    telegram=traffic.telegram, api=traffic.api, streams=streams, calls=calls,
                    bot_messages=list(bots.values()), transcripts=transcripts, open_inbound=open_inbound, inbox=inbox,
-                   harness_errors=list(cluster.errors), log_tails=cluster.log_errors())
+                   harness_errors=list(cluster.errors), log_tails=cluster.log_errors(), leases=leases,
+                   lease_gaps=lease_gaps, leases_monitored=cluster.lease_monitor is not None)
+
+
+def _read_leases(cluster: ChaosCluster) -> tuple[list[LeaseEvent], list[tuple[float, float | None]]]:
+    """The lease writes Redis ran, from the MONITOR log (stopped first: no half-written last line)."""
+    monitor = cluster.lease_monitor
+    if monitor is None:
+        return [], []
+    monitor.stop()
+    try:
+        text = monitor.path.read_text(errors="replace")
+    except OSError:
+        cluster.errors.append("no lease monitor log")
+        return [], []
+    return lease_log.parse(text, clock_offset=time.time() - time.monotonic(), incarnations=cluster.incarnations,
+                           ttl_s=cluster.ttl_s)
 
 
 def _read_store(redis: RedisServer, sessions: list[str], worker_ids: list[str]
@@ -278,7 +297,9 @@ def load(path: Path) -> Records:
         streams=[Stream(**s) for s in d["streams"]], calls=[TgCall(**c) for c in d["calls"]],
         bot_messages=[BotMessage(**b) for b in d["bot_messages"]],
         transcripts={k: [Row(**r) for r in v] for k, v in d["transcripts"].items()},
-        open_inbound=[OpenInbound(**o) for o in d["open_inbound"]])
+        open_inbound=[OpenInbound(**o) for o in d["open_inbound"]],
+        leases=[LeaseEvent(**e) for e in d.get("leases", [])],
+        lease_gaps=[(a, b) for a, b in d.get("lease_gaps", [])], leases_monitored=d.get("leases_monitored", False))
 
 
 def save(records: Records, report: Report, directory: Path, variant: str = "redis") -> Path:

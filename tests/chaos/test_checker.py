@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.chaos import lease_log
 from tests.chaos.checker import Report, check
 from tests.chaos.records import (
     ApiMessage,
@@ -12,6 +13,7 @@ from tests.chaos.records import (
     BotMessage,
     FaultRecord,
     Incarnation,
+    LeaseEvent,
     OpenInbound,
     Records,
     Row,
@@ -239,3 +241,167 @@ def test_saved_records_check_the_same_after_loading(tmp_path: Path) -> None:
     report = check(rec)
     save(rec, report, tmp_path)
     assert check(load(tmp_path / "chaos-7-redis.json")).text() == report.text()
+
+
+def test_redis_back_empty_allows_one_more_ttl_for_the_quarantine() -> None:
+    """After Redis lost its data the workers take no session for one TTL: an answer that comes
+    within the bound plus that TTL is in time; the same delay after a plain Redis restart is a stall."""
+    for kind, late in (("redis_wipe", False), ("redis_restart", True)):
+        rec = records()
+        rec.faults.append(FaultRecord(kind, "redis", 2.0, ended_at=3.0))
+        msg = message(rec, "g01", 1, 1.0)
+        stream(rec, msg, 1, "w1.1", 15.0, 16.0)  # first shown 15.1, whole at 15.95: 14.95 s after acceptance
+        report = check(rec)
+        assert kinds(report) == ({"stall": 1} if late else {}), report.text()
+
+
+def test_a_message_recorded_after_one_sent_later_is_out_of_order() -> None:
+    rec = records()
+    first = message(rec, "g01", 1, 1.0)  # acknowledged at 1.0
+    stream(rec, first, 1, "w1.1", 1.1, 4.0)
+    second = message(rec, "g01", 2, 5.0)  # sent after the first was acknowledged
+    stream(rec, second, 2, "w1.1", 5.1, 8.0)
+    assert check(rec).ok
+    rows = rec.transcripts["g01"]
+    rec.transcripts["g01"] = rows[2:] + rows[:2]  # the second message's turn recorded first
+    report = check(rec)
+    assert kinds(report) == {"transcript-out-of-order": 1}, report.text()
+    assert "[g01 m2]" in report.text() and "[g01 m1]" in report.text()
+
+
+def test_send_order_binds_only_acknowledged_messages_and_counts_retries_as_one() -> None:
+    rec = records()
+    # a01 m1: first attempt timed out (never acknowledged), the client gave up on it
+    lost = ApiMessage("a01 m1", "a01", outcome="refused",
+                      attempts=[Attempt(1.0, "w1.1", None, 9.0, error="TimeoutError")])
+    # a01 m2: answered at its second attempt
+    done = ApiMessage("a01 m2", "a01", outcome="answered",
+                      attempts=[Attempt(10.0, "w2.1", 503, 10.1, retry_after="1"),
+                                Attempt(11.0, "w2.1", 200, 14.0, body=f"{answer_tag('a01 m2 t2', 2)} w0 END")])
+    rec.api += [lost, done]
+    rec.streams += [Stream(2, "w2.1", 11.1, 13.9, True, "a01 m2 t2", resume=False),
+                    Stream(1, "w1.1", 15.0, 16.0, True, "a01 m1 t1", resume=False)]
+    # the timed-out attempt was taken after all, after the next message: no promise was broken
+    rec.transcripts["a01"] = [Row("user", "[a01 m2 t1] question 2", None, None),
+                              Row("assistant", "", "system", "session lease lost"),
+                              Row("user", "[a01 m2 t2] question 2", None, None),
+                              Row("assistant", f"{answer_tag('a01 m2 t2', 2)} w0 END", None, None),
+                              Row("user", "[a01 m1 t1] question 1", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None)]
+    report = check(rec)
+    assert "transcript-out-of-order" not in kinds(report), report.text()
+    # ...but a third message sent after m2's 200 and recorded before m2 is out of order
+    third = ApiMessage("a01 m3", "a01", outcome="answered",
+                       attempts=[Attempt(20.0, "w1.1", 200, 24.0, body=f"{answer_tag('a01 m3 t1', 3)} w0 END")])
+    rec.api.append(third)
+    rec.streams.append(Stream(3, "w1.1", 20.1, 23.9, True, "a01 m3 t1", resume=False))
+    rec.transcripts["a01"][0:0] = [Row("user", "[a01 m3 t1] question 3", None, None),
+                                   Row("assistant", f"{answer_tag('a01 m3 t1', 3)} w0 END", None, None)]
+    report = check(rec)
+    assert kinds(report).get("transcript-out-of-order") == 1, report.text()
+    assert "[a01 m3]" in report.text()
+
+
+def test_an_api_answer_relayed_from_an_owner_that_died_just_after_is_tolerated() -> None:
+    """With requests spread over random workers the turn runs on the session's owner and its
+    answer is relayed: the owner's death just after the answer may lose its record (at-least-once)."""
+    rec = records()
+    api = ApiMessage("a01 m1", "a01", outcome="answered",
+                     attempts=[Attempt(1.0, "w1.1", 200, 5.0, body=f"{answer_tag('a01 m1 t1', 1)} w0 END")])
+    rec.api.append(api)
+    rec.streams.append(Stream(1, "w2.1", 1.1, 4.9, True, "a01 m1 t1", resume=False))  # the owner ran it
+    rec.transcripts["a01"] = [Row("user", "[a01 m1 t1] question", None, None),
+                              Row("assistant", "", "system", "worker stopped responding; session taken over")]
+    rec.faults.append(FaultRecord("kill", "w2.1", 5.2, ended_at=9.0))
+    rec.incarnations["w2.1"].ended_at = 5.2
+    report = check(rec)
+    assert report.ok and report.tolerated, report.text()
+    rec.faults[0].started_at = rec.incarnations["w2.1"].ended_at = 7.0  # long after: the record was lost
+    assert kinds(check(rec)) == {"api-answer-not-recorded": 1}
+
+
+def lease(rec: Records, at: float, op: str, holder: str, fence: int | None = None, ttl: float = 3.0,
+          session: str = "g01") -> None:
+    rec.leases.append(LeaseEvent(at, session, op, f"{holder.split('.')[0]}/{holder}", fence, ttl, holder))
+    rec.leases_monitored = True
+
+
+def test_a_lease_taken_while_its_holder_still_holds_it_is_an_overlap() -> None:
+    rec = records()
+    lease(rec, 1.0, "acquire", "w1.1", 100)
+    lease(rec, 1.0, "extend", "w1.1")
+    lease(rec, 2.0, "extend", "w1.1")  # renewed: held until 5.0
+    lease(rec, 5.5, "acquire", "w2.1", 200)  # after it ran out: fine
+    lease(rec, 5.5, "extend", "w2.1")
+    lease(rec, 6.0, "release", "w2.1")
+    lease(rec, 6.5, "acquire", "w1.1", 300)  # after the release: fine
+    lease(rec, 6.5, "extend", "w1.1")
+    assert check(rec).ok, check(rec).text()
+    # Redis came back empty at 7.0; w2.1 took the lease while w1.1's last renewal (6.5) ran until 9.5
+    rec.faults.append(FaultRecord("redis_wipe", "redis", 7.0, ended_at=7.5))
+    lease(rec, 8.0, "acquire", "w2.1", 400)
+    report = check(rec)
+    assert kinds(report) == {"lease-overlap": 1}, report.text()
+    assert "w1.1" in report.text() and "1.50 s before" in report.text() and "redis_wipe" in report.text()
+
+
+def test_a_dead_holders_lease_may_be_taken_and_fences_must_grow() -> None:
+    rec = records()
+    rec.incarnations["w1.1"].ended_at = 2.0  # killed: its restart takes its leases over at once
+    rec.incarnations["w1.2"] = Incarnation("w1.2", "w1", pid=2, started_at=2.5, ready_at=3.0)
+    lease(rec, 1.0, "acquire", "w1.1", 100)
+    lease(rec, 1.0, "extend", "w1.1")
+    lease(rec, 3.0, "acquire", "w1.2", 200)
+    assert check(rec).ok, check(rec).text()
+    lease(rec, 9.0, "acquire", "w2.1", 150)  # long after, but a smaller fence
+    assert kinds(check(rec)) == {"fence-not-growing": 1}
+
+
+def test_lease_writes_are_read_from_the_monitor_log() -> None:
+    wall = 1000.0  # the monitor's clock is Redis' wall clock: offset 1000 s from the records'
+    text = (f"connect {wall + 0.9}\nOK\n"
+            f'{wall + 1.0} [0 127.0.0.1:5000] "evalsha" "abc" "2" "sb:{{s:telegram:group:-101}}:lease" '
+            f'"sb:{{s:telegram:group:-101}}:fence" "w1/x1" "w1" "3000"\n'
+            f'{wall + 1.0} [0 lua] "HSET" "sb:{{s:telegram:group:-101}}:lease" "token" "w1/x1" "worker" "w1" '
+            f'"fence" "1796538173871"\n'
+            f'{wall + 1.0} [0 lua] "PEXPIRE" "sb:{{s:telegram:group:-101}}:lease" "3000"\n'
+            f'{wall + 2.0} [0 127.0.0.1:5000] "evalsha" "def" "1" "sb:{{s:api:dm:a01}}:lease" "w1/x1" "7"\n'
+            f'{wall + 2.0} [0 lua] "DEL" "sb:{{s:api:dm:a01}}:lease"\n'
+            f"lost {wall + 3.0}\nconnect {wall + 3.5}\nOK\n"
+            f'{wall + 4.0} [0 lua] "PEXPIRE" "sb:{{s:telegr')  # cut off mid-line
+    incs = {"w1.1": Incarnation("w1.1", "w1", 1, started_at=0.0)}
+    events, gaps = lease_log.parse(text, clock_offset=wall, incarnations=incs, ttl_s=3.0)
+    assert [(e.at, e.session, e.op, e.fence, e.holder) for e in events] == [
+        (1.0, "g01", "acquire", 1796538173871, "w1.1"), (1.0, "g01", "extend", None, "w1.1"),
+        (2.0, "a01", "release", None, "w1.1")]
+    assert events[1].ttl_s == 3.0 and events[2].token == "w1/x1"
+    assert gaps == [(3.0, 3.5)]
+
+
+def test_an_api_retry_asked_for_a_message_answered_and_recorded_is_reported() -> None:
+    """A relayed turn answered whole and recorded while Redis was down: the relaying worker tells
+    its client to try again, and the retry records the message twice."""
+    rec = records()
+    rec.faults.append(FaultRecord("redis_wipe", "redis", 4.0, ended_at=5.0))
+    api = ApiMessage("a01 m1", "a01", outcome="answered", attempts=[
+        Attempt(1.0, "w1.1", 503, 12.0, error="The worker running this conversation stopped; please try again",
+                retry_after="5"),
+        Attempt(13.0, "w1.1", 200, 17.0, body=f"{answer_tag('a01 m1 t2', 2)} w0 END")])
+    rec.api.append(api)
+    rec.streams += [Stream(1, "w2.1", 1.1, 4.5, True, "a01 m1 t1", resume=False),
+                    Stream(2, "w2.1", 13.1, 16.9, True, "a01 m1 t2", resume=False)]
+    rec.transcripts["a01"] = [Row("user", "[a01 m1 t1] question", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None),
+                              Row("user", "[a01 m1 t2] question", None, None),
+                              Row("assistant", f"{answer_tag('a01 m1 t2', 2)} w0 END", None, None)]
+    report = check(rec)
+    assert kinds(report) == {"api-refused-but-answered": 1}, report.text()
+    assert "[a01 m1 t1] answered 503" in report.text() and "c1 by w2.1" in report.text()
+    # the same 503 for a turn cut off (its owner died: taken over, not answered) is the retry it asks for
+    rec.transcripts["a01"][1] = Row("assistant", "", "system", "worker stopped responding; session taken over")
+    assert check(rec).ok, check(rec).text()
+    # ...and an owner that dies just after recording its answer cannot relay it any more: tolerated
+    rec.transcripts["a01"][1] = Row("assistant", f"{answer_tag('a01 m1 t1', 1)} w0 END", None, None)
+    rec.faults[0] = FaultRecord("kill", "w2.1", 4.7, ended_at=8.0, replacement="w2.2")
+    report = check(rec)
+    assert report.ok and report.tolerated, report.text()

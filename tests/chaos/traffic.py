@@ -12,8 +12,12 @@ a session whose owner just died or was restarted. A patient user who sees no out
 long as the checker allows (records.outcome_bound; at most `patience_s`) gives up and writes the
 next message anyway.
 
-API sessions are pinned to a worker, as a load balancer would; after a connection error they
-move to another live worker. A refused attempt (any non-2xx, connection error, timeout) is
+API requests go to a random live worker, as a plain load balancer would send them (the cluster
+forwards each to its session's owner and relays the answer back); with `api_balance="pinned"` a
+session sticks to one worker instead, and moves to another live one after a connection error.
+The API users' think time grows with their number (`api_load`): hundreds of sessions are there
+for concurrency — many sessions alive, leased and relayed at once — not to multiply the load of
+a few. A refused attempt (any non-2xx, connection error, timeout) is
 retried as a new attempt ("a01 m3 t2") until `give_up_s` after the first; then the message
 counts as refused. Everything sent and every HTTP answer is logged for the checker.
 """
@@ -38,14 +42,17 @@ from tests.chaos.records import (
     ApiMessage,
     Attempt,
     FaultRecord,
+    Incarnation,
     TgMessage,
     chat_of,
     message_tag,
     outcome_bound,
     stream_number,
 )
+from tests.support.workers import Worker
 
 SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+API_SESSIONS_AT_FULL_PACE = 16  # more API sessions than this think longer, in proportion
 
 
 def _pushy(session: str) -> bool:
@@ -55,7 +62,8 @@ def _pushy(session: str) -> bool:
 
 class Traffic:
     def __init__(self, cluster: ChaosCluster, seed: int, *, telegram_chats: int, api_sessions: int, stop_at: float,
-                 hard_stop: float, faults: list[FaultRecord], patience_s: float = 40.0, early_p: float = 0.15) -> None:
+                 hard_stop: float, faults: list[FaultRecord], patience_s: float = 40.0, early_p: float = 0.15,
+                 api_balance: str = "random") -> None:
         self.cluster = cluster
         self.faults = faults  # the fault log, as it grows: a user waits as long as the checker allows
         self.seed = seed
@@ -66,6 +74,10 @@ class Traffic:
         self.patience_s = patience_s
         self.early_p = early_p
         self.give_up_s = 3 * cluster.ttl_s + 8
+        self.api_balance = api_balance  # "random": every request to a random live worker; "pinned"
+        # Think times and the first message's delay of the API users scale with their number beyond
+        # API_SESSIONS_AT_FULL_PACE, so 200 sessions ask about as often in all as a dozen would.
+        self.api_load = max(1.0, api_sessions / API_SESSIONS_AT_FULL_PACE)
         self.telegram: list[TgMessage] = []
         self.api: list[ApiMessage] = []
         self._update_ids = itertools.count(1)
@@ -200,7 +212,7 @@ class Traffic:
         rng = self._rng(session)
         ids = self.cluster.worker_ids
         pinned = ids[int(session[1:]) % len(ids)]
-        await asyncio.sleep(rng.uniform(0.0, 1.5))
+        await self._think(rng.uniform(0.0, 1.5 * self.api_load))
         for n in itertools.count(1):
             if time.monotonic() >= self.stop_at:
                 return
@@ -215,8 +227,7 @@ class Traffic:
                         break
                     await asyncio.sleep(0.5)
                     continue
-                if pinned not in [inc.worker_id for _w, inc in live]:
-                    pinned = rng.choice(live)[1].worker_id
+                pinned = self._api_target(rng, pinned, live)
                 inc = self.cluster.current[pinned][1]
                 attempt = await self._ask(inc.name, inc.url, session, f"[{session} m{n} t{t}] question {n}")
                 msg.attempts.append(attempt)
@@ -236,7 +247,19 @@ class Traffic:
                     with contextlib.suppress(ValueError):
                         delay = min(2.0, max(0.1, float(attempt.retry_after)))
                 await asyncio.sleep(delay * rng.uniform(0.8, 1.2))
-            await asyncio.sleep(rng.uniform(0.3, 2.0))
+            await self._think(rng.uniform(0.3, 2.0) * self.api_load)
+
+    async def _think(self, seconds: float) -> None:
+        """An API user's pause, cut short when the traffic stops (so a long think never outlasts it)."""
+        await asyncio.sleep(max(0.0, min(seconds, self.stop_at - time.monotonic())))
+
+    def _api_target(self, rng: random.Random, pinned: str, live: list[tuple[Worker, Incarnation]]) -> str:
+        """The worker id this attempt goes to: a random live one, or (pinned) the session's own
+        while it lives."""
+        ids = [inc.worker_id for _w, inc in live]
+        if self.api_balance == "random" or pinned not in ids:
+            return rng.choice(ids)
+        return pinned
 
     async def _ask(self, target: str, url: str, session: str, text: str) -> Attempt:
         assert self._http is not None
