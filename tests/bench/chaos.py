@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import tempfile
 import time
@@ -61,7 +62,12 @@ async def soak(minutes: float, seed: int, workers: int, run_s: float, ttl_s: flo
     return 1 if failing else 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # asyncio.run then unwinds the run: its servers and workers are ended
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)  # a soak stopped with kill ends what it started, as with Ctrl-C
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
