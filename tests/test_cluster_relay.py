@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,30 @@ async def test_every_workers_console_shows_the_real_owner_and_stops_the_turn_whe
             assert await resp.json() == {"key": key, "stopped": True, "worker": a.worker_id}
         status, body = await asyncio.wait_for(asking, 10)
     assert status == 200 and body["switchboard"]["reason"] == "stopped by operator", body
+
+
+async def test_a_relayed_message_claimed_from_a_dead_owners_inbox_is_answered_through_whoever_ran_it(
+        workers: Any, provider: FakeProvider) -> None:
+    """The owner dies just before its inbox is read; another worker claims the message from the
+    dead owner's inbox and runs it. The relaying worker watched the dead owner, not the worker
+    that ran the turn, and told its client "the worker running this conversation stopped; please
+    try again" while the answer streamed, and was recorded, elsewhere."""
+    from tests.fakes.openai_provider import Script
+
+    a, b, _c = await workers(3)  # c: another worker that may claim the message
+    words = " ".join(f"w{i}" for i in range(300))
+    provider.by_text["slow one"] = Script(text=words, delay_s=0.05)  # 15 s: streaming when a dead owner is given up
+    async with aiohttp.ClientSession() as http:
+        assert (await a.ask(http, "r", "hello"))[0] == 200  # a owns r
+        a.kill()  # its heartbeat key outlives it by up to a TTL: b still forwards to it
+        statuses = []
+        deadline = time.monotonic() + 10 * TTL
+        while not statuses or statuses[-1] == 503:  # as the SDKs do: a 503 is tried again
+            assert time.monotonic() < deadline, statuses
+            status, body = await b.ask(http, "r", "slow one")
+            statuses.append(status)
+            await asyncio.sleep(0.2 if status == 503 else 0)
+    assert statuses[-1] == 200, (statuses, body)
+    assert content(body).rstrip() == words
+    # Told "try again" only while nothing ran it: it ran once, whole, and nobody was told otherwise.
+    assert [conn.completed for conn in provider.requests_for("slow one")] == [True], statuses

@@ -285,7 +285,10 @@ class Cluster:
         if answer.token is None:  # not a turn (refused, a duplicate, a command): nothing to play
             self.relayed.drop(link)
             return answer.result
-        self.relayed.accepted(link, answer.token)
+        # The run is where the message was taken: its owner, or the worker that claimed it from a
+        # dead owner's inbox. That worker's liveness is what the relay watches, and its inbox is
+        # where a cancel from here goes.
+        self.relayed.accepted(link, answer.token, by=answer.by or owner)
         return dataclasses.replace(answer.result, run=run)
 
     def _lost(self, name: str, lease: Lease, *, expired: bool) -> None:

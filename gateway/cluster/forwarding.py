@@ -52,6 +52,7 @@ class Answer:
 
     result: Submitted
     token: str | None = None
+    by: str | None = None  # the worker that took it: the owner, or one that claimed a dead owner's inbox
 
 
 class Forwarder:
@@ -100,7 +101,7 @@ class Forwarder:
         if result is None:
             return None
         return Answer(Submitted(Outcome(result["outcome"]), result["detail"],
-                                retry_after_s=result.get("retry_after_s")), result.get("token"))
+                                retry_after_s=result.get("retry_after_s")), result.get("token"), result.get("by"))
 
     def close(self) -> None:
         """Stopping: every wait ends (with no answer) within a slice, and no new one waits."""
@@ -168,7 +169,7 @@ class Forwarder:
         key = keys.forward_reply(request)
         token = result.run.token if result.run is not None else None
         answer = {"outcome": result.outcome.value, "detail": result.detail, "token": token,
-                  "retry_after_s": result.retry_after_s}
+                  "retry_after_s": result.retry_after_s, "by": self.worker_id}
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.lpush(key, json.dumps(answer, ensure_ascii=False))
             pipe.expire(key, REPLY_TTL_S)

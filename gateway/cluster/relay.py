@@ -221,9 +221,9 @@ class RelayReader:
         task.add_done_callback(self._tasks.discard)
         return link
 
-    def accepted(self, link: _Link, token: str) -> None:
-        """The owner took the message as a turn with run `token`."""
-        link.token = token
+    def accepted(self, link: _Link, token: str, *, by: str) -> None:
+        """Worker `by` took the message as a turn with run `token`."""
+        link.token, link.owner = token, by
         if link.cancel is not None:  # the client left before the owner answered
             self._cancel(link, link.cancel)
 
