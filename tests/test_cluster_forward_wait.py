@@ -5,6 +5,8 @@ process on a real redis-server; the owner's core is a `ClusterEvents` that answe
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -221,3 +223,31 @@ async def test_a_message_the_owner_could_not_take_is_forwarded_again_when_the_pl
         await sender.stop()
         await owner.stop()
 
+
+
+async def test_an_answer_that_came_while_the_sender_was_paused_past_its_wait_is_still_taken(
+        pair: Pair, redis_server: RedisServer) -> None:
+    """The sender's process is stopped (here: its event loop blocked) across the end of its wait;
+    the answer is pushed meanwhile. Its last BLPOP had timed out on the server, so it saw no
+    answer and told its client the owner did not answer — for a turn that ran."""
+    def answer_later() -> None:
+        client = redis_server.client()
+        try:
+            deadline = time.monotonic() + WAIT_DEADLINE_S
+            while not (entries := client.xrange(keys.worker_inbox("nobody"))):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            request = json.loads(entries[0][1]["data"])["reply"]
+            time.sleep(1.0)  # past the wait (0.3 s) and its last BLPOP's timeout, while the sender is stopped
+            client.lpush(keys.forward_reply(request), json.dumps({"answer": 42}))
+        finally:
+            client.close()
+
+    pusher = threading.Thread(target=answer_later)
+    pusher.start()
+    try:
+        asking = asyncio.ensure_future(pair.sender.forwarder.ask("nobody", {"question": 1}, wait_s=0.3))
+        asyncio.get_running_loop().call_later(0.1, time.sleep, 1.5)  # the process stopped, as by SIGSTOP
+        assert await asyncio.wait_for(asking, WAIT_DEADLINE_S) == {"answer": 42}
+    finally:
+        pusher.join()

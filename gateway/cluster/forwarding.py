@@ -137,6 +137,11 @@ class Forwarder:
                 return json.loads(got[1])
         if failed is not None and not self._closing:
             raise ClusterUnavailable(f"Redis failed: {type(failed).__name__}")
+        # One last look: an answer pushed while this process could not wait (it was paused past
+        # its last slice) is there, and a turn it started must not be told "no answer".
+        with contextlib.suppress(RedisError, OSError):
+            if not self._closing and (late := await self.redis.lpop(key)) is not None:
+                return json.loads(late)
         return None
 
     async def cancel(self, owner: str, session: str, token: str, reason: ToolReason) -> None:
