@@ -46,6 +46,14 @@ MIN_BLOCK_S = 0.01  # BLPOP's timeout 0 means "forever": the last slice is never
 RETRY_PAUSE_S = 0.1  # between attempts while Redis is unreachable during a wait
 
 
+# KEYS: the owner's alive key, its inbox (one hash tag).  ARGV: the entry, "1" if only a live owner
+# may have it.  Returns the entry's id, or nil (the owner is not alive, and only a live one would do).
+_PUT = """
+if ARGV[2] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return false end
+return redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What the owner made of a forwarded message, and the run it started (if it did)."""
@@ -62,6 +70,7 @@ class Forwarder:
         self.redis = redis
         self.worker_id = worker_id
         self._closing = False
+        self._put = redis.register_script(_PUT)
 
     async def forward(self, owner: str, msg: InboundMessage, session: str, *, hops: int,
                       want_reply: bool, relay: str | None = None) -> Answer | None:
@@ -75,12 +84,12 @@ class Forwarder:
                  "until": time.time() + REPLY_WAIT_S if relay else None}
         inbox = keys.worker_inbox(owner)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.exists(keys.worker_alive(owner))
-                pipe.xadd(inbox, {"data": json.dumps(entry, ensure_ascii=False)})
-                alive, entry_id = await pipe.execute()
-            if not alive and relay:  # its owner is gone: taken over within a TTL; no waiting on it
-                await self.redis.xdel(inbox, entry_id)
+            # A relayed message goes only to a live owner, checked in the same step: put in a dead
+            # one's inbox and taken out again, it could be claimed in between and run while its
+            # client is told to retry. (Others are claimed from a dead inbox and answered.)
+            entry_id = await self._put(keys=[keys.worker_alive(owner), inbox],
+                                       args=[json.dumps(entry, ensure_ascii=False), "1" if relay else "0"])
+            if entry_id is None:  # its owner is gone: taken over within a TTL; no waiting on it
                 return Answer(Submitted(Outcome.UNAVAILABLE, OWNER_GONE, retry_after_s=1.0))
             if not want_reply:
                 return None
