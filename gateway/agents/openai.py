@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import re
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -231,7 +232,7 @@ class OpenAIAgent:
         resp = await self._post(route, body)
         run = get_run()
         async with resp:
-            with run.on_cancel(resp.close) if run else contextlib.nullcontext():
+            with run.on_cancel(functools.partial(hang_up, resp)) if run else contextlib.nullcontext():
                 if resp.status != 200:
                     raise await _refusal(resp)
                 if resp.content_type == "application/json":  # a provider that ignores stream=true
@@ -366,6 +367,24 @@ def _smaller_budget(error: str, estimated: int) -> int:
         ratio = int(counted.group(1)) / max(1, estimated)
         return max(256, int(int(limit.group(1)) / ratio * 0.85))
     return max(256, estimated // 2)
+
+
+def hang_up(resp: aiohttp.ClientResponse) -> None:
+    """Close a provider response now, from a run's cancel. Its socket is shut down at once: the
+    event loop closes a transport's socket only on a later iteration, and under load that waits
+    behind every provider delta already queued — the provider would go on generating meanwhile."""
+    transport = resp.connection.transport if resp.connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        try:  # a plain socket over the transport's descriptor (uvloop's own refuses shutdown)
+            raw = socket.socket(fileno=sock.fileno())
+        except OSError:
+            raw = None
+        if raw is not None:
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
+            raw.detach()  # the descriptor stays the transport's: it closes it
+    resp.close()
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
