@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import re
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ import aiohttp
 from yarl import URL
 
 from gateway.agents.jobs import call_note
-from gateway.agents.openai_stream import Round, error_text, from_message, parse_json, read_stream
+from gateway.agents.openai_stream import Pace, Round, error_text, from_message, parse_json, read_stream
 from gateway.agents.tools import ToolRegistry
 from gateway.core import jsonfast
 from gateway.core.backoff import Backoff
@@ -154,7 +155,7 @@ class OpenAIAgent:
                 route = self._routes.get(turn.options.model if turn.options is not None else None) \
                     or self._routes[None]
                 body = self._body_head(turn.options, route.model) + messages + b"}"
-                async with contextlib.aclosing(self._complete(route, body, rnd, estimated)) as events:
+                async with contextlib.aclosing(self._complete(route, body, rnd, estimated, turn.pace)) as events:
                     async for event in events:
                         if isinstance(event, Usage):
                             turn.counted(event)
@@ -225,20 +226,21 @@ class OpenAIAgent:
             self._head = (registered, _head(s, {}, [t.schema() for t in registered], s.model))
         return self._head[1]
 
-    async def _complete(self, route: _Route, body: bytes, rnd: Round,
-                        estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
-        """One streamed completion of the request `body`, from the route's provider."""
+    async def _complete(self, route: _Route, body: bytes, rnd: Round, estimated: int,
+                        pace: Pace | None = None) -> AsyncGenerator[TextDelta | Usage, None]:
+        """One streamed completion of the request `body`, from the route's provider, read at the
+        `pace` its chat can show."""
         resp = await self._post(route, body)
         run = get_run()
         async with resp:
-            with run.on_cancel(resp.close) if run else contextlib.nullcontext():
+            with run.on_cancel(functools.partial(hang_up, resp)) if run else contextlib.nullcontext():
                 if resp.status != 200:
                     raise await _refusal(resp)
                 if resp.content_type == "application/json":  # a provider that ignores stream=true
                     for delta in from_message(parse_json(await resp.text()), rnd):
                         yield delta
                     return
-                async with contextlib.aclosing(read_stream(resp.content, rnd, estimated)) as events:
+                async with contextlib.aclosing(read_stream(resp.content, rnd, estimated, pace)) as events:
                     async for event in events:
                         yield event
 
@@ -290,6 +292,8 @@ class _Turn:
         self.sent: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
         if options is not None:
             self.sent += [m.to_openai() for m in options.continuation]
+        # How often the chat can show new text: text arriving faster is read in bigger pieces.
+        self.pace: Pace | None = (lambda: context.pace_s) if context is not None else None
         self.estimated = 0  # our count of the last request's prompt
         self.round_counted = False  # the provider gave token counts for the current round
 
@@ -366,6 +370,24 @@ def _smaller_budget(error: str, estimated: int) -> int:
         ratio = int(counted.group(1)) / max(1, estimated)
         return max(256, int(int(limit.group(1)) / ratio * 0.85))
     return max(256, estimated // 2)
+
+
+def hang_up(resp: aiohttp.ClientResponse) -> None:
+    """Close a provider response now, from a run's cancel. Its socket is shut down at once: the
+    event loop closes a transport's socket only on a later iteration, and under load that waits
+    behind every provider delta already queued — the provider would go on generating meanwhile."""
+    transport = resp.connection.transport if resp.connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        try:  # a plain socket over the transport's descriptor (uvloop's own refuses shutdown)
+            raw = socket.socket(fileno=sock.fileno())
+        except OSError:
+            raw = None
+        if raw is not None:
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
+            raw.detach()  # the descriptor stays the transport's: it closes it
+    resp.close()
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:

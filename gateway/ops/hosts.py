@@ -14,6 +14,7 @@ Otherwise 403. `/healthz` and `/readyz` are exempt (probes, no data).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -37,6 +38,7 @@ def _hostname(netloc: str) -> str | None:
     return host.lower().rstrip(".") if host else None
 
 
+@functools.lru_cache(maxsize=256)  # asked for every request's Host, nearly always the same few names
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name.strip("[]"))

@@ -111,6 +111,9 @@ class SqliteStore:
         self.reserve_bytes = reserve_bytes
         self.reserve = path.with_name(path.name + ".reserve")
         self._full = False  # a write found the disk full and none has landed since
+        # Whether the reserve file is there: kept by the store as it makes and gives it up, and
+        # looked at again with the free space (not on every message: a stat each costs).
+        self._reserve_held = False
         self._space_checked = -SPACE_CHECK_S
         self._low = False  # free space under the threshold, at the last look
         self._outage = OutageLog(log, "store")
@@ -138,6 +141,7 @@ class SqliteStore:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         if self.reserve_bytes > 0:
+            self._reserve_held = False
             self.reserve.unlink(missing_ok=True)  # held only while the daemon runs; made again at open
 
     async def _call(self, op: Callable[[sqlite3.Connection], T]) -> T:
@@ -194,7 +198,10 @@ class SqliteStore:
     def _make_reserve(self) -> None:
         """Hold `reserve_bytes` of the disk (at most a twentieth of it) for when it fills up — only
         when twice that is free, so making it never fills the disk itself."""
-        if self.reserve.exists() or self.reserve_bytes <= 0:
+        if self.reserve_bytes <= 0:
+            return
+        if self.reserve.exists():
+            self._reserve_held = True
             return
         size = self._reserve_size()
         if shutil.disk_usage(self.path.parent).free < 2 * size:
@@ -205,7 +212,9 @@ class SqliteStore:
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
+            self._reserve_held = True
         except OSError as exc:  # no room for it now: made at the next recovery
+            self._reserve_held = False
             self.reserve.unlink(missing_ok=True)
             log.warning("store: no room for the disk reserve (%s)", exc.strerror)
 
@@ -217,18 +226,21 @@ class SqliteStore:
             self._outage.failed("full", f"the data disk is full ({self.path.parent}); new messages are "
                                 "refused until there is room", level=logging.ERROR)
         if self.reserve_bytes > 0:
+            self._reserve_held = False
             self.reserve.unlink(missing_ok=True)
         with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def problem(self, *, fresh: bool = False) -> str | None:
-        if self._full or (self.reserve_bytes > 0 and not self.reserve.exists()):
-            return "the data disk is full"  # (or was, and has no room for its reserve again yet)
         now = time.monotonic()
         if fresh or now - self._space_checked >= SPACE_CHECK_S:
             self._space_checked = now
             usage = shutil.disk_usage(self.path.parent)
             self._low = usage.free < min(WAL_LIMIT_BYTES, usage.total // 20)
+            if self.reserve_bytes > 0:  # (someone else may have removed it)
+                self._reserve_held = self.reserve.exists()
+        if self._full or (self.reserve_bytes > 0 and not self._reserve_held):
+            return "the data disk is full"  # (or was, and has no room for its reserve again yet)
         return "the data disk is nearly full" if self._low else None
 
     def _room_for_new(self) -> None:

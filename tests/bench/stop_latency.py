@@ -6,6 +6,7 @@ sessions are stopped, 2 ms apart, while all N stream.
 
     python -m tests.bench.stop_latency            # N = 100 and 1000
     python -m tests.bench.stop_latency --n 100
+    python -m tests.bench.stop_latency --event-loop asyncio   # default: uvloop where installed, as the daemon
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gateway.agents.tools import ProcessToolSettings, builtin_registry
 from gateway.core.cancellation import GATEWAY_RESTART, Run
 from gateway.core.router import Router
 from gateway.ops.daemon import tune_gc
+from gateway.ops.loop import loop_factory
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
 from tests.support.ports import free_port
@@ -63,7 +65,7 @@ async def _stop_some(router: Router, chat: MemoryChat, runs: dict[int, Run], n: 
     return sent
 
 
-async def streaming(n: int, data: Path) -> list[str]:
+async def streaming(n: int, data: Path, notes: list[str]) -> list[str]:
     port = free_port()
     # 20,000 words at 50 ms: 1,000 s a stream, far longer than starting N of them takes on any machine.
     provider = subprocess.Popen([sys.executable, "-m", "tests.fakes.openai_provider", "--port", str(port),
@@ -85,6 +87,7 @@ async def streaming(n: int, data: Path) -> list[str]:
             assert run is not None
             runs[i] = run
         await chat.wait_for(lambda: all(chat.texts(f"s{i}") for i in range(n)), timeout=120)
+        notes.append(f"N = {n}: " + await _streaming_cpu(f"http://127.0.0.1:{port}/_connections"))
         sent = await _stop_some(router, chat, runs, n)
         await asyncio.sleep(0.5)
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/_connections") as resp:
@@ -98,6 +101,22 @@ async def streaming(n: int, data: Path) -> list[str]:
         await store.close()
         provider.terminate()
         provider.wait()
+
+
+async def _streaming_cpu(stats_url: str, seconds: float = 2.0) -> str:
+    """This process's CPU while every session streams (before any stop): per provider delta, and
+    as a share of one core — the event loop's load, which a stop waits behind."""
+
+    async def words() -> int:
+        async with aiohttp.ClientSession() as http, http.get(stats_url) as resp:
+            return sum(c["words"] for c in await resp.json())
+
+    before, cpu, wall = await words(), time.process_time(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    deltas = await words() - before
+    return (f"streaming {deltas / wall:,.0f} deltas/s, CPU {cpu / wall * 100:.0f} % of a core, "
+            f"{cpu / max(1, deltas) * 1e6:.1f} µs per delta")
 
 
 async def tools(n: int, data: Path) -> list[str]:
@@ -163,14 +182,19 @@ async def _sleep_pids(n: int) -> dict[int, int]:
 async def main(sizes: list[int]) -> None:
     lines = ["| measure                  |     N | stops |  p50 ms |  p99 ms |  max ms |",
              "|--------------------------|------:|------:|--------:|--------:|--------:|"]
+    notes: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
-            lines += await streaming(n, Path(tmp))
+            lines += await streaming(n, Path(tmp), notes)
             lines += await tools(n, Path(tmp))
-    print("\n".join(lines))
+    print("\n".join(["\n".join(lines), "", *notes]))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, action="append", help="concurrent sessions (repeatable)")
-    asyncio.run(main(parser.parse_args().n or [100, 1000]))
+    parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                        help="the loop to run on; auto, as the daemon: uvloop where installed")
+    args = parser.parse_args()
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        runner.run(main(args.n or [100, 1000]))

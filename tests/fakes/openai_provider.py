@@ -234,7 +234,7 @@ class FakeProvider:
     async def _stats(self, _request: web.Request) -> web.Response:
         """For a provider in another process: what each connection saw (perf_counter is system-wide)."""
         return web.json_response([{"last_user": c.last_user, "opened_at": c.opened_at, "closed_at": c.closed_at,
-                                   "completed": c.completed} for c in self.connections])
+                                   "completed": c.completed, "words": c.words} for c in self.connections])
 
     def _hook_close(self, request: web.Request, conn: Connection) -> None:
         transport = request.transport
