@@ -333,8 +333,8 @@ class LeaseManager:
         self._confirming: dict[str, asyncio.Future[bool]] = {}  # one confirmation per lease at a time
         # Leases reported lost, with when (our clock): our next acquisition of one is a takeover,
         # never a continuation, even if Redis still has it under our token. Kept two TTLs: by then
-        # Redis has let it go anyway.
-        self._lost_at: dict[str, float] = {}
+        # Redis has let it go anyway. Read by `RedisLoss` too (what was lost just before a loss).
+        self.lost_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._round: asyncio.Future[None] | None = None
         self.last_ok: float = now()  # when Redis last answered a call of ours
@@ -418,7 +418,7 @@ class LeaseManager:
         try:
             results = await self._acquire_script.run([
                 ([key, fence_key, *self._listing_keys, *guard_keys],
-                 [self.token, self.worker_id, self.ttl_ms, name, "1" if name in self._lost_at else "0",
+                 [self.token, self.worker_id, self.ttl_ms, name, "1" if name in self.lost_at else "0",
                   guard_value, listed])
                 for name, key, fence_key, _ in batch])
         except BaseException as exc:
@@ -471,7 +471,7 @@ class LeaseManager:
             self._lose(name, expired=False)
         if name not in self.held:
             self.acquisitions += 1
-        self._lost_at.pop(name, None)
+        self.lost_at.pop(name, None)
         lease = self.held[name] = Lease(key, name, fence)
         self.renewed_at[name] = sent
         return lease
@@ -523,9 +523,9 @@ class LeaseManager:
         await asyncio.shield(self._round)
 
     async def _renew_round(self) -> None:
-        if self._lost_at:
+        if self.lost_at:
             cutoff = now() - 2 * self.ttl_s
-            self._lost_at = {name: at for name, at in self._lost_at.items() if at > cutoff}
+            self.lost_at = {name: at for name, at in self.lost_at.items() if at > cutoff}
         count = len(self.held)
         if not count:  # nothing to renew: still find out whether Redis answers (`failing` clears)
             try:
@@ -594,18 +594,13 @@ class LeaseManager:
         for name in names:
             self._lose(name, expired=False, why=why)
 
-    def lost_since(self, at: float) -> list[str]:
-        """Leases lost (by this worker's clock or at renewal) since `at` (lease clock), as far back
-        as two TTLs, and not held again since."""
-        return [name for name, lost in self._lost_at.items() if lost >= at]
-
     def _lose(self, name: str, *, expired: bool, why: str | None = None) -> None:
         lease = self.held.pop(name, None)
         self.renewed_at.pop(name, None)
         if lease is None:
             return
         self.losses += 1
-        self._lost_at[name] = now()
+        self.lost_at[name] = now()
         log.warning("lease lost: %s (%s)", name,
                     why or ("not renewed in time" if expired else "refused at renewal"))
         if self.on_lost is not None:

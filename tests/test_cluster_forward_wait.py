@@ -237,7 +237,9 @@ async def test_an_answer_that_came_while_the_sender_was_paused_past_its_wait_is_
             while not (entries := client.xrange(keys.worker_inbox("nobody"))):
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            request = json.loads(entries[0][1]["data"])["reply"]
+            _entry_id, fields = entries[0]
+            assert fields is not None
+            request = json.loads(fields["data"])["reply"]
             time.sleep(1.0)  # past the wait (0.3 s) and its last BLPOP's timeout, while the sender is stopped
             client.lpush(keys.forward_reply(request), json.dumps({"answer": 42}))
         finally:

@@ -139,7 +139,7 @@ async def test_a_relayed_message_claimed_from_a_dead_owners_inbox_is_answered_th
     async with aiohttp.ClientSession() as http:
         assert (await a.ask(http, "r", "hello"))[0] == 200  # a owns r
         a.kill()  # its heartbeat key outlives it by up to a TTL: b still forwards to it
-        statuses = []
+        statuses: list[int] = []
         deadline = time.monotonic() + 10 * TTL
         while not statuses or statuses[-1] == 503:  # as the SDKs do: a 503 is tried again
             assert time.monotonic() < deadline, statuses

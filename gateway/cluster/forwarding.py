@@ -150,7 +150,7 @@ class Forwarder:
         # its last slice) is there, and a turn it started must not be told "no answer".
         with contextlib.suppress(RedisError, OSError):
             if not self._closing and (late := await self.redis.lpop(key)) is not None:
-                return json.loads(late)
+                return json.loads(cast("str", late))
         return None
 
     async def cancel(self, owner: str, session: str, token: str, reason: ToolReason) -> None:

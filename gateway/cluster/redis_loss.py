@@ -126,8 +126,9 @@ class RedisLoss:
             # loss took its listing too, and its turn was cut off with work open. (An ingress
             # lease lost is never listed: its standby takes it by itself.) Listing one another
             # worker took meanwhile is harmless: the scan finds it held.
-            self._relist.update(name for name in self.leases.lost_since(lease_clock() - self.ttl_s)
-                                if name not in self.ingress_names)
+            recently = lease_clock() - self.ttl_s
+            self._relist.update(name for name, at in self.leases.lost_at.items()
+                                if at >= recently and name not in self.ingress_names)
             log.error("cluster: Redis lost its data (restarted without persistence?): %d session(s) and %d "
                       "ingress lease(s) held here were dropped and are taken again after %.1f s (one lease "
                       "TTL: a worker that has not noticed yet may still be running a turn, polling Telegram "
