@@ -89,7 +89,7 @@ class ChaosCluster:
         self.pg_url: str | None = None
         self.seed = seed
         self.tools = tools
-        self.tool_dir = tmp / "tools"  # <incarnation>.pids: the pid of every tool process it started
+        self.tool_dir = tmp / "tools"  # <incarnation>.pids: the pid of every tool process (and child) it started
         self.ttl_s = ttl_s
         self.edit_interval_s = edit_interval_s
         self.redis = RedisServer(tmp / "redis", persistence=True)
@@ -308,8 +308,9 @@ class ChaosCluster:
             pids = self.tool_dir / f"{conn.via}.pids"
             number = self.stream_number(conn)
             end = self.tool_dir / f"c{number}.end"  # when the tool ended, ran out or stopped (TERM): evidence
+            # The shell and its child both: a tool's whole group must go with its worker.
             command = (f"echo $$ >> {pids}; trap 'date +%s.%N >> {end}; exit 143' TERM HUP; "
-                       f"sleep {rng.uniform(*TOOL_S):.1f} & wait $!; date +%s.%N >> {end}")
+                       f"sleep {rng.uniform(*TOOL_S):.1f} & echo $! >> {pids}; wait $!; date +%s.%N >> {end}")
             self.tool_streams.add(number)
             return Script(tool_calls=[("shell", {"command": command})])
         return Script(think_s=rng.uniform(*THINK_S) if rng.random() < THINK_P else 0.0)
