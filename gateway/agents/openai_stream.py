@@ -127,7 +127,7 @@ async def sse_batches(content: aiohttp.StreamReader, pace: Pace | None = None) -
     meanwhile is read and parsed as one batch. A provider's deltas then cost a wake-up per state
     shown rather than one each, and the answer's end is never held back."""
     partial: list[bytes] = []  # a line not yet ended, in pieces (joined once, however long it grows)
-    pause = _Pause(content, pace) if pace is not None and pace() > 0 else None  # (0: a client streaming it)
+    pause = _Pause(content, pace) if pace is not None else None
     while True:
         if pause is not None:
             await pause.wait()
