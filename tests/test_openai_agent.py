@@ -1,6 +1,5 @@
 """The OpenAI agent's parts on their own: the retry policy against a provider that answers 5xx/429,
-the stream decoder (a batch of chunks into events, tool calls from their pieces), and a stream
-read at the pace its chat can show."""
+and the stream decoder (a batch of chunks into events, tool calls from their pieces)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from gateway.agents.openai_stream import Round, StreamDecoder
 from gateway.agents.tools import ToolRegistry
 from gateway.core.ports import AgentError
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, Usage
-from tests.fakes.openai_provider import FakeProvider, Script
 from tests.support.ports import free_port
 
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "fine"}}]}
@@ -125,36 +123,3 @@ def test_an_error_in_the_stream_is_the_providers_failure() -> None:
         list(decoder.batch([_chunk(error={"message": "overloaded"})]))
     with pytest.raises(AgentError, match="malformed"):
         list(decoder.batch([b"{not json"]))
-
-
-class _PacedContext:
-    """A turn whose chat shows a new state at most every `pace_s`."""
-
-    def __init__(self, pace_s: float) -> None:
-        self.pace_s = pace_s
-        self.options = None
-        self.token_ratio = 1.0
-        self.history_memo = None
-
-    def take_interjection(self) -> str | None:
-        return None
-
-    def note_result(self, call_id: str, text: str) -> None:
-        pass
-
-
-async def test_a_paced_stream_joins_what_arrives_between_reads_and_does_not_hold_its_end() -> None:
-    words = [f"w{i}" for i in range(40)]
-    async with FakeProvider(delay_s=0.01) as provider:
-        provider.then(Script(text=" ".join(words)))
-        agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), ToolRegistry())
-        try:
-            events = [e async for e in agent.run_turn([], ChatMessage("user", "hi"), _PacedContext(0.15))]
-            ended = time.perf_counter()
-        finally:
-            await agent.close()
-    deltas = [e.text for e in events if isinstance(e, TextDelta)]
-    assert "".join(deltas).split() == words
-    assert len(deltas) <= 6  # about 0.4 s of words at one read per 0.15 s, not one read per word
-    completed = provider.connections[0].completed_at
-    assert completed is not None and ended - completed < 0.1  # the end is read when it comes, not a pace later
