@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from tests.chaos.records import (
     END,
     FAIL_MARK,
+    SHARED,
     STOP_MARK,
     TAKEOVER_MARKERS,
     TAKEOVER_SLACK_S,
@@ -92,7 +93,6 @@ from tests.chaos.records import (
 )
 
 OVERLAP_TOLERANCE_S = 0.1
-SHARED = ("redis", "postgres")  # fault targets every worker depends on
 TOOL_WINDOW_S = 5.0  # a tool run after a stream that asked for it, at most (the fake's tools sleep 2-4 s)
 WAKE_GRACE_S = 1.0
 INFLIGHT_S = 0.05
@@ -577,7 +577,7 @@ class _Checker:
         of its answer, its end, or a notice. (A pause that outlasts TTL + 2 s is
         check_takeover_latency's case.)"""
         for f in self.r.faults:
-            if f.kind not in ("pause_short", "pause_long", "redis_restart", "redis_wipe", "pg_restart") \
+            if f.kind not in ("pause_short", "pause_long", "redis_restart", "redis_wipe", "pg_restart", "disk_full") \
                     or f.ended_at is None:
                 continue
             start, back = f.started_at, f.ended_at

@@ -24,6 +24,7 @@ from tests.chaos.lease_log import LeaseMonitor
 from tests.chaos.records import END, Incarnation, answer_tag, message_tag
 from tests.fakes.openai_provider import Connection, FakeProvider, Script
 from tests.fakes.telegram_api import FakeTelegramAPI
+from tests.support.disk import fill, mount_tmpfs, unmount
 from tests.support.pg_server import PgServer
 from tests.support.redis_server import RedisServer
 from tests.support.spawn import Group
@@ -33,6 +34,7 @@ WEBHOOK_PATH = "/telegram/webhook"
 SECRET = "chaos-hook-secret"
 THINK_P, THINK_S = 0.2, (0.8, 2.0)  # some answers start after a pause (the worker sends "typing" meanwhile)
 TOOL_P, TOOL_S = 0.15, (2.0, 4.0)  # some turns first run a shell tool (a process group of the worker)
+DISK_SIZE = "64m"  # the database's disk (small_disk): room for a run's history, filled by `disk_full`
 
 
 # A standby worker process: the slow imports done ahead, then it waits for "go" on stdin and runs
@@ -82,11 +84,15 @@ def process_alive(pid: int) -> bool:
 class ChaosCluster:
     def __init__(self, tmp: Path, *, seed: int = 0, workers: int = 3, ttl_s: float = 3.0, words: int = 36,
                  delay_s: float = 0.09, edit_interval_s: float = 0.3, tools: bool = True,
-                 store: str = "redis") -> None:
+                 store: str = "redis", small_disk: bool = False) -> None:
         self.tmp = tmp
         # History in PostgreSQL (coordination stays in Redis), or everything in Redis.
         self.pg = PgServer() if store == "postgres" else None
         self.pg_url: str | None = None
+        # With `small_disk`, the history's database lives on a tmpfs of its own that `fill_disk`
+        # fills (PostgreSQL's own log stays on the server's data disk, as on a separate WAL volume).
+        self.disk: Path | None = self.pg.dir / "small-disk" if small_disk and self.pg is not None else None
+        self.filler: Path | None = None
         self.seed = seed
         self.tools = tools
         self.tool_dir = tmp / "tools"  # <incarnation>.pids: the pid of every tool process (and child) it started
@@ -122,7 +128,7 @@ class ChaosCluster:
         self.lease_monitor.start()
         if self.pg is not None:
             await asyncio.to_thread(self.pg.start)
-            self.pg_url = await asyncio.to_thread(self.pg.create_database, "chaos")
+            self.pg_url = await asyncio.to_thread(self._database, self.pg)
         await self.provider.start()
         self.provider.text_for = self._answer
         self.provider.script_for = self._script
@@ -156,6 +162,25 @@ class ChaosCluster:
             finally:
                 if self.pg is not None:
                     await asyncio.to_thread(self.pg.destroy)
+                if self.disk is not None:
+                    unmount(self.disk)
+
+    def _database(self, pg: PgServer) -> str:
+        if self.disk is None:
+            return pg.create_database("chaos")
+        owner = (pg.user.pw_uid, pg.user.pw_gid) if pg.user is not None else None
+        mount_tmpfs(self.disk, size=DISK_SIZE, owner=owner)
+        return pg.create_database_in("chaos", self.disk / "pg")
+
+    def fill_disk(self) -> None:
+        """The database's disk full: every free byte taken (until `empty_disk`)."""
+        assert self.disk is not None, "the cluster has no small disk (small_disk=False)"
+        self.filler = fill(self.disk)
+
+    def empty_disk(self) -> None:
+        filler, self.filler = self.filler, None
+        if filler is not None:
+            filler.unlink(missing_ok=True)
 
     def _process(self, worker_id: str) -> tuple[WorkerProcess, str]:
         """The next incarnation of `worker_id`, not started yet."""
@@ -251,6 +276,7 @@ class ChaosCluster:
             await asyncio.to_thread(self.redis.start)
         if self.pg is not None and not self.pg.running():
             await asyncio.to_thread(self.pg.start)
+        self.empty_disk()
         for worker, inc in self.current.values():
             if worker.proc is not None and worker.proc.poll() is not None and inc.ended_at is None:
                 inc.ended_at = time.monotonic()  # it died by itself (see crashed())

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.store.postgres import FULL_HOLD_S
 from tests.chaos.cluster import ChaosCluster, process_alive
 from tests.chaos.records import FaultRecord
 
 KINDS = ("kill", "kill_restart", "pause_short", "pause_long", "redis_restart")
-PG_KINDS = (*KINDS, "pg_restart")  # with the history in PostgreSQL: it crashes and comes back too
+# With the history in PostgreSQL: it crashes and comes back, and its disk fills up and gets room again.
+PG_KINDS = (*KINDS, "pg_restart", "disk_full")
 # Redis crashing and coming back empty (no persistence): with the history in PostgreSQL only
 # coordination is lost, and nothing acknowledged may be (`python -m tests.bench.chaos --wipe`).
 WIPE_KINDS = (*PG_KINDS, "redis_wipe")
@@ -41,6 +43,8 @@ class PlannedFault:
             return self.duration + RESTART_S
         if self.kind == "kill_restart":
             return RESTART_S
+        if self.kind == "disk_full":  # a write that found it full holds new messages off this long more
+            return self.duration + FULL_HOLD_S
         return self.duration + 0.5
 
 
@@ -63,6 +67,8 @@ def plan(seed: int, *, ttl_s: float, workers: int, count: int = 40,
             duration = rng.uniform(0.6, 0.95) * ttl_s  # shorter than the TTL
         elif kind == "pause_long":
             duration = rng.uniform(1.5, 2.6) * ttl_s  # its leases expire while it sleeps
+        elif kind == "disk_full":
+            duration = rng.uniform(1.0, 4.0)  # writes that need room fail meanwhile
         else:
             duration = rng.uniform(0.5, 2.0)
         out.append(PlannedFault(kind, rng.randrange(workers), duration, rng.uniform(1.0, 3.0)))
@@ -107,6 +113,16 @@ async def run_one(cluster: ChaosCluster, fault: PlannedFault, log: list[FaultRec
             await asyncio.to_thread(cluster.redis.forget)
         await asyncio.sleep(fault.duration)
         await asyncio.to_thread(cluster.redis.start)
+        rec.ended_at = time.monotonic()
+        return
+    if fault.kind == "disk_full":
+        rec = FaultRecord(fault.kind, "postgres", time.monotonic(), duration=fault.duration)
+        log.append(rec)
+        await asyncio.to_thread(cluster.fill_disk)
+        try:
+            await asyncio.sleep(fault.duration)
+        finally:
+            cluster.empty_disk()
         rec.ended_at = time.monotonic()
         return
     if fault.kind == "pg_restart":

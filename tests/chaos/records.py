@@ -26,6 +26,7 @@ FAIL_MARK = "⚠️"  # "the agent failed" (the fake provider never fails, so th
 TAKEOVER_MARKERS = ("taken over", "gateway stopped before the turn finished")
 
 
+SHARED = ("redis", "postgres")  # fault targets every worker depends on
 BASE_SLACK_S = 3.0  # on top of the answer time, before a first answer or notice is late
 TAKEOVER_SLACK_S = 2.0  # a lost owner's turns get a new owner within TTL + this
 
@@ -41,14 +42,14 @@ def outcome_bound(accepted: float, faults: list[FaultRecord], *, answer_s: float
                   owner_at: Callable[[float], str | None]) -> tuple[float, list[FaultRecord]]:
     """Latest acceptable time for the first answer or notice of a message accepted at `accepted`:
     answer time + BASE_SLACK_S, plus for each fault that touches that window and can hold the
-    message up — a Redis restart, or a fault of the session's owner (`owner_at(fault start)`:
+    message up — a fault of Redis or of the store, or a fault of the session's owner (`owner_at(fault start)`:
     the incarnation that last started a stream for it; None: unknown, so it counts) — its length +
     TTL + TAKEOVER_SLACK_S, + one more TTL for Redis back empty (the quarantine, `quarantine_s`)
     (a fault still going on counts until `now`). Also returns those faults."""
     end = accepted + answer_s + BASE_SLACK_S
     touching = []
     for f in sorted(faults, key=lambda f: f.started_at):
-        if f.target != "redis" and (owner := owner_at(f.started_at)) is not None and owner != f.target:
+        if f.target not in SHARED and (owner := owner_at(f.started_at)) is not None and owner != f.target:
             continue
         f_end = f.ended_at if f.ended_at is not None else now
         extra = ttl_s + TAKEOVER_SLACK_S + quarantine_s(f.kind, ttl_s)
@@ -105,7 +106,7 @@ class Incarnation:
 
 @dataclass
 class FaultRecord:
-    kind: str  # kill | kill_restart | pause_short | pause_long | redis_restart | redis_wipe | pg_restart
+    kind: str  # kill | kill_restart | pause_short | pause_long | redis_restart | redis_wipe | pg_restart | disk_full
     target: str  # incarnation name, or "redis"
     started_at: float
     ended_at: float | None = None  # SIGCONT sent / replacement ready / redis answering again

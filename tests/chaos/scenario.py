@@ -76,7 +76,8 @@ def session_key(session: str) -> str:
 
 async def run_scenario(settings: Settings, tmp: Path) -> tuple[Records, Report]:
     cluster = ChaosCluster(tmp, seed=settings.seed, workers=settings.workers, ttl_s=settings.ttl_s,
-                           words=settings.words, delay_s=settings.delay_s, tools=settings.tools, store=settings.store)
+                           words=settings.words, delay_s=settings.delay_s, tools=settings.tools, store=settings.store,
+                           small_disk="disk_full" in settings.kinds)
     fault_log: list[FaultRecord] = []
     try:
         await cluster.start()

@@ -12,19 +12,36 @@ from pathlib import Path
 import pytest
 
 
-@contextlib.contextmanager
-def small_tmpfs(mount: Path, *, size: str = "8m", owner: tuple[int, int] | None = None) -> Iterator[Path]:
-    """`mount` as a tmpfs of `size` (owned by `owner`'s uid and gid, if given), unmounted at the end."""
+class MountFailed(RuntimeError):
+    """The tmpfs could not be mounted (mounting one needs root)."""
+
+
+def mount_tmpfs(mount: Path, *, size: str = "8m", owner: tuple[int, int] | None = None) -> Path:
+    """Mount a tmpfs of `size` on `mount` (owned by `owner`'s uid and gid, if given); see `unmount`."""
     mount.mkdir(exist_ok=True)
     options = f"size={size},mode=0700" + (f",uid={owner[0]},gid={owner[1]}" if owner else "")
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)],
                           capture_output=True, text=True, check=False)
     if made.returncode != 0:
-        pytest.fail(f"the disk-full tests mount a small tmpfs, which needs root: {made.stderr.strip()}")
+        raise MountFailed(f"the disk-full tests mount a small tmpfs, which needs root: {made.stderr.strip()}")
+    return mount
+
+
+def unmount(mount: Path) -> None:
+    subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def small_tmpfs(mount: Path, *, size: str = "8m", owner: tuple[int, int] | None = None) -> Iterator[Path]:
+    """`mount` as a tmpfs of `size` (owned by `owner`'s uid and gid, if given), unmounted at the end."""
+    try:
+        mount_tmpfs(mount, size=size, owner=owner)
+    except MountFailed as exc:
+        pytest.fail(str(exc))
     try:
         yield mount
     finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+        unmount(mount)
 
 
 def fill(disk: Path) -> Path:
