@@ -246,6 +246,8 @@ class EditStreamReply(Reply):
         marked = f"{body}\n\n{notice}" if body.strip() else notice
 
         async def call() -> None:
+            if not await still_ours(self._run.guard):  # decided when it runs: a pause may fall in its wait
+                return
             if self._adapter.measure(marked) <= self._caps.max_message_len:
                 try:
                     await self._edit_marked(target.mid, marked, body, reason)
@@ -346,7 +348,9 @@ class EditStreamReply(Reply):
         """One send or edit, made by the chat's outbox worker (so its outcome is recorded even if
         the reply stops waiting for it). Where our own clock cannot prove the lease any more (a
         pause just ended), the lease store decides: not sent only if the session is not ours."""
-        if not (self._after_stop or await self._run.may_send_now()):
+        # After a stop the run's cancel does not hold back what it showed, but ownership still does.
+        allowed = still_ours(self._run.guard) if self._after_stop else self._run.may_send_now()
+        if not await allowed:
             return
         message = self._parts.message(index)
         if message is not None:

@@ -8,8 +8,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from gateway.core.cancellation import LEASE_LOST, STOPPED_BY_USER, Run, ToolReason
 from platforms.errors import OutboundError, RateLimited
 from platforms.outbox import Job, Outbox, Priority, Withdrawn
+from tests.fakes.memory_chat import MemoryChat
 
 
 class Wire:
@@ -135,3 +137,56 @@ async def test_past_max_chats_idle_chats_are_forgotten_and_busy_or_limited_ones_
     wire.gates["first"].set()
     await asyncio.gather(held.wait(), second.wait())
     assert wire.labels("held") == ["first", "second"]
+
+
+class _Lease:
+    """A session's ownership as a run sees it; `lost()` is a pause past the lease's TTL."""
+
+    def __init__(self) -> None:
+        self.ours = True
+
+    def __call__(self) -> bool:
+        return self.ours
+
+    async def confirm(self) -> bool:
+        return self.ours
+
+    def lost(self) -> None:
+        self.ours = False
+
+
+@pytest.mark.parametrize("reason", [STOPPED_BY_USER, LEASE_LOST])
+async def test_a_stop_mark_waiting_in_the_outbox_is_not_sent_once_the_session_is_no_longer_ours(
+        reason: ToolReason) -> None:
+    """The stop mark is decided when the chat's outbox gets to it, not when it was queued: a worker
+    paused past its lease while the mark waited behind another call must not edit a chat another
+    worker now speaks for (chaos soak, PostgreSQL, seed 13: a tool's status line marked
+    "interrupted" 0.4 s after the pause ended, the session's new owner streaming below it)."""
+    chat = MemoryChat()
+    lease = _Lease()
+    msg = chat.message("c1", "hello")
+    run = Run("memory:dm:c1", guard=lease)
+    reply = chat.open_reply(msg, run)
+    await reply.delta("the first words")
+    await chat.wait_for(lambda: chat.texts("c1") == ["the first words"])
+    held = asyncio.Event()
+    busy = chat.outbox.put(chat.outbox_key(msg.chat), held.wait, priority=Priority.URGENT)  # another call on the wire
+    await until_running(busy)
+    run.cancel(reason)
+    stopping = asyncio.create_task(reply.interrupted(reason))
+    await asyncio.sleep(0.05)  # the mark is queued behind the call on the wire
+    assert not stopping.done()
+    lease.lost()  # the worker is paused past its lease; another worker takes the session
+    held.set()
+    await asyncio.wait_for(stopping, 5)
+    await chat.outbox.flush(5)
+    assert chat.texts("c1") == ["the first words"], "the mark went out for a session this worker lost"
+    assert all(b.edits == 0 for b in chat.bubbles)
+
+
+async def until_running(job: Job[object]) -> None:
+    for _ in range(500):
+        if job.running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the job never started")
