@@ -280,7 +280,12 @@ data_dir = "{tmp / 'data'}"
     async def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            await asyncio.to_thread(self.proc.wait, 30)
+            try:
+                await asyncio.to_thread(self.proc.wait, 30)
+            except subprocess.TimeoutExpired:  # reported, and the run goes on
+                print(f"the daemon {self.proc.pid} did not exit within 30 s of SIGTERM: killed", flush=True)
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait, 30)
 
 
 async def relay_points(clients: list[int], seconds: float, provider_url: str) -> dict[int, Point]:
