@@ -60,7 +60,8 @@ def inbound_ids() -> str:
 
 
 def sessions_index() -> str:
-    """Sorted set: session key -> last update time (for listings; written in batches, ≤ 0.2 s late)."""
+    """Sorted set: session key -> last update time (for listings; written by each session write's
+    script on a single Redis, in batches ≤ 0.2 s late in a Redis Cluster)."""
     return f"{PREFIX}:sessions"
 
 

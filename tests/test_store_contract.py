@@ -549,3 +549,42 @@ async def test_sqlite_lists_sessions_by_an_index_not_by_reading_them_all(tmp_pat
     with sqlite3.connect(store.path) as db:
         plan = [row[3] for row in db.execute("EXPLAIN QUERY PLAN " + listing)]
     assert "SCAN s USING INDEX sessions_by_update" in plan, plan
+
+
+async def test_session_writes_called_together_reach_redis_in_one_round_trip(
+        redis_store: RedisStore, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write its own result: a fenced-out one is refused alone, and a Redis that forgot the
+    scripts (restarted empty) is sent them again."""
+    sessions = [f"webchat:dm:batch-{i}" for i in range(8)]
+    fences = [await own(redis_store, s) for s in sessions]
+    await redis_store.append(fences[0], 1, ROWS[:1])  # the scripts are known
+    inbound = [i for i in await asyncio.gather(*(redis_store.accept_inbound(f, msg("m1", chat_id=f.session_key))
+                                                 for f in fences)) if i is not None]
+    assert len(inbound) == len(fences)
+    sends: list[int] = []
+    original = Connection.send_packed_command
+
+    async def counted(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        sends.append(1)
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counted)
+    redis_server.client().delete(keys.lease(sessions[3]))  # its lease lapsed: a zombie's write
+    results = await asyncio.gather(*(redis_store.append(f, 1, ROWS[:2], inbound=(i, InboundStatus.RUNNING, None))
+                                     for f, i in zip(fences, inbound, strict=True)), return_exceptions=True)
+    assert len(sends) == 1
+    assert [isinstance(r, FencedOut) for r in results] == [i == 3 for i in range(8)]
+    assert [await redis_store.conversation(s) for s in sessions[1:3]] == [(1, ROWS[:2])] * 2
+
+    redis_server.client().script_flush()
+    again = [f for i, f in enumerate(fences) if i != 3]
+    await asyncio.gather(*(redis_store.append(f, 1, ROWS[2:3]) for f in again))
+    assert [len((await redis_store.conversation(f.session_key))[1]) for f in again] == [
+        2 + (f is fences[0]) + 1 for f in again]
+
+    unencodable = [ChatMessage("assistant", "half a pair \ud800")]
+    results = await asyncio.gather(*(redis_store.append(f, 1, unencodable if f is again[1] else ROWS[3:])
+                                     for f in again), return_exceptions=True)
+    assert [isinstance(r, Exception) for r in results] == [f is again[1] for f in again]
+    assert [len((await redis_store.conversation(f.session_key))[1]) for f in again] == [
+        2 + (f is fences[0]) + 1 + (f is not again[1]) for f in again]

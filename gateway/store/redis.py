@@ -2,10 +2,13 @@
 
 Every key is named in agent_cache.keys. Each Lua script touches the keys of one session (or,
 for pairing, of one platform), which share a hash tag, so the same code runs on Redis Cluster
-(`redis+cluster://host:port` or `?cluster=true`). What spans slots (dedup, inbound ids, the
-sessions index, the pairing code index) is done by separate, non-atomic commands around them; a
-session's own state always changes in one script. The sessions index, which only orders
-listings, is written in batches (one ZADD for all the sessions written in the last 0.2 s).
+(`redis+cluster://host:port` or `?cluster=true`). One exception: on a single Redis the accept
+script also takes the message's id from the global counter, so accepting a message is one round
+trip; in a Redis Cluster the id is taken by a command before it. What else spans slots (the
+sessions index, the pairing code index) is done by separate, non-atomic commands around the
+scripts; a session's own state always changes in one script. The sessions index, which only
+orders listings, is written by the write's own script on a single Redis, and in batches in a Redis
+Cluster (one ZADD for all the sessions written in the last 0.2 s).
 
 A command that meets a dropped connection is retried (after a Redis restart every pooled
 connection is dead). A write whose reply was lost may have happened, so each write carries a
@@ -30,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
@@ -39,6 +43,7 @@ from gateway.core.messages import InboundMessage
 from gateway.core.outage import OutageLog
 from gateway.core.ports import FencedOut, InboundRecord, InboundStatus, SessionInfo, StoreError
 from gateway.core.transcript import ChatMessage
+from gateway.store.redis_batch import ScriptBatch
 
 log = logging.getLogger(__name__)
 
@@ -75,39 +80,51 @@ local function finish(key, id, keep, head)
 end
 """
 
-# KEYS: lease, inbound, seen.  ARGV: fence, id, record, token, seen ttl ms.
-# Returns 1 recorded, 0 a duplicate. The claim and the record are one step: a worker killed in
-# between cannot leave a claim that makes every later delivery of the message a "duplicate".
-# A retry of our own call (same token, same id) finds its claim and writes the same record again.
+# KEYS: lease, inbound, seen[, inbound id counter].  ARGV: fence, id ('' = take the next from the
+# counter), record, token, seen ttl ms.
+# Returns the record's id, or 0 for a duplicate. The claim and the record are one step: a worker
+# killed in between cannot leave a claim that makes every later delivery of the message a
+# "duplicate". The claim holds `<token>:<id>`, so a retry of our own call whose reply was lost
+# (same token) finds its claim and gets the id it was given. With the counter among the keys (a
+# single Redis), a message costs one round trip; in a Redis Cluster the counter lives in another
+# slot, so the id is taken first and passed in.
 ACCEPT = _FENCED_LUA + """
-if not redis.call('SET', KEYS[3], ARGV[4], 'NX', 'PX', ARGV[5]) then
-  if redis.call('GET', KEYS[3]) ~= ARGV[4] then return 0 end
+local claim = redis.call('GET', KEYS[3])
+if claim then
+  local at = string.find(claim, ':', 1, true)
+  if at and string.sub(claim, 1, at - 1) == ARGV[4] then return tonumber(string.sub(claim, at + 1)) end
+  return 0
 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-return 1
+local id = ARGV[2]
+if id == '' then id = redis.call('INCR', KEYS[4]) end
+redis.call('SET', KEYS[3], ARGV[4] .. ':' .. id, 'PX', ARGV[5])
+redis.call('HSET', KEYS[2], id, ARGV[3])
+return tonumber(id)
 """
 
 # KEYS: lease, inbound.  ARGV: fence, id, keep (1/0), head.
 FINISH = _FENCED_LUA + _FINISH_LUA + "finish(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) return 0"
 
-# KEYS: lease, meta, messages, inbound.
-# ARGV: fence, now, conversation, token, inbound id ('' = none), keep, head, rows...
-# A write whose reply was lost is retried with the same token and found already applied.
+# KEYS: lease, meta, messages, inbound[, sessions index].
+# ARGV: fence, now, conversation, token, inbound id ('' = none), keep, head, session key, rows...
+# A write whose reply was lost is retried with the same token and found already applied. With the
+# sessions index among the keys (a single Redis), the session is listed there in the same step.
 APPEND = _FINISH_LUA + """
 if redis.call('HGET', KEYS[2], 'op') == ARGV[4] then return 0 end
 """ + _FENCED_LUA + """
-for i = 8, #ARGV, 1000 do  -- unpack() has a stack limit
+for i = 9, #ARGV, 1000 do  -- unpack() has a stack limit
   redis.call('RPUSH', KEYS[3], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
 redis.call('HSET', KEYS[2], 'updated_at', ARGV[2], 'op', ARGV[4])
 redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
 redis.call('HSETNX', KEYS[2], 'conversation', ARGV[3])
 if ARGV[5] ~= '' then finish(KEYS[4], ARGV[5], ARGV[6], ARGV[7]) end
+if KEYS[5] then redis.call('ZADD', KEYS[5], ARGV[2], ARGV[8]) end
 return 0
 """
 
-# KEYS: lease, meta.  ARGV: fence, now, token.  A session without meta is on conversation 1, so
-# its first reset gives 2.
+# KEYS: lease, meta[, sessions index].  ARGV: fence, now, token, session key.  A session without
+# meta is on conversation 1, so its first reset gives 2.
 RESET = """
 if redis.call('HGET', KEYS[2], 'op') == ARGV[3] then return tonumber(redis.call('HGET', KEYS[2], 'conversation')) end
 """ + _FENCED_LUA + """
@@ -115,6 +132,7 @@ redis.call('HSETNX', KEYS[2], 'conversation', 1)
 local conversation = redis.call('HINCRBY', KEYS[2], 'conversation', 1)
 redis.call('HSET', KEYS[2], 'updated_at', ARGV[2], 'op', ARGV[3])
 redis.call('HSETNX', KEYS[2], 'created_at', ARGV[2])
+if KEYS[3] then redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4]) end
 return conversation
 """
 
@@ -191,6 +209,10 @@ class RedisStore:
         except (ValueError, TypeError, RedisError) as exc:  # connects lazily: only the URL can be wrong here
             raise StoreError(f"invalid redis url: {self._redact(str(exc))}") from None
         self._r = r
+        self._cluster = isinstance(r, RedisCluster)  # scripts may declare keys of one slot only
+        # Session writes called together go to Redis in one pipeline (a single Redis only: a
+        # cluster's pipelines are split by node anyway).
+        self._batch = None if isinstance(r, RedisCluster) else ScriptBatch(r)
         self._accept = r.register_script(ACCEPT)
         self._finish = r.register_script(FINISH)
         self._append = r.register_script(APPEND)
@@ -218,6 +240,8 @@ class RedisStore:
             await asyncio.wait_for(self._write_index(), INDEX_CLOSE_S)
         for task in self._index_tasks:  # a batch still queued behind the lock: written above, or given up
             task.cancel()
+        if self._batch is not None:
+            await self._batch.close()
         await self._r.aclose()
 
     @contextlib.contextmanager
@@ -250,24 +274,26 @@ class RedisStore:
         return None
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        r, key = self._r, _fenced(fence)
-        seen, token = keys.seen(key, msg.platform, msg.chat_id, msg.message_id), _token()
-        with self._errors("accept_inbound"):
-            inbound_id = await r.incr(keys.inbound_ids())  # an id wasted on a duplicate costs nothing
+        key = _fenced(fence)
+        names = [keys.lease(key), keys.inbound(key), keys.seen(key, msg.platform, msg.chat_id, msg.message_id)]
         record = {"status": InboundStatus.ACCEPTED.value, "detail": None, "received_at": time.time(),
                   "message": msg.to_dict()}
         with self._errors("accept_inbound"):
-            recorded = await self._accept(keys=[keys.lease(key), keys.inbound(key), seen],
-                                          args=[fence.number, str(inbound_id), _json(record), token,
-                                                max(1, int(self.dedup_ttl_s * 1000))])
-        return int(inbound_id) if int(recorded) == 1 else None
+            if self._cluster:  # an id wasted on a duplicate costs nothing
+                inbound_id = str(await self._r.incr(keys.inbound_ids()))
+            else:
+                inbound_id = ""
+                names.append(keys.inbound_ids())
+            recorded = await self._script(self._accept, names, [fence.number, inbound_id, _json(record), _token(),
+                                                                max(1, int(self.dedup_ttl_s * 1000))])
+        return int(recorded) or None
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:
         key = _fenced(fence)
         with self._errors("finish_inbound"):
-            await self._finish(keys=[keys.lease(key), keys.inbound(key)],
-                               args=[fence.number, *_finish_args(inbound_id, status, detail)])
+            await self._script(self._finish, [keys.lease(key), keys.inbound(key)],
+                               [fence.number, *_finish_args(inbound_id, status, detail)])
 
     async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
         """Open inbound messages of one session, oldest first.
@@ -304,24 +330,38 @@ class RedisStore:
         # the same token, and the script finds it applied instead of storing the rows twice.
         token = hashlib.blake2b("\x1f".join([str(fence.number), str(conversation), *finish, *encoded]).encode(
             "utf-8", "surrogatepass"), digest_size=12).hexdigest()
-        args: list[str | float | int] = [fence.number, now, conversation, token, *finish, *encoded]
+        args: list[str | float | int] = [fence.number, now, conversation, token, *finish, key, *encoded]
         with self._errors("append"):
-            await self._append(keys=[keys.lease(key), keys.meta(key), keys.messages(key, conversation),
-                                     keys.inbound(key)], args=args)
+            await self._script(self._append, [keys.lease(key), keys.meta(key), keys.messages(key, conversation),
+                                              keys.inbound(key), *self._index_key()], args)
         self._touch(key, now)
 
     async def reset(self, fence: Fence) -> int:
         key, now = _fenced(fence), time.time()
         with self._errors("reset"):
-            conversation = int(await self._reset(keys=[keys.lease(key), keys.meta(key)],
-                                                 args=[fence.number, now, _token()]))
+            conversation = int(await self._script(self._reset, [keys.lease(key), keys.meta(key), *self._index_key()],
+                                                  [fence.number, now, _token(), key]))
         self._touch(key, now)
         return conversation
 
+    async def _script(self, script: AsyncScript, names: list[str], args: Sequence[Any]) -> Any:
+        """A session write's script, in the pipeline of this turn of the event loop (see ScriptBatch)."""
+        if self._batch is None:
+            return await script(keys=names, args=args)
+        return await self._batch.run(script, names, args)
+
+    def _index_key(self) -> list[str]:
+        """The sessions index, for a write's script to list its session in: on a single Redis
+        only (in a Redis Cluster it lives in another slot than the session's keys)."""
+        return [] if self._cluster else [keys.sessions_index()]
+
     def _touch(self, session_key: str, now: float) -> None:
-        """List the session in the index by its last write. Best effort (the write itself has
-        succeeded; the index only orders listings) and batched: one ZADD for every session written
-        in the last INDEX_EVERY_S, instead of a round trip after each write."""
+        """In a Redis Cluster, list the session in the index by its last write. Best effort (the
+        write itself has succeeded; the index only orders listings) and batched: one ZADD for every
+        session written in the last INDEX_EVERY_S, instead of a round trip after each write. (On a
+        single Redis the write's own script has listed it.)"""
+        if not self._cluster:
+            return
         self._touched[session_key] = now
         if self._index_timer is None:
             self._index_timer = asyncio.get_running_loop().call_later(INDEX_EVERY_S, self._index_due)

@@ -15,7 +15,10 @@ turns, seeded through the SQLite store before the daemon starts. The daemon's CP
     python -m tests.bench.api_throughput --workers 1,2,3 --kinds fresh   # cluster mode, one Redis
 
 With `--workers`, N daemons in cluster mode share a private redis-server (history in Redis);
-client i talks to worker i mod N, and CPU per message sums every worker's (Redis not counted).
+client i talks to worker i mod N. Worker CPU per message sums every worker's; Redis's CPU per
+message (its used_cpu_user + used_cpu_sys from INFO, over the same window) is printed beside it,
+and one daemon without Redis (SQLite) is measured in the same run, so the table says what cluster
+mode costs against a single node (`x single`: worker CPU per message over the single node's).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Point:
     cpu_ms: float | None  # daemon CPU per message
     errors: int
     threads_ms: dict[str, float] | None = None  # daemon CPU per message, by thread name
+    redis_cpu_ms: float | None = None  # redis-server CPU per message (cluster mode)
 
 
 
@@ -66,6 +70,13 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (and its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def redis_cpu_s(redis: RedisServer) -> float:
+    """User + system CPU seconds redis-server has used (every thread of it), from INFO cpu."""
+    with redis.client() as c:
+        info = c.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def thread_cpu_s(pids: list[int]) -> dict[str, float]:
@@ -84,10 +95,10 @@ def thread_cpu_s(pids: list[int]) -> dict[str, float]:
 async def load(urls: list[str], clients: int, seconds: float,
                body_for: collections.abc.Callable[[int, int], dict[str, Any] | bytes],
                headers_for: collections.abc.Callable[[int, int], dict[str, str]], pids: list[int],
-               profile: Path | None = None) -> Point:
+               profile: Path | None = None, redis: RedisServer | None = None) -> Point:
     """`clients` loops, each in its own aiohttp session, asking back to back (client i asks
     `urls[i % len(urls)]`). Warm-up lasts until every client has had an answer; then `seconds`
-    are measured. CPU per message sums the processes in `pids`."""
+    are measured. CPU per message sums the processes in `pids`; `redis`'s is reported apart."""
     answered = [0] * clients
     warm = asyncio.Event()
     stop = asyncio.Event()
@@ -132,6 +143,7 @@ async def load(urls: list[str], clients: int, seconds: float,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         cpu0 = sum(cpu_s(pid) for pid in pids)
         threads0 = thread_cpu_s(pids)
+        redis0 = redis_cpu_s(redis) if redis is not None else 0.0
         measuring[0] = True
         t0 = time.perf_counter()
         await asyncio.sleep(seconds)
@@ -139,6 +151,7 @@ async def load(urls: list[str], clients: int, seconds: float,
         elapsed = time.perf_counter() - t0
         cpu1 = sum(cpu_s(pid) for pid in pids)
         threads1 = thread_cpu_s(pids)
+        redis1 = redis_cpu_s(redis) if redis is not None else 0.0
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -149,7 +162,8 @@ async def load(urls: list[str], clients: int, seconds: float,
     return Point(done / elapsed, 1000 * lat[len(lat) // 2] if lat else 0.0,
                  1000 * lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
                  1000 * (cpu1 - cpu0) / done if pids and done else None, errors[0],
-                 {k: 1000 * (threads1[k] - threads0.get(k, 0.0)) / done for k in threads1} if pids and done else None)
+                 {k: 1000 * (threads1[k] - threads0.get(k, 0.0)) / done for k in threads1} if pids and done else None,
+                 1000 * (redis1 - redis0) / done if redis is not None and done else None)
 
 
 def bare_body(i: int, n: int) -> dict[str, Any]:
@@ -266,7 +280,12 @@ data_dir = "{tmp / 'data'}"
     async def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            await asyncio.to_thread(self.proc.wait, 30)
+            try:
+                await asyncio.to_thread(self.proc.wait, 30)
+            except subprocess.TimeoutExpired:  # reported, and the run goes on
+                print(f"the daemon {self.proc.pid} did not exit within 30 s of SIGTERM: killed", flush=True)
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait, 30)
 
 
 async def relay_points(clients: list[int], seconds: float, provider_url: str) -> dict[int, Point]:
@@ -324,7 +343,7 @@ async def daemon_points(kind: str, clients: list[int], seconds: float, provider_
                     return {"model": "switchboard", "messages": [{"role": "user", "content": f"hello number {n}"}]}
 
                 points[c] = await load(urls, c, seconds, body, headers, pids,
-                                       profile / f"{kind}-c{c}.txt" if profile else None)
+                                       profile / f"{kind}-w{workers}-c{c}.txt" if profile else None, redis)
         finally:
             await asyncio.gather(*(d.stop() for d in daemons))
             if redis is not None:
@@ -370,6 +389,13 @@ def med(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def spread(values: list[float]) -> str:
+    """The median, and the range when there is more than one run."""
+    if len(values) < 2:
+        return f"{med(values):.2f}" if values else "-"
+    return f"{med(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="10,50,200")
@@ -388,6 +414,8 @@ async def main() -> None:
     args = parser.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     worker_counts = [int(w) for w in args.workers.split(",") if w] or [0]
+    if 0 not in worker_counts:  # cluster mode is compared with a single node in the same run
+        worker_counts.insert(0, 0)
     kinds = args.kinds.split(",")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -429,16 +457,24 @@ async def main() -> None:
     tables = [("this checkout", ours), (f"baseline {args.baseline}", base)] if args.baseline else [("", ours)]
     for title, table in tables:
         print(f"\n{title}" if title else "")
-        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        cluster = any(worker_counts)
+        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |"
+              + (" Redis CPU ms/msg | x single |" if cluster else ""))
+        print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cluster else ""))
         for kind, workers, c in ((k, w, c) for k in kinds for w in worker_counts for c in clients):
             ps = table[_row(kind, workers), c]
             rate = med([p.rate for p in ps])
             limit = med([p.rate for p in bare[kind, c]])
-            cpu = med([p.cpu_ms for p in ps if p.cpu_ms is not None])
+            cpus = [p.cpu_ms for p in ps if p.cpu_ms is not None]
+            cpu = med(cpus)
             errs = sum(p.errors for p in ps)
+            extra = ""
+            if cluster:
+                single = med([p.cpu_ms for p in table[_row(kind, 0), c] if p.cpu_ms is not None])
+                rcpu = [p.redis_cpu_ms for p in ps if p.redis_cpu_ms is not None]
+                extra = f" {spread(rcpu)} |" + (f" {cpu / single:.2f} |" if workers else " |")
             print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
-                  f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
+                  f"{med([p.p99_ms for p in ps]):.1f} | {spread(cpus)} | {limit:,.0f} | {rate / limit:.2f} |" + extra
                   + (f" {errs} errors" if errs else ""))
         for c in clients if relay else ():
             ps, limit = relay[c], med([p.rate for p in bare["fresh", c]])
