@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -184,7 +185,7 @@ async def test_a_stop_mark_waiting_in_the_outbox_is_not_sent_once_the_session_is
     assert all(b.edits == 0 for b in chat.bubbles)
 
 
-async def until_running(job: Job[object]) -> None:
+async def until_running(job: Job[Any]) -> None:
     for _ in range(500):
         if job.running:
             return
