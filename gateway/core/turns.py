@@ -179,11 +179,12 @@ class Turn:
 class _Context:
     """`TurnContext` for one turn: its steered messages and what the session knows of its size."""
 
-    __slots__ = ("_conversation", "_turn")
+    __slots__ = ("_conversation", "_reply", "_turn")
 
-    def __init__(self, turn: Turn, conversation: LiveConversation | None) -> None:
+    def __init__(self, turn: Turn, conversation: LiveConversation | None, reply: Reply | None = None) -> None:
         self._turn = turn
         self._conversation = conversation
+        self._reply = reply
 
     def take_interjection(self) -> str | None:
         turn = self._turn
@@ -213,6 +214,10 @@ class _Context:
     @property
     def options(self) -> TurnOptions | None:
         return options_of(self._turn.msg)
+
+    @property
+    def pace_s(self) -> float:
+        return self._reply.pace() if self._reply is not None else 0.0
 
 
 class TurnRunner:
@@ -374,7 +379,7 @@ class TurnRunner:
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": turn.msg.platform, "run": run.run_id})
         settings = self._settings.value
-        stream = self._stream(turn, settings.agent, history, user, reply, recorder, _Context(turn, agent))
+        stream = self._stream(turn, settings.agent, history, user, reply, recorder, _Context(turn, agent, reply))
         task = asyncio.get_running_loop().create_task(stream, context=ctx)
         run.attach(task)  # a cancel that landed during the awaits before cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
@@ -673,6 +678,9 @@ class SettlingReply(Reply):
 
     async def delivered(self) -> bool:
         return await self.open().delivered()
+
+    def pace(self) -> float:
+        return self.open().pace()
 
     def shown_text(self) -> str | None:
         if self._inner is None:
