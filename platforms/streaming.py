@@ -119,7 +119,7 @@ class EditStreamReply(Reply):
             return
         self._parts.text += text
         if self._caps.can_edit and self._caps.can_stream:
-            self._pacer.wake(self._render_intermediate, self._interval)
+            self._pacer.wake(self._render_intermediate, self.pace)
 
     async def finish(self, text: str) -> None:
         if self._ended or not self._run.may_send():
@@ -282,8 +282,8 @@ class EditStreamReply(Reply):
         """What shows the answer is coming until its first message: typing."""
         return self._pacer.keep_typing(lambda: self._sent_any)
 
-    def _interval(self) -> float:
-        """The least time between two intermediate states."""
+    def pace(self) -> float:
+        """The least time between two intermediate states (text arriving faster is shown joined)."""
         return self._caps.edit_interval_s
 
     async def _render_intermediate(self) -> None:
@@ -295,9 +295,9 @@ class EditStreamReply(Reply):
         """Show the status line now, and keep its elapsed time current while a call runs."""
         if not (self.STATUS_LINE and self._caps.can_edit and self._caps.can_stream):
             return  # the final text only (or rows of their own): no status line
-        wake = functools.partial(self._pacer.wake, self._render_intermediate, self._interval)
+        wake = functools.partial(self._pacer.wake, self._render_intermediate, self.pace)
         wake()
-        self._progress.keep_current(wake, self._interval)
+        self._progress.keep_current(wake, self.pace)
 
     # --- rendering ------------------------------------------------------------------------
 

@@ -159,8 +159,8 @@ class DraftStreamReply(EditStreamReply):
 
     # --- streaming ------------------------------------------------------------------------
 
-    def _interval(self) -> float:
-        return self._interval_s if self._drafting else super()._interval()
+    def pace(self) -> float:
+        return self._interval_s if self._drafting else super().pace()
 
     def _indicator(self) -> Coroutine[Any, Any, None]:
         return self._keep_draft() if self._drafting else super()._indicator()
@@ -261,7 +261,7 @@ class DraftStreamReply(EditStreamReply):
         if status is not None:  # edit streaming shows its Stop button on the message itself
             self._outbox.adopt(self._delete(status))
         if self._parts.text:  # stream what there is by edits, now
-            self._pacer.wake(self._render_intermediate, self._interval, now=True)
+            self._pacer.wake(self._render_intermediate, self.pace, now=True)
 
     # --- ending ---------------------------------------------------------------------------
 

@@ -338,7 +338,7 @@ class _WebReply(EditStreamReply):
     def _changed(self, row: dict[str, Any]) -> None:
         if row not in self._unsent:
             self._unsent.append(row)
-        self._pacer.wake(self._render_intermediate, self._interval)
+        self._pacer.wake(self._render_intermediate, self.pace)
 
     async def _render(self, *, final: bool) -> None:
         await super()._render(final=final)

@@ -1,22 +1,32 @@
 """The OpenAI agent's parts on their own: the retry policy against a provider that answers 5xx/429,
-and the stream decoder (a batch of chunks into events, tool calls from their pieces)."""
+the stream decoder (a batch of chunks into events, tool calls from their pieces), and a stream
+read at the pace its chat can show."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest import mock
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from gateway.agents.openai import OpenAIAgent, OpenAISettings
-from gateway.agents.openai_stream import Round, StreamDecoder
+from gateway.agents.openai_stream import Round, StreamDecoder, sse_batches
 from gateway.agents.tools import ToolRegistry
+from gateway.core.cancellation import GATEWAY_RESTART, Run, ToolReason, current_run
 from gateway.core.ports import AgentError
 from gateway.core.transcript import AgentEvent, ChatMessage, TextDelta, ToolCall, Usage
+from gateway.store.sqlite import SqliteStore
+from platforms.streaming import EditStreamReply
+from tests.fakes.memory_chat import MemoryChat
+from tests.fakes.openai_provider import FakeProvider, Script
 from tests.support.ports import free_port
+from tests.support.routers import start_router
 
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "fine"}}]}
 
@@ -123,3 +133,117 @@ def test_an_error_in_the_stream_is_the_providers_failure() -> None:
         list(decoder.batch([_chunk(error={"message": "overloaded"})]))
     with pytest.raises(AgentError, match="malformed"):
         list(decoder.batch([b"{not json"]))
+
+
+class _PacedContext:
+    """A turn whose chat shows a new state at most every `pace_s`."""
+
+    def __init__(self, pace_s: float) -> None:
+        self.pace_s = pace_s
+        self.options = None
+        self.token_ratio = 1.0
+        self.history_memo = None
+
+    def take_interjection(self) -> str | None:
+        return None
+
+    def note_result(self, call_id: str, text: str) -> None:
+        pass
+
+
+async def test_a_paced_stream_joins_what_arrives_between_reads_and_does_not_hold_its_end() -> None:
+    words = [f"w{i}" for i in range(40)]
+    async with FakeProvider(delay_s=0.01) as provider:
+        provider.then(Script(text=" ".join(words)))
+        agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), ToolRegistry())
+        try:
+            events = [e async for e in agent.run_turn([], ChatMessage("user", "hi"), _PacedContext(0.15))]
+            ended = time.perf_counter()
+        finally:
+            await agent.close()
+    deltas = [e.text for e in events if isinstance(e, TextDelta)]
+    assert "".join(deltas).split() == words
+    assert len(deltas) <= 6  # about 0.4 s of words at one read per 0.15 s, not one read per word
+    completed = provider.connections[0].completed_at
+    assert completed is not None and ended - completed < 0.1  # the end is read when it comes, not a pace later
+
+
+class _CountedReader(aiohttp.StreamReader):
+    """A provider's response body fed by the test, counting the reads made of it."""
+
+    def __init__(self) -> None:
+        super().__init__(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+        self.reads = 0
+
+    async def readany(self) -> bytes:
+        self.reads += 1
+        return await super().readany()
+
+
+async def _read_paced(reader: _CountedReader, run: Run, pace_s: float, got: list[list[bytes]]) -> None:
+    current_run.set(run)
+    async for batch in sse_batches(reader, lambda: pace_s):
+        got.append(batch)
+
+
+async def test_lines_that_arrive_within_one_pace_are_read_as_one_batch() -> None:
+    reader, got = _CountedReader(), list[list[bytes]]()
+    task = asyncio.ensure_future(_read_paced(reader, Run("k"), 0.2, got))
+    reader.feed_data(b"data: a\n\n")
+    await asyncio.sleep(0.02)
+    for word in (b"b", b"c", b"d"):  # within the pause after the first batch
+        reader.feed_data(b"data: " + word + b"\n\n")
+        await asyncio.sleep(0.02)
+    assert got == [[b"a"]] and reader.reads == 1
+    await asyncio.sleep(0.25)
+    assert got == [[b"a"], [b"b", b"c", b"d"]]
+    reader.feed_eof()
+    await asyncio.wait_for(task, 0.1)  # the end is read as it comes, not a pace later
+
+
+@pytest.mark.parametrize("delivered", [True, False])
+async def test_a_cancel_during_a_paced_wait_ends_the_read_at_once_with_no_further_read(delivered: bool) -> None:
+    """`delivered`: the task is cancelled, or the cancel never reaches it (swallowed on the way):
+    either way the pause ends now and nothing more is read."""
+    reader, got, run = _CountedReader(), list[list[bytes]](), Run("k")
+    task = asyncio.ensure_future(_read_paced(reader, run, 5.0, got))
+    if delivered:
+        run.attach(task)
+    reader.feed_data(b"data: a\n\n")
+    await asyncio.sleep(0.02)
+    reader.feed_data(b"data: b\n\n")  # waits for the next read, 5 s on
+    await asyncio.sleep(0.02)
+    run.cancel(ToolReason.user("stopped by user (/stop)"))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 0.1)
+    assert got == [[b"a"]] and reader.reads == 1
+
+
+async def test_a_paced_answer_reaches_the_reply_in_a_delta_per_pace_and_only_its_last_word_waits(
+        store: SqliteStore, provider: FakeProvider, tools: ToolRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat that shows a new state every 0.2 s gets the answer's words in a delta per 0.2 s, not
+    one per word, and each delta at once but its last word (held until the turn is recorded)."""
+    shown: list[str] = []
+    original = EditStreamReply.delta
+
+    async def delta(self: EditStreamReply, text: str) -> None:
+        shown.append(text)
+        await original(self, text)
+
+    monkeypatch.setattr(EditStreamReply, "delta", delta)
+    words = [f"w{i}" for i in range(40)]
+    provider.then(Script(text=" ".join(words), delay_s=0.01))
+    chat = MemoryChat(edit_interval_s=0.2)
+    agent = OpenAIAgent(OpenAISettings(base_url=provider.base_url, model="m"), tools)
+    router = await start_router(store, agent, chat)
+    try:
+        run = (await router.submit(chat.message("c1", "hi"), chat)).run
+        assert run is not None
+        await run.wait()
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await agent.close()
+    assert 3 <= len(shown) <= 7, shown  # about 0.4 s of words at a read per 0.2 s, not 40 deltas
+    assert "".join(shown).split() == words
+    assert shown[-1].split() == words[-1:]  # only the last word waited for the record (and its end)
+    assert chat.texts("c1")[-1].split() == words

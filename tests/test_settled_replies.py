@@ -12,16 +12,19 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import aiohttp
 import pytest
 
 from gateway.agents.echo import EchoAgent
 from gateway.agents.tools import ToolRegistry
-from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.ports import Reply
+from gateway.core.turns import SettlingReply, Turn
 from gateway.store.sqlite import SqliteStore
 from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
@@ -226,3 +229,40 @@ async def test_a_message_still_being_stored_at_shutdown_is_answered(tmp_path: Pa
                                                                                     "queued while storing"]
     finally:
         await store.close()
+
+
+class _Shown(Reply):
+    """A platform's reply that records the deltas it is given."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.final: str | None = None
+
+    async def delta(self, text: str) -> None:
+        self.deltas.append(text)
+
+    async def finish(self, text: str) -> None:
+        self.final = text
+
+    async def interrupted(self, reason: ToolReason) -> None:
+        pass
+
+    async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
+        pass
+
+
+async def test_only_the_last_word_of_an_answer_waits_for_its_record() -> None:
+    """A delta of many words (a stream read at the chat's pace) is shown at once but for its last
+    word, which waits for more text or the turn's record: the chat is never a delta behind."""
+    shown = _Shown()
+    turn = SimpleNamespace(msg=None, run=None, speaker=SimpleNamespace(open_reply=lambda _msg, _run: shown))
+    reply = SettlingReply(cast(Turn, turn))
+    await reply.delta("one two three")
+    assert shown.deltas == ["one two "]
+    await reply.delta(" four five\n")
+    assert shown.deltas == ["one two ", "three four "]
+    await reply.delta("six" + "x" * 100)  # a long run without a blank: only its end waits
+    assert "".join(shown.deltas) == "one two three four five\nsix" + "x" * 68
+    assert shown.final is None
+    await reply.finish("one two three four five\nsix" + "x" * 100)
+    assert "".join(shown.deltas) == "one two three four five\nsix" + "x" * 100

@@ -23,7 +23,7 @@ import aiohttp
 from yarl import URL
 
 from gateway.agents.jobs import call_note
-from gateway.agents.openai_stream import Round, error_text, from_message, parse_json, read_stream
+from gateway.agents.openai_stream import Pace, Round, error_text, from_message, parse_json, read_stream
 from gateway.agents.tools import ToolRegistry
 from gateway.core import jsonfast
 from gateway.core.backoff import Backoff
@@ -155,7 +155,7 @@ class OpenAIAgent:
                 route = self._routes.get(turn.options.model if turn.options is not None else None) \
                     or self._routes[None]
                 body = self._body_head(turn.options, route.model) + messages + b"}"
-                async with contextlib.aclosing(self._complete(route, body, rnd, estimated)) as events:
+                async with contextlib.aclosing(self._complete(route, body, rnd, estimated, turn.pace)) as events:
                     async for event in events:
                         if isinstance(event, Usage):
                             turn.counted(event)
@@ -226,9 +226,10 @@ class OpenAIAgent:
             self._head = (registered, _head(s, {}, [t.schema() for t in registered], s.model))
         return self._head[1]
 
-    async def _complete(self, route: _Route, body: bytes, rnd: Round,
-                        estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
-        """One streamed completion of the request `body`, from the route's provider."""
+    async def _complete(self, route: _Route, body: bytes, rnd: Round, estimated: int,
+                        pace: Pace | None = None) -> AsyncGenerator[TextDelta | Usage, None]:
+        """One streamed completion of the request `body`, from the route's provider, read at the
+        `pace` its chat can show."""
         resp = await self._post(route, body)
         run = get_run()
         async with resp:
@@ -239,7 +240,7 @@ class OpenAIAgent:
                     for delta in from_message(parse_json(await resp.text()), rnd):
                         yield delta
                     return
-                async with contextlib.aclosing(read_stream(resp.content, rnd, estimated)) as events:
+                async with contextlib.aclosing(read_stream(resp.content, rnd, estimated, pace)) as events:
                     async for event in events:
                         yield event
 
@@ -291,6 +292,8 @@ class _Turn:
         self.sent: list[dict[str, Any]] = [message.to_openai()]  # this turn's messages so far
         if options is not None:
             self.sent += [m.to_openai() for m in options.continuation]
+        # How often the chat can show new text: text arriving faster is read in bigger pieces.
+        self.pace: Pace | None = (lambda: context.pace_s) if context is not None else None
         self.estimated = 0  # our count of the last request's prompt
         self.round_counted = False  # the provider gave token counts for the current round
 

@@ -7,14 +7,18 @@ Everything here is about what the provider sent back; what is asked, and when to
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import json
 import re
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 import aiohttp
 
 from gateway.core import jsonfast
+from gateway.core.cancellation import checkpoint, get_run
 from gateway.core.logs import redactor
 from gateway.core.ports import AgentError
 from gateway.core.transcript import TextDelta, ToolCall, Usage
@@ -57,12 +61,12 @@ class Round:
                      for i, c in sorted(self.calls.items()))
 
 
-async def read_stream(content: aiohttp.StreamReader, rnd: Round,
-                      estimated: int) -> AsyncGenerator[TextDelta | Usage, None]:
+async def read_stream(content: aiohttp.StreamReader, rnd: Round, estimated: int,
+                      pace: Pace | None = None) -> AsyncGenerator[TextDelta | Usage, None]:
     """The events of a streamed completion, until `[DONE]` or the end of the stream. A broken
-    connection is an AgentError."""
+    connection is an AgentError. `pace`: see `sse_batches`."""
     decoder = StreamDecoder(rnd, estimated)
-    batches = sse_batches(content)
+    batches = sse_batches(content, pace)
     try:
         async for payloads in batches:
             for event in decoder.batch(payloads):
@@ -117,11 +121,22 @@ class StreamDecoder:
         return words
 
 
-async def sse_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
+async def sse_batches(content: aiohttp.StreamReader, pace: Pace | None = None) -> AsyncGenerator[list[bytes], None]:
     """The `data:` payloads of a server-sent event stream, in batches: every complete line that has
-    arrived when the reader wakes, so a burst of events costs one wake-up, not one per line."""
+    arrived when the reader wakes, so a burst of events costs one wake-up, not one per line.
+
+    With a `pace` (the least time between two states the reader's chat can show), the next read
+    waits until that long after the last batch was taken, or until the stream ends: what arrives
+    meanwhile is read and parsed as one batch. A provider's deltas then cost a wake-up per state
+    shown rather than one each, and the answer's end is never held back."""
     partial: list[bytes] = []  # a line not yet ended, in pieces (joined once, however long it grows)
-    while chunk := await content.readany():
+    pause = _Pause(content, pace) if pace is not None and pace() > 0 else None  # (0: a client streaming it)
+    while True:
+        if pause is not None:
+            await pause.wait()
+        chunk = await content.readany()
+        if not chunk:
+            break
         if b"\n" not in chunk:
             partial.append(chunk)
             continue
@@ -130,8 +145,58 @@ async def sse_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[byte
         events = [line[5:].strip() for line in map(bytes.strip, lines) if line.startswith(b"data:")]
         if events:
             yield events
+            if pause is not None:
+                pause.taken()
     if (rest := b"".join(partial).strip()).startswith(b"data:"):  # the stream ended without a final newline
         yield [rest[5:].strip()]
+
+
+Pace = Callable[[], float]  # seconds between two states the chat can show, asked as it streams (0: each delta)
+
+
+class _Pause:
+    """The wait between two reads of a paced stream: the rest of the pace since the last batch was
+    taken, cut short when the stream ends (so the answer's end and its tool calls are not held) or
+    the run is cancelled (which then reads nothing more, whatever became of the cancel itself)."""
+
+    __slots__ = ("_ended", "_pace", "_until", "_waiter")
+
+    def __init__(self, content: aiohttp.StreamReader, pace: Pace) -> None:
+        self._pace = pace
+        self._until = 0.0
+        self._ended = False
+        self._waiter: asyncio.Future[None] | None = None
+        content.on_eof(self._on_eof)
+
+    def taken(self) -> None:
+        self._until = asyncio.get_running_loop().time() + self._pace()
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self._until - loop.time()
+        if delay <= 0 or self._ended:
+            checkpoint()
+            return
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(delay, _wake, waiter)
+        run = get_run()
+        try:
+            with run.on_cancel(functools.partial(_wake, waiter)) if run is not None else contextlib.nullcontext():
+                await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        checkpoint()  # a run cancelled meanwhile takes no new read
+
+    def _on_eof(self) -> None:
+        self._ended = True
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def from_message(payload: dict[str, Any], rnd: Round) -> Iterator[TextDelta]:

@@ -64,6 +64,11 @@ class TurnContext(Protocol):
         """What the client asked of this turn beyond its message, and where the agent reports
         back (an HTTP API request); None for a chat message."""
 
+    @property
+    def pace_s(self) -> float:
+        """The least time between two states of the answer its chat can show (0: each delta as it
+        comes, e.g. a client streaming it): text arriving faster may be handed over in bigger pieces."""
+
 
 class Agent(Protocol):
     @property
@@ -221,6 +226,11 @@ class Reply(ABC):
     async def failed(self, text: str, *, retry_after_s: float | None = None) -> None:
         """The turn failed; tell the user in words. `retry_after_s`: our side is unavailable for
         now (storage down, at capacity), so the same message may well work later."""
+
+    def pace(self) -> float:
+        """The least time between two states of the text this reply shows: deltas arriving faster
+        may be handed over joined (`TurnContext.pace_s`). The default, 0: each delta as it comes."""
+        return 0.0
 
     async def tool_started(self, call: ToolCall) -> None:
         """A tool call (a tool or an MCP call) starts running now: platforms that show progress

@@ -179,11 +179,12 @@ class Turn:
 class _Context:
     """`TurnContext` for one turn: its steered messages and what the session knows of its size."""
 
-    __slots__ = ("_conversation", "_turn")
+    __slots__ = ("_conversation", "_reply", "_turn")
 
-    def __init__(self, turn: Turn, conversation: LiveConversation | None) -> None:
+    def __init__(self, turn: Turn, conversation: LiveConversation | None, reply: Reply | None = None) -> None:
         self._turn = turn
         self._conversation = conversation
+        self._reply = reply
 
     def take_interjection(self) -> str | None:
         turn = self._turn
@@ -213,6 +214,10 @@ class _Context:
     @property
     def options(self) -> TurnOptions | None:
         return options_of(self._turn.msg)
+
+    @property
+    def pace_s(self) -> float:
+        return self._reply.pace() if self._reply is not None else 0.0
 
 
 class TurnRunner:
@@ -374,7 +379,7 @@ class TurnRunner:
         ctx.run(current_run.set, run)
         ctx.run(log_context.set, {"session": turn.key, "platform": turn.msg.platform, "run": run.run_id})
         settings = self._settings.value
-        stream = self._stream(turn, settings.agent, history, user, reply, recorder, _Context(turn, agent))
+        stream = self._stream(turn, settings.agent, history, user, reply, recorder, _Context(turn, agent, reply))
         task = asyncio.get_running_loop().create_task(stream, context=ctx)
         run.attach(task)  # a cancel that landed during the awaits before cancels it right here
         self.running[run] = time.monotonic()  # watched by `watch_timeouts`
@@ -599,9 +604,13 @@ class SettlingReply(Reply):
     """The platform's reply for one turn, opened on first use, that knows whether it has been ended
     (finish, interrupted or failed) — so the turn's owner can settle it exactly once.
 
-    It holds back the latest delta until the next one, a tool boundary (`release`) or `finish`: the
-    last words of an answer reach the chat only once the turn is recorded, so an answer shown whole
-    is never also taken over (and answered again) by another worker."""
+    It holds back the last word of what it has been given until more comes, a tool boundary
+    (`release`) or `finish`: the end of an answer reaches the chat only once the turn is recorded,
+    so an answer shown whole is never also taken over (and answered again) by another worker. Only
+    the last word (at most `HOLD_CHARS` characters) is held: a delta may be a whole edit interval's
+    worth of text (a stream read at the chat's pace), and the chat must not show it an interval late."""
+
+    HOLD_CHARS = 32
 
     __slots__ = ("_given", "_held", "_inner", "_turn", "ended", "settled_once")
 
@@ -619,9 +628,14 @@ class SettlingReply(Reply):
         return self._inner
 
     async def delta(self, text: str) -> None:
-        if text:
-            await self.release()
-            self._held = text
+        if not text:
+            return
+        text = self._held + text
+        cut = _last_word(text, self.HOLD_CHARS)
+        self._held = text[cut:]
+        if cut:
+            self._given.append(text[:cut])
+            await self.open().delta(text[:cut])
 
     async def release(self) -> None:
         """Show the held delta: the answer goes on (a tool runs), so it is not the answer's end."""
@@ -665,8 +679,22 @@ class SettlingReply(Reply):
     async def delivered(self) -> bool:
         return await self.open().delivered()
 
+    def pace(self) -> float:
+        return self.open().pace()
+
     def shown_text(self) -> str | None:
         if self._inner is None:
             return ""
         shown = self._inner.shown_text()
         return "".join(self._given) if shown is None and self._held else shown
+
+
+def _last_word(text: str, most: int) -> int:
+    """Where the last word of `text` (with the blanks after it) begins, but no more than `most`
+    characters from its end; 0 for text that is blank or one short word."""
+    body = text.rstrip()
+    start = max(len(body) - most, 0)
+    i = len(body)
+    while i > start and not body[i - 1].isspace():
+        i -= 1
+    return i

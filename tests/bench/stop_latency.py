@@ -37,6 +37,8 @@ from tests.fakes.memory_chat import MemoryChat
 from tests.support.ports import free_port
 from tests.support.routers import start_router
 
+SLEEP_S = 500  # each tool sleeps SLEEP_S + its session's index / 1000 seconds (at most the tool's 600)
+
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
@@ -86,15 +88,19 @@ async def streaming(n: int, data: Path, notes: list[str]) -> list[str]:
             run = (await router.submit(chat.message(f"s{i}", f"hello {i}"), chat)).run
             assert run is not None
             runs[i] = run
-        await chat.wait_for(lambda: all(chat.texts(f"s{i}") for i in range(n)), timeout=120)
+        # Every session has shown text before any stop: up to 5 minutes for a slow machine to start
+        # them, well within the streams' 1,000 s.
+        await chat.wait_for(lambda: all(chat.texts(f"s{i}") for i in range(n)), timeout=300)
         notes.append(f"N = {n}: " + await _streaming_cpu(f"http://127.0.0.1:{port}/_connections"))
         sent = await _stop_some(router, chat, runs, n)
         await asyncio.sleep(0.5)
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/_connections") as resp:
             closed = {c["last_user"]: c["closed_at"] for c in await resp.json()}
+        cancel_ms = [((runs[i].cancelled_at or 0) - t) * 1000 for i, t in sent.items()]
         task_ms = [(runs[i].done_at or 0) * 1000 - t * 1000 for i, t in sent.items()]
         close_ms = [(closed[f"hello {i}"] - t) * 1000 for i, t in sent.items()]
-        return [row("(a) turn task done", n, task_ms), row("(b) provider sees close", n, close_ms)]
+        return [row("(a0) run cancelled", n, cancel_ms), row("(a) turn task done", n, task_ms),
+                row("(b) provider sees close", n, close_ms)]
     finally:
         await router.shutdown(GATEWAY_RESTART)
         await agent.close()
@@ -132,7 +138,8 @@ async def tools(n: int, data: Path) -> list[str]:
     try:
         runs: dict[int, Run] = {}
         for i in range(n):
-            run = (await router.submit(chat.message(f"s{i}", f"!sleep {100 + i / 1000:g}"), chat)).run
+            # 500 s: far longer than starting N tool processes takes (up to 5 minutes, `_sleep_pids`).
+            run = (await router.submit(chat.message(f"s{i}", f"!sleep {SLEEP_S + i / 1000:g}"), chat)).run
             assert run is not None
             runs[i] = run
         pids = await _sleep_pids(n)
@@ -159,9 +166,9 @@ async def tools(n: int, data: Path) -> list[str]:
 
 
 async def _sleep_pids(n: int) -> dict[int, int]:
-    """Session index -> pid of its `sleep 100.i` tool process (children of this process)."""
+    """Session index -> pid of its `sleep 500.i` tool process (children of this process)."""
     me = str(os.getpid())
-    for _ in range(600):
+    for _ in range(3000):
         found: dict[int, int] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -172,7 +179,7 @@ async def _sleep_pids(n: int) -> dict[int, int]:
             except OSError:
                 continue
             if stat[1] == me and argv[0] == b"sleep" and len(argv) > 1:
-                found[round((float(argv[1]) - 100) * 1000)] = int(entry.name)
+                found[round((float(argv[1]) - SLEEP_S) * 1000)] = int(entry.name)
         if len(found) == n:
             return found
         await asyncio.sleep(0.1)
