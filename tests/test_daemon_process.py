@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sqlite3
@@ -119,6 +120,24 @@ async def test_the_event_loop_is_chosen_by_config_and_named_in_the_startup_log(t
             assert resp.status == 200 and "hello" in (await resp.json())["choices"][0]["message"]["content"]
         daemon.proc.send_signal(signal.SIGTERM)
         assert await daemon.exited() == 0
+    finally:
+        daemon.end()
+
+
+async def test_signals_repeated_until_it_has_exited_still_end_in_a_clean_exit(tmp_path: Path) -> None:
+    """An operator (or a supervisor) that sends SIGTERM again and again while the daemon stops gets
+    exit status 0 once it has stopped: a signal that arrives after the event loop has closed, while
+    the interpreter winds down, does not turn a clean stop into death by signal (-15)."""
+    here = ("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    daemon = Daemon(tmp_path, here, module=True)
+    try:
+        await daemon.ready()
+        deadline = time.monotonic() + 60
+        while daemon.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.002)
+        assert await daemon.exited(timeout=5) == 0, daemon.logs()[-3000:]
     finally:
         daemon.end()
 

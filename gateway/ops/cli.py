@@ -7,6 +7,7 @@ import asyncio
 import difflib
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -213,6 +214,10 @@ def _run(config: Config, args: argparse.Namespace) -> int:
     try:
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(Daemon(config, config_path=args.config).run())
+        # Stopped: a signal from now on changes nothing. (Closing the loop gave SIGTERM back its
+        # default action, which would turn a clean stop into death by signal, -15.)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     except OSError as exc:  # e.g. the port is taken: one clear line, not a traceback
         print(f"switchboard: cannot start: {redactor(str(exc.strerror or exc))}", file=sys.stderr)
         return 1
