@@ -22,6 +22,7 @@ from gateway.agents.tools import ToolRegistry
 from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
+from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
 from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
@@ -193,11 +194,12 @@ class _SlowToStore(SqliteStore):
         self.storing = asyncio.Event()
         self.go_on = asyncio.Event()
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
         if msg.text == "queued while storing":
             self.storing.set()
             await self.go_on.wait()
-        return await super().accept_inbound(fence, msg)
+        return await super().accept_inbound(fence, msg, started=started)
 
 
 async def test_a_message_still_being_stored_at_shutdown_is_answered(tmp_path: Path, tools: ToolRegistry) -> None:
