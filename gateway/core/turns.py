@@ -440,7 +440,8 @@ class TurnRunner:
     async def _confirm_shown(self, turn: Turn, reply: SettlingReply) -> None:
         """The answer's end reached the chat: its message is done."""
         try:
-            shown = await asyncio.wait_for(reply.delivered(), SHOWN_WAIT_S)
+            async with asyncio.timeout(SHOWN_WAIT_S):  # (not wait_for: no task of its own per message)
+                shown = await reply.delivered()
         except TimeoutError:
             shown = False
         if shown:
