@@ -451,7 +451,7 @@ async def main() -> None:
             errs = sum(p.errors for p in ps)
             print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
                   f"{med([p.p99_ms for p in ps]):.1f} | {cpu:.2f} | {limit:,.0f} | {rate / limit:.2f} |"
-                  + _beside(relay[c], rate, cpu) + (f" {errs} errors" if errs else ""))
+                  + _beside(relay.get(c, []), rate, cpu) + (f" {errs} errors" if errs else ""))
         for c in clients if relay else ():
             ps, limit = relay[c], med([p.rate for p in bare["fresh", c]])
             rate = med([p.rate for p in ps])
