@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from gateway.core.cancellation import GATEWAY_RESTART, NOT_RECORDED
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage, session_key
 from gateway.core.ports import FencedOut, InboundStatus, Outcome, StoreError
+from gateway.core.transcript import ChatMessage
 from gateway.store.sqlite import SqliteStore
 from tests.conftest import RouterFactory
 from tests.fakes.memory_chat import MemoryChat
@@ -133,8 +134,9 @@ class _AnswerLostOnce(SqliteStore):
 
     lost = 0
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        inbound_id = await super().accept_inbound(fence, msg)
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        inbound_id = await super().accept_inbound(fence, msg, started=started)
         if not self.lost:
             self.lost += 1
             raise StoreError("connection lost after COMMIT")
@@ -156,6 +158,32 @@ async def test_a_message_stored_although_the_store_said_otherwise_is_answered_on
         _, rows = await store.conversation(submitted.run.session_key)
         assert [r.role for r in rows] == ["user", "assistant"]
         assert await store.unfinished_inbound() == []
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await store.close()
+
+
+async def test_an_acceptance_and_start_stored_although_the_store_said_otherwise_is_answered_once(
+        tmp_path: Path, chat: MemoryChat) -> None:
+    """The same for a session's second message: the lost write held the turn's start (running,
+    the user's row) too. The retry joins it, and the row is not written twice."""
+    store = _AnswerLostOnce(tmp_path / "s.db")
+    store.lost = 1  # the first message goes through
+    await store.open()
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat)
+    await chat.start(router)
+    await router.start()
+    try:
+        for n, lost in enumerate((1, 0)):
+            store.lost = lost
+            submitted = await router.submit(chat.message("c1", f"hello {n}"), chat)
+            assert submitted.outcome is Outcome.ACCEPTED and submitted.run is not None
+            await asyncio.wait_for(submitted.run.wait(), 10)
+        assert store.lost == 1  # the second's answer was lost
+        assert not any("send it again" in t for t in chat.texts("c1")), chat.texts("c1")
+        _, rows = await store.conversation("memory:dm:c1")
+        assert [(r.role, r.content) for r in rows] == [
+            ("user", "hello 0"), ("assistant", "hello 0"), ("user", "hello 1"), ("assistant", "hello 1")]
     finally:
         await router.shutdown(GATEWAY_RESTART, grace_s=1)
         await store.close()
@@ -206,3 +234,59 @@ async def test_a_forwarded_repeat_of_a_running_message_never_cuts_off_its_own_tu
     assert not first.run.is_cancelled()  # it was not interrupted by its own repeat
     await asyncio.wait_for(first.run.wait(), 30)
     assert first.run.reason is None
+
+
+class _CountingStore(SqliteStore):
+    """Each write the router asks for, by name (`accept+start`: an acceptance with its turn's start)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writes: list[str] = []
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        self.writes.append("accept+start" if started is not None else "accept")
+        return await super().accept_inbound(fence, msg, started=started)
+
+    async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
+                     inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
+        self.writes.append("append")
+        await super().append(fence, conversation, rows, inbound=inbound)
+
+    async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
+                             detail: str | None = None) -> None:
+        self.writes.append("finish")
+        await super().finish_inbound(fence, inbound_id, status, detail)
+
+
+@pytest.mark.parametrize("outlet", [MemoryChat, _WaitingClient])
+async def test_a_message_whose_turn_starts_at_once_is_accepted_and_started_in_one_write(
+        tmp_path: Path, outlet: type[MemoryChat]) -> None:
+    """The inbound record and the user's row are one transaction; then the outcome with the
+    record's status (a chat's record is done once its end is shown: one write more). A crash right
+    after the acknowledgement leaves the record running with the user's row: recovered as a turn
+    cut off (tests/test_restart_resume.py)."""
+    chat = outlet()
+    store = _CountingStore(tmp_path / "s.db")
+    await store.open()
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat)
+    await chat.start(router)
+    await router.start()
+    try:
+        for n in range(3):
+            store.writes.clear()
+            submitted = await router.submit(chat.message("c1", f"hello {n}"), chat)
+            assert submitted.outcome is Outcome.ACCEPTED and submitted.run is not None
+            assert store.writes == ["accept+start"]  # acknowledged: stored, and its turn started
+            await asyncio.wait_for(submitted.run.wait(), 10)
+            await _until(lambda: not store.writes or store.writes[-1] != "append" or not chat.answers_later)
+            await asyncio.sleep(0.05)
+            end = ["append", "finish"] if chat.answers_later else ["append"]
+            assert store.writes == ["accept+start", *end], store.writes
+        _, rows = await store.conversation(session_key(chat.message("c1", "")))
+        assert [(r.role, r.content) for r in rows] == [
+            (role, f"hello {n}") for n in range(3) for role in ("user", "assistant")]
+        assert await store.unfinished_inbound() == []
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=1)
+        await store.close()

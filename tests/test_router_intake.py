@@ -76,7 +76,8 @@ async def test_messages_accepted_but_never_run_are_replayed_after_a_restart(
     await router.submit(chat.message("c1", "first"), chat)
     queued = await router.submit(chat.message("c1", "second"), chat)
     assert queued.outcome is Outcome.QUEUED
-    await router.shutdown(GATEWAY_RESTART)  # "first" is cancelled; "second" never ran
+    await chat.wait_for(lambda: bool(provider.connections))  # "first" runs
+    await router.shutdown(GATEWAY_RESTART)  # "first" is cut off (resumed); "second" never ran
     provider.delay_s = 0.0
     router = await start_router(store, agent, chat)
     await chat.wait_for(lambda: any(t.startswith("reply to: second") and t.endswith("w19 ") for t in chat.texts("c1")))
@@ -89,6 +90,7 @@ async def test_messages_accepted_but_never_run_are_replayed_after_a_restart(
     _, history = await store.conversation("memory:dm:c1")
     assert [(m.role, m.content[:15], m.reason) for m in history] == [
         ("user", "first", None), ("assistant", "", "gateway restart"),
+        ("user", "[interrupted by", None), ("assistant", "reply to:  w0 w", None),  # "first", resumed
         ("user", "second", None), ("assistant", "reply to: secon", None)]
     assert await store.unfinished_inbound() == []
 

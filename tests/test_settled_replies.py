@@ -24,6 +24,7 @@ from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
 from gateway.core.fencing import Fence
 from gateway.core.messages import InboundMessage
 from gateway.core.ports import Reply
+from gateway.core.transcript import ChatMessage
 from gateway.core.turns import SettlingReply, Turn
 from gateway.store.sqlite import SqliteStore
 from platforms.tenants import key_id
@@ -196,11 +197,12 @@ class _SlowToStore(SqliteStore):
         self.storing = asyncio.Event()
         self.go_on = asyncio.Event()
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
         if msg.text == "queued while storing":
             self.storing.set()
             await self.go_on.wait()
-        return await super().accept_inbound(fence, msg)
+        return await super().accept_inbound(fence, msg, started=started)
 
 
 async def test_a_message_still_being_stored_at_shutdown_is_answered(tmp_path: Path, tools: ToolRegistry) -> None:

@@ -220,6 +220,21 @@ async def test_inbound_status_set_by_append(any_store: Store) -> None:
     assert (await any_store.conversation(S1))[1] == ROWS
 
 
+async def test_an_acceptance_with_its_turns_start_is_one_write_of_both(any_store: Store) -> None:
+    """`started`: the record, running, and the user's row land together; a duplicate writes neither."""
+    F1 = await own(any_store, S1)
+    first = await any_store.accept_inbound(F1, msg("m1"), started=(1, ROWS[0]))
+    assert first is not None
+    assert [(r.id, r.status, r.message) for r in await any_store.unfinished_inbound(S1)] == [
+        (first, "running", msg("m1"))]
+    assert await any_store.conversation(S1) == (1, ROWS[:1])
+    assert await any_store.accept_inbound(F1, msg("m1"), started=(1, ROWS[3])) is None
+    assert await any_store.conversation(S1) == (1, ROWS[:1])
+    await any_store.append(F1, 1, ROWS[1:], inbound=(first, InboundStatus.DONE, None))
+    assert await any_store.unfinished_inbound(S1) == []
+    assert await any_store.conversation(S1) == (1, ROWS)
+
+
 async def test_sessions_listing(any_store: Store) -> None:
     F1, F2 = await own(any_store, S1), await own(any_store, S2)
     await any_store.append(F1, 1, ROWS)

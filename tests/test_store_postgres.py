@@ -109,7 +109,8 @@ async def test_a_zombies_writes_are_refused_by_the_database(pg_url: str) -> None
 
         for write in (old_worker.append(old, 1, ROWS[2:], inbound=(inbound, InboundStatus.DONE, None)),
                       old_worker.finish_inbound(old, inbound, InboundStatus.DONE), old_worker.reset(old),
-                      old_worker.accept_inbound(old, msg("m2")), old_worker.claim(old)):
+                      old_worker.accept_inbound(old, msg("m2")),
+                      old_worker.accept_inbound(old, msg("m3"), started=(1, ROWS[0])), old_worker.claim(old)):
             with pytest.raises(FencedOut, match="refused"):
                 await write
         after = await rows(pg_url, "SELECT * FROM messages ORDER BY id") + await rows(

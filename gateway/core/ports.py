@@ -155,8 +155,12 @@ class Store(Protocol):
     def problem(self) -> str | None:
         """What keeps the store from taking writes now, in words (e.g. a full disk); None: nothing known."""
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        """Durably record an inbound message; None if (platform, chat, message id) was seen before."""
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        """Durably record an inbound message; None if (platform, chat, message id) was seen before.
+        `started` = (conversation, the user's row): its turn starts now, so the record is written
+        `running` and the row added to that conversation in the same transaction — the message's
+        acceptance and its turn's start are one durable write. Nothing is written for a duplicate."""
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:

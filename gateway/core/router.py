@@ -94,7 +94,7 @@ class Router:
                                          busy=busy, settings=settings, jobs=p.jobs,
                                          status_lines=p.status_lines)
         queue = TurnQueue(lanes=self._lanes, owners=self._owners, store=p.store, busy=busy, origins=origins,
-                          answers=answers, jobs=p.jobs)
+                          answers=answers, jobs=p.jobs, begin=self._turns.begin)
         self._automatic = AutomaticMessages(origins=origins, outlets=p.outlets, queue=queue, owners=self._owners,
                                             store=p.store, closing=self._closing)
         self._intake = Intake(gates=Gates(settings, p.access, self._limits, self._closing), owners=self._owners,

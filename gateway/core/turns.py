@@ -147,8 +147,8 @@ class Turn:
     what became of its record. A turn of a session reads and writes the session's stored history;
     a stateless turn (`Turn.stateless`) answers with the history its client sent and stores nothing."""
 
-    __slots__ = ("absorbed", "accepted", "client_history", "fence", "fenced_out", "inbound_id", "key", "msg",
-                 "notes", "run", "speaker", "steered", "unconfirmed", "usage")
+    __slots__ = ("absorbed", "accepted", "client_history", "fence", "fenced_out", "inbound_id", "key", "live", "msg",
+                 "notes", "run", "speaker", "started", "steered", "unconfirmed", "usage")
 
     def __init__(self, msg: InboundMessage, key: str, speaker: Speaker, fence: Fence) -> None:
         self.msg = msg
@@ -158,6 +158,11 @@ class Turn:
         self.run = Run(key, guard=speaker.guard, tenant=msg.tenant)
         self.client_history: tuple[ChatMessage, ...] | None = None  # set only by `stateless`
         self.inbound_id: int | None = None
+        # Set by `TurnRunner.begin` for a turn that starts as it is accepted: the session's live
+        # conversation, and (its number, the user's row) — stored with the inbound record, once
+        # the store has taken it (else None again: the row is written when the turn starts).
+        self.live: LiveConversation | None = None
+        self.started: tuple[int, ChatMessage] | None = None
         # Resolves True once the message is durable (False: duplicate or not stored).
         self.accepted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.steered: list[Turn] = []  # messages sent while this runs (busy "steer"), not yet handed over
@@ -236,6 +241,25 @@ class TurnRunner:
         self._check_lease = check_lease
         self.running: dict[Run, float] = {}  # run -> monotonic start
 
+    async def begin(self, turn: Turn) -> None:
+        """A turn that starts as soon as it is accepted (its lane was idle): its start — the user's
+        row in the session's live conversation, the record `running` — is written with its
+        acceptance, one write instead of two (`Store.accept_inbound(started=...)`). The session is
+        made live first (its history read, as the start would); if it cannot be, the turn's start
+        says why, as before."""
+        if turn.client_history is not None:
+            return
+        try:
+            live = await self._session_agent(turn)
+        except (CacheFull, StoreError):
+            return
+        if turn.run.is_cancelled():  # stopped meanwhile: it never runs, and a /new made what was read old
+            if turn.run.reason == SESSION_RESET:
+                self._cache.discard(turn.key)
+            return
+        turn.live = live
+        turn.started = (live.conversation, user_row(turn.msg))
+
     async def watch_timeouts(self) -> None:
         """Stop turns that outlive `turn_timeout_s` (one sweep for all, instead of a timer each)."""
         while True:
@@ -305,9 +329,9 @@ class TurnRunner:
             return None
         if run.is_cancelled():  # stopped while queued or starting: it never runs
             return await self._never_ran(turn, agent, user)
-        conversation = agent.conversation if agent else 0
-        if agent is not None and not await self._persist(turn, agent, conversation, [user], remember=False,
-                                                         status=(InboundStatus.RUNNING, None)):
+        conversation = turn.started[0] if turn.started else agent.conversation if agent else 0
+        if agent is not None and turn.started is None and not await self._persist(
+                turn, agent, conversation, [user], remember=False, status=(InboundStatus.RUNNING, None)):
             await reply.failed("Sorry, I could not save your message (storage error). Please send it again.",
                                retry_after_s=UNAVAILABLE_RETRY_S)
             return None
@@ -342,7 +366,7 @@ class TurnRunner:
         """The session's live conversation (None for a stateless turn) and the user's row; None if
         the turn cannot start (no agent slot, the store down), after telling the user."""
         try:
-            agent = await self._session_agent(turn) if turn.client_history is None else None
+            agent = turn.live or (await self._session_agent(turn) if turn.client_history is None else None)
         except (CacheFull, StoreError) as exc:
             log.warning("cannot start a turn: %s", exc, extra={"session": turn.key})
             await self._finish(turn, InboundStatus.REJECTED, str(exc))
@@ -352,17 +376,19 @@ class TurnRunner:
                                "Sorry, I could not load this conversation (storage error). Please try again "
                                "shortly.", retry_after_s=UNAVAILABLE_RETRY_S)
             return None
-        msg = turn.msg
-        return agent, ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
+        return agent, turn.started[1] if turn.started else user_row(turn.msg)
 
     async def _never_ran(self, turn: Turn, agent: LiveConversation | None, user: ChatMessage) -> str | None:
         """Record a turn stopped before it started: the user's row and the interruption."""
         run = turn.run
         assert run.reason is not None
         self._count_cancel(turn.key, run)
-        if agent is not None and run.reason != SESSION_RESET:
-            saved = await self._persist(turn, agent, agent.conversation,
-                                        [user, *TurnRecorder().interrupted(run.reason)],
+        rows = TurnRecorder().interrupted(run.reason)
+        if agent is not None and turn.started is not None:  # its row is stored: closed where it is
+            saved = await self._persist(turn, agent, turn.started[0], rows, prepend=user,
+                                        status=(InboundStatus.CANCELLED, run.reason.marker))
+        elif agent is not None and run.reason != SESSION_RESET:
+            saved = await self._persist(turn, agent, agent.conversation, [user, *rows],
                                         status=(InboundStatus.CANCELLED, run.reason.marker))
         else:
             saved = await self._finish(turn, InboundStatus.CANCELLED, run.reason.marker)
@@ -419,7 +445,8 @@ class TurnRunner:
     async def _confirm_shown(self, turn: Turn, reply: SettlingReply) -> None:
         """The answer's end reached the chat: its message is done."""
         try:
-            shown = await asyncio.wait_for(reply.delivered(), SHOWN_WAIT_S)
+            async with asyncio.timeout(SHOWN_WAIT_S):  # (not wait_for: no task of its own per message)
+                shown = await reply.delivered()
         except TimeoutError:
             shown = False
         if shown:
@@ -592,6 +619,11 @@ class TurnRunner:
                     return False
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)  # soon after the store is back: before the lease's TTL runs out
+
+
+def user_row(msg: InboundMessage) -> ChatMessage:
+    """The transcript's row for a user's message (its attachments as placeholders)."""
+    return ChatMessage("user", with_placeholders(msg.text, msg.attachments), created_at=msg.timestamp)
 
 
 UNSAVED = "This answer could not be saved (storage error), so the conversation may not remember it."

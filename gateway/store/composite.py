@@ -69,11 +69,12 @@ class PostgresClusterStore:
 
     # --- inbound: PostgreSQL ------------------------------------------------------------------
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
         """PostgreSQL alone de-duplicates (a unique key, checked in the fenced insert): a claim
         kept elsewhere first could outlive a worker killed before the record was written, and
         turn every redelivery of that message into a 'duplicate' that nobody answers."""
-        return await self.history.accept_inbound(fence, msg)
+        return await self.history.accept_inbound(fence, msg, started=started)
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:

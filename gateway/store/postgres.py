@@ -535,14 +535,18 @@ class InboundLedger:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def accept(self, fence: Fence, msg: InboundMessage) -> int | None:
-        number, token = self.db.fence(fence), _token()
+    async def accept(self, fence: Fence, msg: InboundMessage,
+                     started: tuple[int, ChatMessage] | None = None) -> int | None:
+        number, token, now = self.db.fence(fence), _token(), time.time()
         payload = json.dumps(msg.to_dict(), ensure_ascii=False)  # text as text, not escapes
         if self.db.full_lately():  # refused (retryable) without asking: the platform or client sends it again
             raise DiskFull(f"postgres accept_inbound refused: {FULL}")
-        row = await self.db.write("accept_inbound", lambda c: c.fetchrow(
-            ACCEPT, fence.session_key, number, _text(msg.platform), _text(msg.chat_id), _text(msg.message_id),
-            payload, time.time(), token))
+        accept = (ACCEPT, fence.session_key, number, _text(msg.platform), _text(msg.chat_id), _text(msg.message_id),
+                  payload, now, token)
+        if started is None:
+            row = await self.db.write("accept_inbound", lambda c: c.fetchrow(*accept))
+        else:
+            row = await self.db.write("accept_inbound", lambda c: _accept_started(c, accept, started, now))
         assert row is not None
         if not row["fenced_ok"]:
             raise self.db.fenced_out("accept_inbound")
@@ -588,16 +592,8 @@ class Transcripts:
     async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
                      inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
         number, now = self.db.fence(fence), time.time()
-        columns = ([m.role for m in rows], [_text(m.content) for m in rows], [m.tool_calls_json() for m in rows],
-                   [_opt(m.tool_call_id) for m in rows], [m.interrupted_by for m in rows],
-                   [_opt(m.reason) for m in rows], [m.created_at for m in rows])
-        inbound_id, status, detail = inbound if inbound is not None else (None, None, None)
-        # Named by what it writes: a caller's retry after a lost reply is found already applied.
-        token = hashlib.blake2b(repr((number, conversation, columns, inbound_id, status, detail)).encode(
-            "utf-8", "surrogatepass"), digest_size=12).hexdigest()
-        row = await self.db.write("append", lambda c: c.fetchrow(
-            APPEND, fence.session_key, number, conversation, now, token, *columns, inbound_id,
-            status.value if status is not None else None, _opt(detail)))
+        args = _append_args(fence.session_key, number, conversation, rows, inbound, now)
+        row = await self.db.write("append", lambda c: c.fetchrow(APPEND, *args))
         assert row is not None
         if not row["fenced_ok"]:
             raise self.db.fenced_out("append")
@@ -623,6 +619,38 @@ class Transcripts:
             " WHERE m.session_key = s.key AND m.conversation = s.conversation)"
             " FROM sessions s ORDER BY s.updated_at DESC LIMIT $1", limit))
         return [SessionInfo(r[0], int(r[1]), float(r[2]), int(r[3])) for r in rows]
+
+
+def _append_args(session_key: str, number: int, conversation: int, rows: Sequence[ChatMessage],
+                 inbound: tuple[int, InboundStatus, str | None] | None, now: float) -> tuple[Any, ...]:
+    """APPEND's parameters."""
+    columns = ([m.role for m in rows], [_text(m.content) for m in rows], [m.tool_calls_json() for m in rows],
+               [_opt(m.tool_call_id) for m in rows], [m.interrupted_by for m in rows],
+               [_opt(m.reason) for m in rows], [m.created_at for m in rows])
+    inbound_id, status, detail = inbound if inbound is not None else (None, None, None)
+    # Named by what it writes: a caller's retry after a lost reply is found already applied.
+    token = hashlib.blake2b(repr((number, conversation, columns, inbound_id, status, detail)).encode(
+        "utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return (session_key, number, conversation, now, token, *columns, inbound_id,
+            status.value if status is not None else None, _opt(detail))
+
+
+async def _accept_started(c: Conn, accept: tuple[Any, ...], started: tuple[int, ChatMessage],
+                          now: float) -> asyncpg.Record | None:
+    """ACCEPT and — for a new record — the turn's start (the user's row, the record running) in one
+    transaction: one commit. Both statements check the fence; a refusal of the second undoes the first."""
+    async with c.transaction():
+        row = await c.fetchrow(*accept)
+        if row is None or not row["fenced_ok"] or row["id"] is None:
+            return row
+        conversation, user = started
+        args = _append_args(accept[1], accept[2], conversation, [user],
+                            (int(row["id"]), InboundStatus.RUNNING, None), now)
+        appended = await c.fetchrow(APPEND, *args)
+        if appended is None or not appended["fenced_ok"]:
+            raise FencedOut("postgres accept_inbound refused: a newer owner of the session has written since "
+                            "(this worker's lease fence is stale)")
+        return row
 
 
 class Pairings:
@@ -855,8 +883,9 @@ class PostgresStore:
 
     # --- the Store protocol: each to its part ------------------------------------------------
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
-        return await self.inbound.accept(fence, msg)
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        return await self.inbound.accept(fence, msg, started)
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
                              detail: str | None = None) -> None:

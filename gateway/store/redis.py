@@ -273,7 +273,16 @@ class RedisStore:
     def problem(self) -> str | None:
         return None
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        """With `started`, two fenced writes, not one script (a record accepted whose start never
+        landed is replayed like any message not yet started; `running` always comes with its row)."""
+        inbound_id = await self._accept_record(fence, msg)
+        if inbound_id is not None and started is not None:
+            await self.append(fence, started[0], [started[1]], inbound=(inbound_id, InboundStatus.RUNNING, None))
+        return inbound_id
+
+    async def _accept_record(self, fence: Fence, msg: InboundMessage) -> int | None:
         key = _fenced(fence)
         names = [keys.lease(key), keys.inbound(key), keys.seen(key, msg.platform, msg.chat_id, msg.message_id)]
         record = {"status": InboundStatus.ACCEPTED.value, "detail": None, "received_at": time.time(),

@@ -266,16 +266,23 @@ class SqliteStore:
         self._outage.recovered("the data disk has room again; messages are taken again")
         return True
 
-    async def accept_inbound(self, fence: Fence, msg: InboundMessage) -> int | None:
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
         self._room_for_new()
-        session_key, payload = fence.session_key, jsonfast.dumps_text(msg.to_dict())
+        session_key, payload, now = fence.session_key, jsonfast.dumps_text(msg.to_dict()), time.time()
+        status = "accepted" if started is None else "running"
+        rows = [] if started is None else [_row(session_key, started[0], started[1])]
 
         def op(c: sqlite3.Connection) -> int | None:
             cur = c.execute(
-                "INSERT OR IGNORE INTO inbound (platform, chat_id, message_id, session_key, payload,"
-                " received_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (msg.platform, msg.chat_id, msg.message_id, session_key, payload, time.time()))
-            return cur.lastrowid if cur.rowcount else None
+                "INSERT OR IGNORE INTO inbound (platform, chat_id, message_id, session_key, payload, status,"
+                " received_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (msg.platform, msg.chat_id, msg.message_id, session_key, payload, status, now))
+            if not cur.rowcount:
+                return None
+            if started is not None:  # the turn's start, in the same transaction
+                _add_rows(c, session_key, started[0], rows, now)
+            return cur.lastrowid
 
         return await self._call(op)
 
@@ -314,16 +321,10 @@ class SqliteStore:
     async def append(self, fence: Fence, conversation: int, rows: Sequence[ChatMessage], *,
                      inbound: tuple[int, InboundStatus, str | None] | None = None) -> None:
         session_key, now = fence.session_key, time.time()
-        values = [(session_key, conversation, m.role, m.content, m.tool_calls_json(), m.tool_call_id,
-                   m.interrupted_by, m.reason, m.created_at) for m in rows]
+        values = [_row(session_key, conversation, m) for m in rows]
 
         def op(c: sqlite3.Connection) -> None:
-            c.execute("INSERT INTO sessions (key, conversation, created_at, updated_at) VALUES (?, ?, ?, ?)"
-                      " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at",
-                      (session_key, conversation, now, now))
-            c.executemany(
-                "INSERT INTO messages (session_key, conversation, role, content, tool_calls, tool_call_id,"
-                " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+            _add_rows(c, session_key, conversation, values, now)
             if inbound is not None:
                 inbound_id, status, detail = inbound
                 c.execute("UPDATE inbound SET status = ?, detail = ? WHERE id = ?", (status.value, detail, inbound_id))
@@ -419,6 +420,24 @@ class SqliteStore:
             log.warning("pruning old inbound records failed: %s", exc)
             return False
         return deleted >= PRUNE_SLICE
+
+
+_Row = tuple[str, int, str, str, str | None, str | None, str | None, str | None, float]
+
+
+def _row(session_key: str, conversation: int, m: ChatMessage) -> _Row:
+    return (session_key, conversation, m.role, m.content, m.tool_calls_json(), m.tool_call_id,
+            m.interrupted_by, m.reason, m.created_at)
+
+
+def _add_rows(c: sqlite3.Connection, session_key: str, conversation: int, values: list[_Row], now: float) -> None:
+    """Rows added to a session's conversation (the session made if new, its last write noted)."""
+    c.execute("INSERT INTO sessions (key, conversation, created_at, updated_at) VALUES (?, ?, ?, ?)"
+              " ON CONFLICT (key) DO UPDATE SET updated_at = excluded.updated_at",
+              (session_key, conversation, now, now))
+    c.executemany(
+        "INSERT INTO messages (session_key, conversation, role, content, tool_calls, tool_call_id,"
+        " interrupted_by, reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
 
 
 def _run_group(conn: sqlite3.Connection, ops: list[tuple[Op, asyncio.Future[Any]]]) -> list[_Result]:

@@ -7,11 +7,12 @@ C clients, each with its own aiohttp session and its own chat session, send non-
 requests back to back. The limit is a bare aiohttp client asking the provider directly, measured
 in the same run. Fresh sessions start a new chat every 20 messages; long sessions have 1,000 prior
 turns, seeded through the SQLite store before the daemon starts. The daemon's CPU time comes from
-/proc/<pid>/stat over the measured window.
+/proc/<pid>/stat over the measured window. The floor — `tests.bench.relay`, aiohttp in, one
+provider call, aiohttp out — is measured in the same runs and printed beside every row.
 
     python -m tests.bench.api_throughput [--clients 10,50,200] [--seconds 5] [--runs 3]
     python -m tests.bench.api_throughput --profile /tmp/prof   # py-spy on the daemon, raw stacks
-    python -m tests.bench.api_throughput --kinds fresh --relay   # and tests.bench.relay: aiohttp alone
+    python -m tests.bench.api_throughput --kinds fresh --no-relay   # without tests.bench.relay (aiohttp alone)
     python -m tests.bench.api_throughput --workers 1,2,3 --kinds fresh   # cluster mode, one Redis
 
 With `--workers`, N daemons in cluster mode share a private redis-server (history in Redis);
@@ -396,6 +397,15 @@ def spread(values: list[float]) -> str:
     return f"{med(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _beside(relay: list[Point], rate: float, cpu: float) -> str:
+    """The relay's figures at the same C, and this row's against them (empty cells without --relay)."""
+    if not relay:
+        return " | | | |"
+    relay_rate, relay_cpu = med([p.rate for p in relay]), med([p.cpu_ms or 0.0 for p in relay])
+    return (f" {relay_rate:,.0f} | {relay_cpu:.2f} | {rate / relay_rate:.2f} | "
+            f"{cpu / relay_cpu if relay_cpu else 0.0:.2f} |")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="10,50,200")
@@ -407,8 +417,9 @@ async def main() -> None:
     parser.add_argument("--profile", type=Path, help="run py-spy on the daemon, raw stacks into this directory")
     parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a `git worktree` of main): its daemon "
                         "is measured in the same runs, alternating with this one's")
-    parser.add_argument("--relay", action="store_true", help="also measure tests.bench.relay (aiohttp in, one "
-                        "provider call, aiohttp out): the floor under any gateway built on aiohttp")
+    parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure tests.bench.relay (aiohttp in, one provider call, aiohttp out), the "
+                        "floor under any gateway built on aiohttp, printed beside every row (default: on)")
     parser.add_argument("--workers", default="", help="cluster mode with these numbers of workers, e.g. 1,2,3 "
                         "(default: one daemon without Redis)")
     args = parser.parse_args()
@@ -438,7 +449,7 @@ async def main() -> None:
                     bare[kind, c].append(await load([provider_url + "/chat/completions"], c, args.seconds,
                                                     bare_body_long if kind == "long" else bare_body,
                                                     lambda i, n: {}, []))
-            if args.relay and "fresh" in kinds:
+            if args.relay:
                 for c, p in (await relay_points(clients, args.seconds, provider_url)).items():
                     relay[c].append(p)
             for kind in kinds:
@@ -458,9 +469,10 @@ async def main() -> None:
     for title, table in tables:
         print(f"\n{title}" if title else "")
         cluster = any(worker_counts)
-        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio |"
+        print("| sessions | clients | Switchboard msg/s | p50 ms | p99 ms | CPU ms/msg | bare client msg/s | ratio "
+              "| relay (floor) msg/s | relay CPU ms/msg | of the relay's msg/s | CPU × the relay's |"
               + (" Redis CPU ms/msg | x single |" if cluster else ""))
-        print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cluster else ""))
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if cluster else ""))
         for kind, workers, c in ((k, w, c) for k in kinds for w in worker_counts for c in clients):
             ps = table[_row(kind, workers), c]
             rate = med([p.rate for p in ps])
@@ -474,14 +486,14 @@ async def main() -> None:
                 rcpu = [p.redis_cpu_ms for p in ps if p.redis_cpu_ms is not None]
                 extra = f" {spread(rcpu)} |" + (f" {cpu / single:.2f} |" if workers else " |")
             print(f"| {_row(kind, workers)} | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
-                  f"{med([p.p99_ms for p in ps]):.1f} | {spread(cpus)} | {limit:,.0f} | {rate / limit:.2f} |" + extra
-                  + (f" {errs} errors" if errs else ""))
+                  f"{med([p.p99_ms for p in ps]):.1f} | {spread(cpus)} | {limit:,.0f} | {rate / limit:.2f} |"
+                  + _beside(relay.get(c, []), rate, cpu) + extra + (f" {errs} errors" if errs else ""))
         for c in clients if relay else ():
             ps, limit = relay[c], med([p.rate for p in bare["fresh", c]])
             rate = med([p.rate for p in ps])
             print(f"| relay only (floor) | {c} | {rate:,.0f} | {med([p.p50_ms for p in ps]):.1f} | "
                   f"{med([p.p99_ms for p in ps]):.1f} | {med([p.cpu_ms or 0.0 for p in ps]):.2f} | {limit:,.0f} | "
-                  f"{rate / limit:.2f} |")
+                  f"{rate / limit:.2f} | | | | |")
         print("\nCPU ms/msg by daemon thread: " + "; ".join(
             f"{_row(kind, workers)} C={c}: " + ", ".join(
                 f"{name} {med([(p.threads_ms or {}).get(name, 0.0) for p in table[_row(kind, workers), c]]):.2f}"

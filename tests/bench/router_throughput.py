@@ -26,7 +26,7 @@ from gateway.core.cancellation import GATEWAY_RESTART
 from gateway.core.fencing import Fence
 from gateway.core.ports import InboundStatus
 from gateway.core.transcript import ChatMessage
-from gateway.core.turns import LiveConversation
+from gateway.core.turns import UNCONFIRMED, LiveConversation
 from gateway.ops.daemon import tune_gc
 from gateway.ops.loop import loop_factory, loop_name
 from gateway.store.sqlite import SqliteStore
@@ -83,9 +83,11 @@ async def throughput(sessions: int, per_session: int, data: Path) -> tuple[int, 
 
 
 async def store_floor(sessions: int, per_session: int, data: Path) -> float:
-    """Messages per second through the store's writes alone, as many and as concurrent as the
-    router's: the durable inbound record, the user's row, the outcome — one task per message, no
-    routing, no agent, no reply. No router can be faster than this."""
+    """Messages per second through the store's writes alone, the same the router makes and as
+    concurrent: the inbound record with the turn's start (the user's row), the outcome (a chat's
+    answer is recorded, then marked done once its end is shown) — one task per message, no routing,
+    no agent, no reply, no read (the router reads a session's history once). No router can be
+    faster than this."""
     store = SqliteStore(data / "floor.db")
     await store.open()
     chat = MemoryChat()
@@ -93,10 +95,11 @@ async def store_floor(sessions: int, per_session: int, data: Path) -> float:
     async def turn(round_: int, i: int) -> None:
         msg = chat.message(f"s{i}", f"hello number {round_}")
         fence = Fence.local(f"memory:dm:s{i}")
-        inbound = await store.accept_inbound(fence, msg)
+        inbound = await store.accept_inbound(fence, msg, started=(1, ChatMessage("user", msg.text)))
         assert inbound is not None
-        await store.append(fence, 1, [ChatMessage("user", msg.text)], inbound=(inbound, InboundStatus.RUNNING, None))
-        await store.append(fence, 1, [ChatMessage("assistant", msg.text)], inbound=(inbound, InboundStatus.DONE, None))
+        await store.append(fence, 1, [ChatMessage("assistant", msg.text)],
+                           inbound=(inbound, InboundStatus.RUNNING, UNCONFIRMED))
+        await store.finish_inbound(fence, inbound, InboundStatus.DONE)
 
     try:
         loop = asyncio.get_running_loop()

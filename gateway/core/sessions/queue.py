@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.core.background import BackgroundJobs
 from gateway.core.backoff import Backoff
@@ -35,8 +35,10 @@ ACCEPT_RETRY_S = 5.0  # a message is held (not yet acknowledged) this long throu
 
 class TurnQueue:
     def __init__(self, *, lanes: Lanes, owners: Owners, store: Store, busy: BusyPolicies, origins: Origins,
-                 answers: Answers, jobs: BackgroundJobs | None = None) -> None:
+                 answers: Answers, jobs: BackgroundJobs | None = None,
+                 begin: Callable[[Turn], Awaitable[None]] | None = None) -> None:
         self._lanes = lanes
+        self._begin = begin  # `TurnRunner.begin`: a turn that starts at once is stored with its start
         self._owners = owners
         self._store = store
         self._busy = busy
@@ -59,6 +61,8 @@ class TurnQueue:
         decision = admit(self._busy.get(key), LaneState.of(self._lanes.get(key), msg),
                          can_steer=a.outlet.can_steer and not a.readable)
         decision, ahead = self._apply(decision, turn)  # before any await: a /stop from now on finds the turn
+        if not verify_first and not ahead and decision is not Admission.STEER and self._begin is not None:
+            await self._begin(turn)  # it runs next: its acceptance and its start are one write
         if not verify_first and (stored := await self._store_inbound(turn, a)) is not None:
             return stored
         return await self._acknowledge(decision, turn, speaker, ahead)
@@ -127,7 +131,7 @@ class TurnQueue:
         deadline = time.monotonic() + ACCEPT_RETRY_S
         while True:
             try:
-                inbound_id = await self._store.accept_inbound(turn.fence, turn.msg)
+                inbound_id = await self._store.accept_inbound(turn.fence, turn.msg, started=turn.started)
                 break
             except DiskFull:
                 raise  # not a blip: refused now, retried by the platform or the client later
@@ -145,10 +149,14 @@ class TurnQueue:
             return None  # a true duplicate: it is queued or running here
         for rec in await self._store.unfinished_inbound(turn.key):
             m = rec.message
-            if rec.status is InboundStatus.ACCEPTED and (m.platform, m.chat_id, m.message_id) == (
-                    msg.platform, msg.chat_id, msg.message_id):
+            if (m.platform, m.chat_id, m.message_id) != (msg.platform, msg.chat_id, msg.message_id):
+                continue
+            if rec.status is InboundStatus.ACCEPTED:
                 log.info("a message stored earlier but never run is taken again", extra={"session": turn.key})
+                turn.started = None  # its start (the user's row) is written when it runs
                 return rec.id
+            if rec.status is InboundStatus.RUNNING and turn.started is not None:
+                return rec.id  # this very write, started with it, landed: its answer was lost
         return None
 
     async def _acknowledge(self, decision: Admission, turn: Turn, speaker: Speaker, ahead: int) -> Submitted:
