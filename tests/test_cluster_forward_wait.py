@@ -5,6 +5,7 @@ process on a real redis-server; the owner's core is a `ClusterEvents` that answe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -253,3 +254,39 @@ async def test_an_answer_that_came_while_the_sender_was_paused_past_its_wait_is_
         assert await asyncio.wait_for(asking, WAIT_DEADLINE_S) == {"answer": 42}
     finally:
         pusher.join()
+
+
+async def test_forwards_waiting_on_a_slow_owner_never_starve_the_senders_leases(redis_server: RedisServer) -> None:
+    """An owner falling behind leaves every message forwarded to it waiting for its answer, each
+    wait holding a Redis connection for seconds. On a pool shared with the lease renewals, those
+    waits took every connection and the renewals queued behind them failed: the sender lost its
+    own sessions (the fleet soak at load 13.7: one worker lost 3,481 leases). The waits have a pool
+    of their own: here the sender's client has 6 connections (2 of them its inbox's and its relay
+    reader's blocking reads) and 5 forwards wait 3 TTLs."""
+    ttl = 3.0
+    owner_events = Holding()  # takes the first message and answers nothing until released
+    owner = Cluster(connect(redis_server.url, decode_responses=True), "owner", ttl_s=ttl, metrics=Metrics())
+    sender = Cluster(connect(redis_server.url + "?max_connections=6", decode_responses=True), "sender",
+                     ttl_s=ttl, metrics=Metrics())
+    await owner.start(owner_events)
+    await sender.start(Working())
+    waiting: list[asyncio.Task[Submitted | None]] = []
+    try:
+        own = await sender.route("telegram:dm:7")
+        assert own.fence is not None
+        for i in range(5):
+            msg = dataclasses.replace(_message(), message_id=f"m{i}")
+            waiting.append(asyncio.create_task(sender.forward("owner", msg, "telegram:dm:42", hops=0,
+                                                              want_reply=True)))
+        await asyncio.wait_for(owner_events.arrived.wait(), WAIT_DEADLINE_S)
+        await asyncio.sleep(3 * ttl)  # renewals every TTL/3, while 5 waits block
+        assert not any(task.done() for task in waiting), "the owner answered: nothing was waiting"
+        assert sender.holds(own.fence), "the sender lost its own session while its forwards waited"
+        assert (await sender.route("telegram:dm:7")).fence == own.fence
+    finally:
+        owner_events.release.set()
+        await asyncio.wait_for(sender.stop(), WAIT_DEADLINE_S)
+        await asyncio.wait_for(owner.stop(), WAIT_DEADLINE_S)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)

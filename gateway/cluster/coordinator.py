@@ -152,6 +152,7 @@ class Cluster:
                 # Gone: the others claim our inbox at once.
                 pipe.delete(keys.worker_alive(self.worker_id))
                 await pipe.execute()
+        await self.forwarder.aclose()
         await self.redis.aclose()
 
     def health(self) -> Health:

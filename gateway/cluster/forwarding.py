@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
@@ -63,11 +64,29 @@ class Answer:
     by: str | None = None  # the worker that took it: the owner, or one that claimed a dead owner's inbox
 
 
+def pool_of_its_own(redis: AnyRedis) -> AnyRedis:
+    """A client like `redis` with a connection pool of its own (a Redis Cluster client: `redis`
+    itself). For the waits for an owner's answer: each holds a connection for seconds, and
+    hundreds at once (an owner falling behind) would take every connection of a shared pool, and
+    the lease renewals and heartbeats queued behind them would fail: leases lost under load."""
+    pool = redis.connection_pool if isinstance(redis, Redis) else None
+    if not isinstance(pool, ConnectionPool):
+        return redis
+    kind, size = pool.connection_class, pool.max_connections
+    clone = (BlockingConnectionPool(connection_class=kind, max_connections=size, timeout=pool.timeout,
+                                    **pool.connection_kwargs)
+             if isinstance(pool, BlockingConnectionPool)
+             else ConnectionPool(connection_class=kind, max_connections=size, **pool.connection_kwargs))
+    return Redis.from_pool(clone)
+
+
 class Forwarder:
-    """The sending side: an entry in the owner's inbox; with a reply wanted, the wait for it."""
+    """The sending side: an entry in the owner's inbox; with a reply wanted, the wait for it.
+    Invariant: the waits (BLPOP) run on a pool of their own, never on the one leases use."""
 
     def __init__(self, redis: AnyRedis, worker_id: str) -> None:
         self.redis = redis
+        self.waits = pool_of_its_own(redis)
         self.worker_id = worker_id
         self._closing = False
         self._put = redis.register_script(_PUT)
@@ -116,6 +135,11 @@ class Forwarder:
         """Stopping: every wait ends (with no answer) within a slice, and no new one waits."""
         self._closing = True
 
+    async def aclose(self) -> None:
+        """After the waits have ended: the waits' own connections closed."""
+        if self.waits is not self.redis:
+            await self.waits.aclose()
+
     async def _lost(self, inbox: str, entry_id: str, request: str) -> bool:
         """Is the entry gone from the inbox with no answer left for it? The owner answers before it
         deletes the entry, so an entry found gone first and no answer found after means that
@@ -137,7 +161,7 @@ class Forwarder:
                 if failed is not None and after_failure is not None:
                     await after_failure()
                 failed = None
-                got = await self.redis.blpop([key], timeout=max(MIN_BLOCK_S, min(WAIT_SLICE_S, left)))
+                got = await self.waits.blpop([key], timeout=max(MIN_BLOCK_S, min(WAIT_SLICE_S, left)))
             except (RedisError, OSError) as exc:
                 failed = exc
                 await asyncio.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
