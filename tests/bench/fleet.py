@@ -35,6 +35,8 @@ import contextlib
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import statistics
 import sys
@@ -169,8 +171,7 @@ class Load:
                 async with self.http.post(url + "/v1/chat/completions", json=body,
                                           headers={"X-Session-Id": f"fleet-{session}"}) as resp:
                     if resp.status != 200:
-                        rec.error = f"HTTP {resp.status}"
-                        await resp.read()
+                        rec.error = f"HTTP {resp.status} {(await resp.text())[:160]}"
                         return
                     stopper: asyncio.Task[None] | None = None
                     async for line in resp.content:
@@ -274,6 +275,22 @@ def redis_figures(redis: RedisServer, workers: list[str]) -> tuple[int, int, int
     return used, held, keys
 
 
+def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, int, int]]:
+    """Redis's keys by kind (a session's tag and numbers masked): (kind, keys, bytes), the bytes
+    from MEMORY USAGE of up to `sample` keys of each kind, scaled to all of them."""
+    kinds: dict[str, list[str]] = {}
+    with redis.client() as c:
+        for key in c.scan_iter(count=5000):
+            kind = re.sub(r"\d+", "#", re.sub(r"\{s:[^}]*\}", "{s:…}", key))
+            kinds.setdefault(kind, []).append(key)
+        out = []
+        for kind, keys in kinds.items():
+            picked = keys[:sample]
+            used = sum(int(c.memory_usage(k) or 0) for k in picked)
+            out.append((kind, len(keys), round(used * len(keys) / max(1, len(picked)))))
+    return sorted(out, key=lambda row: -row[2])
+
+
 async def sample_load(into: list[float], every: float = 5.0) -> None:
     while True:
         into.append(os.getloadavg()[0])
@@ -320,6 +337,10 @@ async def fleet(args: argparse.Namespace) -> None:
                          args)
         finally:
             end_all(*workers)
+            if args.logs:  # the workers' and the provider's logs, kept
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                for log in tmp.glob("*.log"):
+                    shutil.copy(log, Path(args.logs) / log.name)
             for proc in procs:
                 proc.end()
             if redis is not None:
@@ -358,6 +379,7 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
             after = Snapshot.take(pids, redis_pid, pg_pid, provider_pid)
             used1, held1, keys1 = redis_figures(redis, worker_ids)
             rss = [rss_mb(p) for p in pids]
+            breakdown = redis_breakdown(redis)
             size1, wal1 = await pg_figures(pg_url)
             await asyncio.sleep(args.idle)  # every lease held, nothing sent: the renewal rounds alone
             idle = Snapshot.take(pids, redis_pid, pg_pid, provider_pid).minus(after)
@@ -367,7 +389,8 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
         sampler.cancel()
     return {"load": load, "cpu": after.minus(before), "idle": idle, "rss": rss, "redis_used": (used0, used1),
             "leases": (leases[0] if leases else None, (held1, keys1)), "pg": (size1 - size0, wal1 - wal0),
-            "provider": provider_rows, "loadavg": loads}
+            "provider": provider_rows, "loadavg": loads,
+            "breakdown": breakdown}
 
 
 async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -384,7 +407,8 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         firsts.setdefault(rec.session, rec)
     for rec in load.sent:
         if rec.error is not None:
-            errors[rec.error.split(":")[0]] = errors.get(rec.error.split(":")[0], 0) + 1
+            kind = re.sub(r"chatcmpl-\w+|\d{3,}", "#", rec.error)[:140]
+            errors[kind] = errors.get(kind, 0) + 1
             continue
         row = by_text.get(rec.text)
         if row is None or rec.first is None or len(row[2]) < 2:
@@ -418,8 +442,8 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"(1-min, sampled every 5 s); now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"client lag behind schedule: p50 {1000 * pct(load.late, 50):.1f} ms, "
           f"p99 {1000 * pct(load.late, 99):.1f} ms, max {1000 * max(load.late):.1f} ms")
-    if errors:
-        print(f"errors: {errors}")
+    for kind, count in sorted(errors.items(), key=lambda e: -e[1]):
+        print(f"error: {count} x {kind}")
     if bad_stops:
         print(f"stops that did not stop a running answer: {bad_stops}")
     print("\n| sessions | workers | route | messages | msg/s | first-token overhead p50 / p99 ms | "
@@ -451,6 +475,10 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"at the end {end[0]:,} / {end[1]:,} |" if mid else f"| leases held at the end | {end[0]:,} / {end[1]:,} |")
     print(f"| PostgreSQL database growth | {size / 2**20:.1f} MB ({size / n:,.0f} B per message) |")
     print(f"| PostgreSQL WAL written | {wal / 2**20:.1f} MB ({wal / n:,.0f} B per message) |")
+    print("\n| Redis keys at the end, by kind | keys | bytes (MEMORY USAGE) |")
+    print("|---|---:|---:|")
+    for kind, keys, used in r["breakdown"][:12]:
+        print(f"| `{kind}` | {keys:,} | {used:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "sessions": args.sessions, "workers": args.workers, "messages": n, "ok": done, "rate": rate,
@@ -478,6 +506,7 @@ def main() -> None:
     parser.add_argument("--aof", action="store_true", help="Redis with an fsync-always append-only file")
     parser.add_argument("--seed", type=int, default=33)
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--logs", help="keep the workers' and the provider's logs in this directory")
     parser.add_argument("--serve-provider", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_provider:
