@@ -281,7 +281,7 @@ def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, in
     kinds: dict[str, list[str]] = {}
     with redis.client() as c:
         for key in c.scan_iter(count=5000):
-            kind = re.sub(r"\d+", "#", re.sub(r"\{s:[^}]*\}", "{s:…}", key))
+            kind = re.sub(r"\d+", "#", re.sub(r"\{s:[^}]*\}|[0-9a-f]{12,}", "…", key))
             kinds.setdefault(kind, []).append(key)
         out = []
         for kind, keys in kinds.items():
