@@ -62,6 +62,7 @@ from tests.support.workers import Worker, end_all, start_all
 TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TTL_S = 30.0  # the default lease TTL
+RELAY_STREAM_MAXLEN = 100_000  # gateway/cluster/relay.py: entries a relay stream keeps
 REQUEST_DEADLINE_S = 120.0  # one request, from sending it to the end of its answer
 
 
@@ -275,9 +276,9 @@ def redis_figures(redis: RedisServer, workers: list[str]) -> tuple[int, int, int
     return used, held, keys
 
 
-def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, int, int]]:
-    """Redis's keys by kind (a session's tag and numbers masked): (kind, keys, bytes), the bytes
-    from MEMORY USAGE of up to `sample` keys of each kind, scaled to all of them."""
+def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, int, int, int]]:
+    """Redis's keys by kind (a session's tag and numbers masked): (kind, keys, bytes, stream
+    entries), the bytes from MEMORY USAGE of up to `sample` keys of each kind, scaled to all."""
     kinds: dict[str, list[str]] = {}
     with redis.client() as c:
         for key in c.scan_iter(count=5000):
@@ -286,8 +287,10 @@ def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, in
         out = []
         for kind, keys in kinds.items():
             picked = keys[:sample]
-            used = sum(int(c.memory_usage(k) or 0) for k in picked)
-            out.append((kind, len(keys), round(used * len(keys) / max(1, len(picked)))))
+            exact = 0 if len(keys) <= 10 else None  # a few big keys (the relay streams): every element counted
+            used = sum(int(c.memory_usage(k, samples=exact) or 0) for k in picked)
+            entries = sum(int(c.xlen(k)) for k in picked) if c.type(picked[0]) == "stream" else 0
+            out.append((kind, len(keys), round(used * len(keys) / max(1, len(picked))), entries))
     return sorted(out, key=lambda row: -row[2])
 
 
@@ -363,7 +366,10 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
             if args.route == "balancer":
                 urls = [await stack.enter_async_context(round_robin(urls))]
             load = Load(urls, args.route, rng, http)
+            quiet = Snapshot.take(pids, redis_pid, pg_pid, provider_pid)
+            await asyncio.sleep(args.idle)  # no lease held, nothing sent: what the workers cost anyway
             before = Snapshot.take(pids, redis_pid, pg_pid, provider_pid)
+            empty = before.minus(quiet)
             leases: list[tuple[int, int]] = []
 
             async def count_leases() -> None:  # once every session has sent its first message
@@ -387,7 +393,8 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
                 provider_rows = await resp.json()
     finally:
         sampler.cancel()
-    return {"load": load, "cpu": after.minus(before), "idle": idle, "rss": rss, "redis_used": (used0, used1),
+    return {"load": load, "cpu": after.minus(before), "idle": idle, "empty": empty, "rss": rss,
+            "redis_used": (used0, used1),
             "leases": (leases[0] if leases else None, (held1, keys1)), "pg": (size1 - size0, wal1 - wal0),
             "provider": provider_rows, "loadavg": loads,
             "breakdown": breakdown}
@@ -397,6 +404,7 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     load: Load = r["load"]
     cpu: Snapshot = r["cpu"]
     idle: Snapshot = r["idle"]
+    empty: Snapshot = r["empty"]
     by_text = {row[0]: row for row in r["provider"]}
     overhead, ttft, provider_ttfb, first_overhead, later_overhead, stop_ms, stop_answer, way_in, way_out, held, own = (
         [] for _ in range(11))
@@ -464,7 +472,9 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"{cpu.pg * per:.3f} | {cpu.provider * per:.2f} | {cpu.client * per:.2f} |")
     print(f"| cores busy over the load | {cpu.workers / cpu.at:.2f} | {cpu.redis / cpu.at:.3f} | "
           f"{cpu.pg / cpu.at:.3f} | {cpu.provider / cpu.at:.2f} | {cpu.client / cpu.at:.2f} |")
-    print(f"| idle, every lease held ({idle.at:.0f} s), cores busy | {idle.workers / idle.at:.3f} | "
+    print(f"| idle before the load, no lease ({empty.at:.0f} s), cores busy | {empty.workers / empty.at:.3f} | "
+          f"{empty.redis / empty.at:.4f} | {empty.pg / empty.at:.4f} | - | - |")
+    print(f"| idle after it, every lease held ({idle.at:.0f} s), cores busy | {idle.workers / idle.at:.3f} | "
           f"{idle.redis / idle.at:.4f} | {idle.pg / idle.at:.4f} | - | - |")
     print("\n| memory | value |")
     print("|---|---:|")
@@ -477,18 +487,68 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| PostgreSQL WAL written | {wal / 2**20:.1f} MB ({wal / n:,.0f} B per message) |")
     print("\n| Redis keys at the end, by kind | keys | bytes (MEMORY USAGE) |")
     print("|---|---:|---:|")
-    for kind, keys, used in r["breakdown"][:12]:
-        print(f"| `{kind}` | {keys:,} | {used:,} |")
+    for kind, keys, used, entries in r["breakdown"][:12]:
+        print(f"| `{kind}` | {keys:,} | {used:,}{f' ({entries:,} entries)' if entries else ''} |")
+    figures = {
+        "sessions": args.sessions, "workers": args.workers, "messages": n, "ok": done, "rate": rate,
+        "overhead_ms": [1000 * pct(overhead, 50), 1000 * pct(overhead, 99)],
+        "own_ms": [1000 * pct(own, 50), 1000 * pct(own, 99)],
+        "stop_ms": [1000 * pct(stop_ms, 50), 1000 * pct(stop_ms, 99)], "stops": len(stop_ms),
+        "cpu_ms_per_message": {"workers": cpu.workers * per, "redis": cpu.redis * per, "pg": cpu.pg * per},
+        "idle_cores": {"workers": idle.workers / idle.at, "redis": idle.redis / idle.at, "pg": idle.pg / idle.at},
+    "empty_cores": {"workers": empty.workers / empty.at, "redis": empty.redis / empty.at,
+                    "pg": empty.pg / empty.at},
+        "rss_mb": r["rss"], "redis_used": [used0, used1], "pg_bytes": size, "wal_bytes": wal,
+        "leases": end[0], "breakdown": r["breakdown"], "loadavg": loads, "errors": errors}
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "sessions": args.sessions, "workers": args.workers, "messages": n, "ok": done, "rate": rate,
-            "overhead_ms": [1000 * pct(overhead, 50), 1000 * pct(overhead, 99)],
-            "own_ms": [1000 * pct(own, 50), 1000 * pct(own, 99)],
-            "stop_ms": [1000 * pct(stop_ms, 50), 1000 * pct(stop_ms, 99)], "stops": len(stop_ms),
-            "cpu_ms_per_message": {"workers": cpu.workers * per, "redis": cpu.redis * per, "pg": cpu.pg * per},
-            "idle_cores": {"workers": idle.workers / idle.at, "redis": idle.redis / idle.at},
-            "rss_mb": r["rss"], "redis_used": [used0, used1], "pg_bytes": size, "wal_bytes": wal,
-            "loadavg": loads, "errors": errors}, indent=1))
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    sizing(figures, args)
+
+
+def sizing(f: dict[str, Any], args: argparse.Namespace) -> None:
+    """Cores, Redis and PostgreSQL for `--chats` daily chats, from a soak's figures (its --json)."""
+    daily = args.chats * args.chat_messages
+    peak = daily / 86_400 * args.peak
+    held = args.chats * args.held
+    soak_leases = max(1, f["leases"])
+    cpu, breakdown = f["cpu_ms_per_message"], f["breakdown"]
+    # Idle: a fixed cost per worker process (measured before the load) and one per lease held (what
+    # idling with every lease held added to it).
+    fixed = {k: v / f["workers"] for k, v in f["empty_cores"].items()}
+    lease = {k: max(0.0, f["idle_cores"][k] - f["empty_cores"][k]) / soak_leases for k in fixed}
+    workers_busy = peak * cpu["workers"] / 1000 + held * lease["workers"]
+    processes = max(1, int(-(-(workers_busy / args.utilisation) // 1)))  # one event loop a core
+    workers_busy += processes * fixed["workers"]
+    worker_cores = workers_busy / args.utilisation
+    processes = max(processes, int(-(-worker_cores // 1)))
+
+    def cores(part: str) -> float:
+        return (peak * cpu[part] / 1000 + held * lease[part] + processes * fixed[part]) / args.utilisation
+
+    redis_cores, pg_cores = cores("redis"), cores("pg")
+    per_session = sum(b for kind, _, b, _ in breakdown if kind.startswith(("sb:…:", "sb:owned:", "sb:leased")))
+    per_session /= soak_leases
+    relay_bytes = sum(b for kind, _, b, _ in breakdown if kind.startswith("sb:relay:"))
+    relay_entries = sum(e for kind, _, _, e in breakdown if kind.startswith("sb:relay:"))
+    relay_cap = processes * RELAY_STREAM_MAXLEN * relay_bytes / max(1, relay_entries)
+    redis_mb = (held * per_session + relay_cap) / 2**20
+    per_message = f["pg_bytes"] / f["messages"]
+    wal = f["wal_bytes"] / f["messages"]
+    print(f"\nSizing for {args.chats:,.0f} chats a day, {args.chat_messages:g} messages each ({daily:,.0f} a day, "
+          f"{daily / 86_400:,.0f}/s on average), a peak hour of {args.peak:g} x that ({peak:,.0f} msg/s), "
+          f"{args.held:.0%} of the chats leased at once, {args.utilisation:.0%} CPU at the peak:")
+    print("\n| part | at the peak | per 1 M daily chats | from the soak |")
+    print("|---|---:|---:|---|")
+    print(f"| worker cores | {workers_busy:.1f} busy | **{worker_cores:.1f} cores** ({processes} worker processes) | "
+          f"{cpu['workers']:.2f} ms CPU per message; {lease['workers'] * 1e5:.2f} cores per 100,000 leases held; "
+          f"{fixed['workers']:.3f} cores per idle worker |")
+    print(f"| Redis | {redis_cores * args.utilisation:.2f} cores busy | **{redis_cores:.2f} cores, "
+          f"{redis_mb:,.0f} MB** | {cpu['redis']:.3f} ms per message; {per_session:,.0f} B per leased session; "
+          f"relay streams {relay_cap / 2**20:,.0f} MB at their cap ({RELAY_STREAM_MAXLEN:,} entries a worker) |")
+    print(f"| PostgreSQL | {pg_cores * args.utilisation:.2f} cores busy | **{pg_cores:.2f} cores, "
+          f"{daily * per_message / 2**30:,.1f} GB of history a day** | {cpu['pg']:.3f} ms per message; "
+          f"{per_message:,.0f} B stored and {wal:,.0f} B of WAL per message ({daily * wal / 2**30:,.1f} GB "
+          f"WAL a day) |")
 
 
 def main() -> None:
@@ -508,7 +568,17 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--logs", help="keep the workers' and the provider's logs in this directory")
     parser.add_argument("--serve-provider", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--sizing", metavar="JSON", help="only print the sizing table from a run's --json")
+    parser.add_argument("--chats", type=float, default=1e6, help="sizing: chats a day")
+    parser.add_argument("--chat-messages", type=float, default=10, help="sizing: messages a chat sends a day")
+    parser.add_argument("--peak", type=float, default=3.0, help="sizing: the peak hour's rate over the average")
+    parser.add_argument("--held", type=float, default=0.25, help="sizing: share of the chats leased at once "
+                        "(a session keeps its lease while cached: agent_cache.idle_ttl_s, 1 h)")
+    parser.add_argument("--utilisation", type=float, default=0.5, help="sizing: CPU utilisation at the peak")
     args = parser.parse_args()
+    if args.sizing:
+        sizing(json.loads(Path(args.sizing).read_text()), args)
+        return
     if args.serve_provider:
         asyncio.run(_serve_provider(args.serve_provider, args.delay, args.words, args.long_words))
         return
