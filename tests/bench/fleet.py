@@ -23,7 +23,7 @@ Measured:
   beside them; then `--idle` seconds with every lease held and no messages (the renewal rounds);
 - memory: each worker's RSS, Redis's used_memory, the database's size and WAL written.
 
-    python -m tests.bench.fleet                                    # 10,000 sessions, 3 workers, 6 min
+    python -m tests.bench.fleet                                    # 10,000 sessions, 3 workers, 8 min
     python -m tests.bench.fleet --sessions 500 --minutes 1         # a quick look
 """
 
@@ -555,7 +555,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--minutes", type=float, default=6.0, help="how long the messages are spread over")
+    parser.add_argument("--minutes", type=float, default=8.0, help="how long the messages are spread over")
     parser.add_argument("--messages", type=int, default=3, help="streamed messages per session")
     parser.add_argument("--stops", type=int, default=300, help="sessions that stop one long answer")
     parser.add_argument("--delay", type=float, default=0.02, help="the provider's pause before each word (s)")
