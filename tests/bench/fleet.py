@@ -84,7 +84,7 @@ class FleetProvider(FakeProvider):
         conn.body = {}  # 30,000 request bodies would be this process's biggest cost
 
         def timed() -> Iterator[str]:
-            written = []  # resumed after each word's write: the moments of the first two
+            written: list[float] = []  # resumed after each word's write: the moments of the first two
             for word in words:
                 yield word
                 if len(written) < 2:
@@ -406,11 +406,14 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     idle: Snapshot = r["idle"]
     empty: Snapshot = r["empty"]
     by_text = {row[0]: row for row in r["provider"]}
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "overhead", "ttft", "provider_ttfb", "first_overhead", "later_overhead", "stop_ms", "stop_answer", "way_in",
+        "way_out", "held", "own")}
     overhead, ttft, provider_ttfb, first_overhead, later_overhead, stop_ms, stop_answer, way_in, way_out, held, own = (
-        [] for _ in range(11))
+        samples.values())
     errors: dict[str, int] = {}
     bad_stops: dict[str, int] = {}
-    firsts = {}
+    firsts: dict[int, Sent] = {}
     for rec in sorted(load.sent, key=lambda x: x.sent):
         firsts.setdefault(rec.session, rec)
     for rec in load.sent:
@@ -523,7 +526,7 @@ def sizing(f: dict[str, Any], args: argparse.Namespace) -> None:
     processes = max(processes, int(-(-worker_cores // 1)))
 
     def cores(part: str) -> float:
-        return (peak * cpu[part] / 1000 + held * lease[part] + processes * fixed[part]) / args.utilisation
+        return float((peak * cpu[part] / 1000 + held * lease[part] + processes * fixed[part]) / args.utilisation)
 
     redis_cores, pg_cores = cores("redis"), cores("pg")
     per_session = sum(b for kind, _, b, _ in breakdown if kind.startswith(("sb:…:", "sb:owned:", "sb:leased")))
