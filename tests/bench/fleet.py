@@ -167,6 +167,7 @@ class Load:
         rec = Sent(session, text, w, time.perf_counter())
         self.sent.append(rec)
         body = {"messages": [{"role": "user", "content": text}], "stream": True}
+        stopper: asyncio.Task[None] | None = None
         try:
             async with asyncio.timeout(REQUEST_DEADLINE_S):
                 async with self.http.post(url + "/v1/chat/completions", json=body,
@@ -174,7 +175,6 @@ class Load:
                     if resp.status != 200:
                         rec.error = f"HTTP {resp.status} {(await resp.text())[:160]}"
                         return
-                    stopper: asyncio.Task[None] | None = None
                     async for line in resp.content:
                         if rec.first is None and line.startswith(b"data: {") and b'"content"' in line \
                                 and b'"content":""' not in line:
@@ -190,6 +190,9 @@ class Load:
                         rec.error = "no content"
         except (aiohttp.ClientError, TimeoutError) as exc:
             rec.error = type(exc).__name__
+        finally:
+            if stopper is not None and not stopper.done():  # interrupted: its /stop is not sent
+                stopper.cancel()
 
     async def stop(self, session: int, rec: Sent, after: float) -> None:
         await asyncio.sleep(after)
