@@ -297,6 +297,15 @@ def redis_breakdown(redis: RedisServer, sample: int = 300) -> list[tuple[str, in
     return sorted(out, key=lambda row: -row[2])
 
 
+async def live_agents(http: aiohttp.ClientSession, admins: list[str]) -> int:
+    """Sessions held in memory (the agent caches) over every worker, from their admin listeners."""
+    total = 0
+    for admin in admins:
+        async with asyncio.timeout(30), http.get(admin + "/admin/api/stats") as resp:
+            total += int((await resp.json())["agent_cache"]["size"])
+    return total
+
+
 async def sample_load(into: list[float], every: float = 5.0) -> None:
     while True:
         into.append(os.getloadavg()[0])
@@ -339,7 +348,8 @@ async def fleet(args: argparse.Namespace) -> None:
             print(f"{args.workers} workers, Redis, PostgreSQL and the provider ready; "
                   f"{args.sessions:,} sessions x {args.messages} messages over {args.minutes:g} min", flush=True)
             await report(await soak(args, seconds, rng, [w.url for w in workers], pids, redis, redis_pid,
-                                    pg_url, pg_pid, provider.pid, [w.worker_id for w in workers], port),
+                                    pg_url, pg_pid, provider.pid, [w.worker_id for w in workers], port,
+                                    [f"http://127.0.0.1:{w.admin_port}" for w in workers]),
                          args)
         finally:
             end_all(*workers)
@@ -357,7 +367,7 @@ async def fleet(args: argparse.Namespace) -> None:
 
 async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, urls: list[str], pids: list[int],
                redis: RedisServer, redis_pid: int, pg_url: str, pg_pid: int, provider_pid: int,
-               worker_ids: list[str], port: int) -> dict[str, Any]:
+               worker_ids: list[str], port: int, admins: list[str]) -> dict[str, Any]:
     loads: list[float] = []
     sampler = asyncio.create_task(sample_load(loads))
     used0, _, _ = redis_figures(redis, worker_ids)
@@ -374,10 +384,12 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
             before = Snapshot.take(pids, redis_pid, pg_pid, provider_pid)
             empty = before.minus(quiet)
             leases: list[tuple[int, int]] = []
+            agents: list[int] = []
 
             async def count_leases() -> None:  # once every session has sent its first message
                 await asyncio.sleep(seconds / args.messages + 10)
                 leases.append(redis_figures(redis, worker_ids)[1:])
+                agents.append(await live_agents(http, admins))
 
             counter = asyncio.create_task(count_leases())
             try:
@@ -399,7 +411,7 @@ async def soak(args: argparse.Namespace, seconds: float, rng: random.Random, url
     return {"load": load, "cpu": after.minus(before), "idle": idle, "empty": empty, "rss": rss,
             "redis_used": (used0, used1),
             "leases": (leases[0] if leases else None, (held1, keys1)), "pg": (size1 - size0, wal1 - wal0),
-            "provider": provider_rows, "loadavg": loads,
+            "provider": provider_rows, "loadavg": loads, "agents": agents[0] if agents else None,
             "breakdown": breakdown}
 
 
@@ -489,6 +501,8 @@ async def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"({(used1 - used0) / max(1, args.sessions):,.0f} B per session) |")
     print(f"| leases held (owned sets / lease keys) | after the first messages {mid[0]:,} / {mid[1]:,}; "
           f"at the end {end[0]:,} / {end[1]:,} |" if mid else f"| leases held at the end | {end[0]:,} / {end[1]:,} |")
+    if r["agents"] is not None:
+        print(f"| live agents (the workers' agent caches) after the first messages | {r['agents']:,} |")
     print(f"| PostgreSQL database growth | {size / 2**20:.1f} MB ({size / n:,.0f} B per message) |")
     print(f"| PostgreSQL WAL written | {wal / 2**20:.1f} MB ({wal / n:,.0f} B per message) |")
     print("\n| Redis keys at the end, by kind | keys | bytes (MEMORY USAGE) |")
