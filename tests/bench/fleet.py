@@ -557,6 +557,8 @@ def sizing(f: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nSizing for {args.chats:,.0f} chats a day, {args.chat_messages:g} messages each ({daily:,.0f} a day, "
           f"{daily / 86_400:,.0f}/s on average), a peak hour of {args.peak:g} x that ({peak:,.0f} msg/s), "
           f"{args.held:.0%} of the chats leased at once, {args.utilisation:.0%} CPU at the peak:")
+    if f["leases"] < 5000:
+        print("(a soak of fewer than 5,000 sessions: the cost per lease is mostly noise here)")
     print("\n| part | at the peak | per 1 M daily chats | from the soak |")
     print("|---|---:|---:|---|")
     print(f"| worker cores | {workers_busy:.1f} busy | **{worker_cores:.1f} cores** ({processes} worker processes) | "
