@@ -41,6 +41,7 @@ from platforms.tenants import ApiKeys
 log = logging.getLogger(__name__)
 
 PLATFORM = "api"
+CUT_OFF = "The worker that took this request stopped before it answered; send it again."
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -156,7 +157,12 @@ class ApiAdapter(Adapter):
             if refusal is not None:
                 return refusal
             if submitted.run is None:
-                return error_response(409, "Duplicate request.")
+                # Each request's message id is minted here, so "duplicate" can only be its inbox
+                # entry delivered twice in cluster mode, first to a worker that stopped before it
+                # answered (the turn it began is closed as interrupted). Cut off by a failure: the
+                # client may send it again.
+                return error_response(503, CUT_OFF, "service_unavailable",
+                                      headers={"Retry-After": f"{UNAVAILABLE_RETRY_S:.0f}"})
             return await self._answer(request, ask.request, submitted.run, reply, shape)
         finally:
             self._replies.pop(mid, None)

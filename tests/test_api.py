@@ -384,3 +384,24 @@ async def test_at_capacity_a_request_is_told_to_retry_not_that_the_provider_fail
         assert provider.requests_for("anyone there?") == []
         await ask("alice", "/stop")
         assert (await asyncio.wait_for(running, 10))[0] == 200
+
+
+async def test_a_request_found_taken_already_is_told_to_retry_not_that_it_is_a_duplicate(
+        make_daemon: DaemonFactory, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's message id is minted per request, so the router finds one taken already only
+    when its inbox entry reached two workers in cluster mode, the first of which died before it
+    answered (chaos soak, PostgreSQL, seed 2: a 409 "Duplicate request" for a request whose turn
+    was cut off). The answer is the retryable 503, not a 409 the client cannot act on. Here the
+    same id is minted twice to make the second request find its message taken."""
+    provider.words = 2
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    monkeypatch.setattr("platforms.api.unique_id", lambda: "the-same-id")
+    body = {"model": "switchboard", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                             headers=_auth(**{"X-Session-Id": "taken"})) as resp:
+            assert resp.status == 200
+        async with http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                             headers=_auth(**{"X-Session-Id": "taken"})) as resp:
+            assert resp.status == 503, await resp.text()
+            assert resp.headers.get("Retry-After")

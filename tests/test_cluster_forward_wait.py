@@ -290,3 +290,4 @@ async def test_forwards_waiting_on_a_slow_owner_never_starve_the_senders_leases(
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
+
