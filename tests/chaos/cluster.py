@@ -161,9 +161,10 @@ class ChaosCluster:
                 await asyncio.to_thread(self.redis.stop)
             finally:
                 if self.pg is not None:
+                    if self.disk is not None:  # stopped first: its tablespace is on the small disk
+                        await asyncio.to_thread(self.pg.stop)
+                        unmount(self.disk)  # then `destroy` deletes the whole directory, mount point too
                     await asyncio.to_thread(self.pg.destroy)
-                if self.disk is not None:
-                    unmount(self.disk)
 
     def _database(self, pg: PgServer) -> str:
         if self.disk is None:
