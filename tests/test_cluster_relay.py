@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from agent_cache import keys
 from tests.fakes.openai_provider import FakeProvider
 from tests.support.procs import until
 from tests.support.redis_server import RedisServer
@@ -150,3 +152,38 @@ async def test_a_relayed_message_claimed_from_a_dead_owners_inbox_is_answered_th
     assert content(body).rstrip() == words
     # Told "try again" only while nothing ran it: it ran once, whole, and nobody was told otherwise.
     assert [conn.completed for conn in provider.requests_for("slow one")] == [True], statuses
+
+
+async def test_a_relay_that_reaches_a_worker_the_session_has_left_goes_again_from_its_clients_worker(
+        workers: Any, provider: FakeProvider, redis_server: RedisServer) -> None:
+    """A relays a request to B, the owner it found; before B reads it, the session moves to C.
+    B relayed it on to C, so the turn ran on C while A watched B: when B then stopped, A told its
+    client "the worker running this conversation stopped; please try again" and C answered it
+    whole. A relay never chains: B answers that the session moved, and A relays it to C itself."""
+    from tests.fakes.openai_provider import Script
+
+    a, b, c = await workers(3)
+    r = redis_server.client()
+    words = " ".join(f"w{i}" for i in range(300))
+    provider.by_text["slow one"] = Script(text=words, delay_s=0.05)  # 15 s: streaming when B stops
+    async with aiohttp.ClientSession() as http:
+        assert (await b.ask(http, "r", "hello"))[0] == 200  # b owns r
+        b.signal(signal.SIGSTOP)
+        try:
+            r.pexpire(keys.worker_alive(b.worker_id), 60_000)  # b still looks alive: a relays to it
+            asking = asyncio.create_task(_stream(http, a, "r", "slow one"))
+            await until(lambda: r.xlen(keys.worker_inbox(b.worker_id)) > 0, 10, "a never relayed to b")
+            await until(lambda: not r.exists(keys.lease("api:dm:r")), 10, "b's lease never lapsed")
+            assert (await c.ask(http, "r", "moved"))[0] == 200  # c owns r now
+        finally:
+            b.signal(signal.SIGCONT)
+        await until(lambda: bool(provider.requests_for("slow one")), 15, "the relayed request never ran")
+        b.signal(signal.SIGSTOP)  # b stops for good while the turn streams on c
+        try:
+            r.delete(keys.worker_alive(b.worker_id))
+            status, streamed, final = await asking
+        finally:
+            b.signal(signal.SIGCONT)
+    assert status == 200, streamed
+    assert streamed.rstrip() == words and final["choices"][0]["finish_reason"] == "stop"
+    assert [conn.completed for conn in provider.requests_for("slow one")] == [True]

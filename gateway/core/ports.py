@@ -305,6 +305,7 @@ class Outcome(StrEnum):
     LIMITED = "limited"  # over a rate limit or a quota of its tenant: the same message may come again later
     COMMAND = "command"
     FORWARDED = "forwarded"  # cluster mode: handed to the worker that owns the session
+    MOVED = "moved"  # cluster mode: a relayed message not taken here; the session's owner (`detail`) runs it
 
 
 @dataclass(frozen=True, slots=True)

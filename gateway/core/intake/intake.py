@@ -76,7 +76,7 @@ class Intake:
         except BaseException:
             self._recent.forget(a.msg)
             raise
-        if result.outcome is Outcome.UNAVAILABLE:
+        if result.outcome in (Outcome.UNAVAILABLE, Outcome.MOVED):
             self._recent.forget(a.msg)
         return result
 

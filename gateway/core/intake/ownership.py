@@ -99,7 +99,10 @@ class ClusterNode:
         self._ownership.check_lease(key)
 
     async def place(self, arrival: Arrival) -> Fence | Submitted:
-        a = arrival
+        return await self._place(arrival, moves=0)
+
+    async def _place(self, a: Arrival, *, moves: int) -> Fence | Submitted:
+        """`moves`: how often the worker a relay went to answered that the session had moved on."""
         try:
             route = await self._ownership.route(a.key)
         except ClusterUnavailable as exc:
@@ -110,9 +113,9 @@ class ClusterNode:
         if self._recent.seen(a.msg, a.hops):
             return Submitted(Outcome.DUPLICATE)
         assert route.owner is not None
-        return await self._forward(route.owner, a)
+        return await self._forward(route.owner, a, moves=moves)
 
-    async def _forward(self, owner: str, a: Arrival) -> Submitted:
+    async def _forward(self, owner: str, a: Arrival, *, moves: int) -> Fence | Submitted:
         if a.hops >= MAX_HOPS and a.cmd is None and a.outlet.pushes_anywhere:
             # Ownership is moving (a takeover under way): the platform was already answered, so
             # the message stays in this worker's inbox and is handled again once idle for a TTL.
@@ -120,10 +123,16 @@ class ClusterNode:
             return Submitted(Outcome.UNAVAILABLE, "ownership moving", retry_after_s=UNAVAILABLE_RETRY_S)
         if a.hops >= MAX_HOPS:
             return await self._answers.unavailable(a.outlet, a.msg, a.key, OWNERSHIP_MOVING)
+        if a.cmd is None and not a.outlet.pushes_anywhere and a.hops:
+            # Relayed here, but the session moved on: its client's worker relays it to the owner
+            # itself. Invariant: a relay never chains. Its client's worker watches the worker
+            # that runs the turn and sends its cancels there; through a chain it would watch
+            # this one, and tell its client to retry if this one stopped while the turn ran on.
+            return Submitted(Outcome.MOVED, owner)
         if a.cmd is None and not a.outlet.pushes_anywhere:
             # A web chat or API client waits on this worker's connection: the owner runs the turn
             # and its events are relayed here, to the reply the client waits on.
-            return await self._relay(owner, a)
+            return await self._relay(owner, a, moves=moves)
         log.debug("forwarding to %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
         # Acknowledged means stored: the platform hears "taken" only once the owner has taken the
         # message (stored it, or answered a command). A forward the owner never confirms — Redis
@@ -136,14 +145,21 @@ class ClusterNode:
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
         return await self._confirmed(a, owner, result)
 
-    async def _relay(self, owner: str, a: Arrival) -> Submitted:
+    async def _relay(self, owner: str, a: Arrival, *, moves: int) -> Fence | Submitted:
         log.debug("relaying from %s (hop %d)", owner, a.hops + 1, extra={"session": a.key})
         try:
             result = await self._ownership.relay(owner, a.msg, a.key, hops=a.hops, outlet=a.outlet)
         except ClusterUnavailable as exc:
             log.warning("relaying from %s failed: %s", owner, exc, extra={"session": a.key})
             return await self._answers.unavailable(a.outlet, a.msg, a.key, NOT_PASSED_ON)
-        return result
+        if result.outcome is not Outcome.MOVED:
+            return result
+        # Routed again from here: ours now, or relayed straight to the owner.
+        self._recent.forget(a.msg)  # taken nowhere yet: if it is ours now, it is new here
+        if moves + 1 >= MAX_HOPS:
+            return await self._answers.unavailable(a.outlet, a.msg, a.key, OWNERSHIP_MOVING)
+        log.info("%s no longer owns the session; routing it again", owner, extra={"session": a.key})
+        return await self._place(a, moves=moves + 1)
 
     async def _confirmed(self, a: Arrival, owner: str, result: Submitted | None) -> Submitted:
         """What the owner said of a forwarded message (None: nothing, in time)."""
