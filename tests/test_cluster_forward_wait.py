@@ -5,12 +5,15 @@ process on a real redis-server; the owner's core is a `ClusterEvents` that answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,9 +22,12 @@ from gateway.agents.echo import EchoAgent
 from gateway.agents.tools import ToolRegistry
 from gateway.cluster.coordinator import Cluster
 from gateway.core.cancellation import GATEWAY_RESTART
+from gateway.core.cluster import ClusterUnavailable
+from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage, session_key
 from gateway.core.metrics import Metrics
-from gateway.core.ports import Outcome, Outlet, Submitted
+from gateway.core.ports import InboundRecord, Outcome, Outlet, Submitted
+from gateway.core.transcript import ChatMessage
 from gateway.store.redis import connect
 from gateway.store.sqlite import SqliteStore
 from tests.fakes.memory_chat import MemoryChat
@@ -291,3 +297,134 @@ async def test_forwards_waiting_on_a_slow_owner_never_starve_the_senders_leases(
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
 
+
+
+class GatedStore(SqliteStore):
+    """Stores `held`'s acceptance only once `gate` is set (a slow disk, a database far away)."""
+
+    def __init__(self, path: Path, held: str) -> None:
+        super().__init__(path)
+        self.held = held
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
+                             started: tuple[int, ChatMessage] | None = None) -> int | None:
+        if msg.message_id == self.held:
+            self.entered.set()
+            await self.gate.wait()
+        return await super().accept_inbound(fence, msg, started=started)
+
+
+async def test_a_session_whose_message_is_being_stored_is_not_let_go_as_idle(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A message this worker forwarded comes back to it (claimed from the inbox of the owner that
+    read it and stopped): it is stored before it is queued. While it was being stored, the session
+    had no turn and no agent here, and housekeeping released its lease as idle; the turn then ran
+    without a lease, and was cut off as "session lease lost" with its message left open."""
+    ttl = 3.0
+    chat = PushingChat()
+    msg = chat.message("42", "hello", mid="m1")
+    key = session_key(msg)
+    store = GatedStore(tmp_path / "s.db", held="m1")
+    await store.open()
+    owner_events = Holding()
+    owner = Cluster(connect(redis_server.url, decode_responses=True), "owner", ttl_s=ttl, metrics=Metrics())
+    sender = Cluster(connect(redis_server.url, decode_responses=True), "sender", ttl_s=ttl, metrics=Metrics())
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=sender)
+    client = redis_server.client()
+    stopped_owner = False
+    try:
+        await owner.start(owner_events)
+        assert (await owner.route(key)).fence is not None
+        await sender.start(router.cluster_events())
+        await chat.start(router)
+        await router.start()
+        submitting = asyncio.create_task(router.submit(msg, chat))  # forwarded to the owner
+        await asyncio.wait_for(owner_events.arrived.wait(), WAIT_DEADLINE_S)
+        await owner.stop()  # it read the message and never answered: the entry stays pending
+        stopped_owner = True
+        await asyncio.wait_for(store.entered.wait(), WAIT_DEADLINE_S)  # claimed back, now being stored
+        assert sender.fence_of(key) is not None
+        beats = {_beat(client, "sender")}
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while len(beats) < 3:  # two more housekeeping rounds (idle leases released) with the write pending
+            assert time.monotonic() < deadline, "no housekeeping round"
+            await asyncio.sleep(0.05)
+            beats.add(_beat(client, "sender"))
+        assert sender.fence_of(key) is not None, "the session was let go while its message was being stored"
+        assert client.hget(keys.lease(key), "worker") == "sender"
+        store.gate.set()
+        assert (await asyncio.wait_for(submitting, WAIT_DEADLINE_S)).outcome is Outcome.FORWARDED
+        await chat.wait_for(lambda: any("hello" in t for t in chat.texts("42")), WAIT_DEADLINE_S)
+        assert not await store.unfinished_inbound(key)
+    finally:
+        owner_events.release.set()
+        store.gate.set()
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await sender.stop()
+        if not stopped_owner:
+            await owner.stop()
+        await store.close()
+        client.close()
+
+
+def _beat(client: Any, worker: str) -> float:
+    """When a worker's last heartbeat was (each housekeeping round begins with one)."""
+    beat = client.hget(keys.workers(), worker)
+    return json.loads(beat)["seen_at"] if beat else 0.0
+
+
+class StallingStore(SqliteStore):
+    """The first read of what one session left open returns, then the process stops for `stall_s`
+    (its event loop blocked, as by SIGSTOP): the adoption that asked resumes with its lease no
+    longer provable by its own clock."""
+
+    def __init__(self, path: Path, stall_s: float) -> None:
+        super().__init__(path)
+        self.stall_s = stall_s
+        self.reads = 0
+
+    async def unfinished_inbound(self, session_key: str | None = None) -> list[InboundRecord]:
+        records = await super().unfinished_inbound(session_key)
+        if session_key is not None:  # (not the start-up read of every session's)
+            self.reads += 1
+            if self.reads == 1:
+                time.sleep(self.stall_s)
+        return records
+
+
+async def test_an_adoption_that_loses_its_lease_mid_recovery_is_tried_again_not_taken_as_done(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """Recovery skipped the open messages it could no longer prove it owned, then reported the
+    takeover done: the session was held with its messages open, later released as idle, and
+    never adopted again."""
+    ttl = 3.0
+    chat = PushingChat()
+    msg = chat.message("42", "left open", mid="m1")
+    key = session_key(msg)
+    seed = SqliteStore(tmp_path / "s.db")
+    await seed.open()
+    assert await seed.accept_inbound(Fence.local(key), msg) is not None  # accepted, never run
+    await seed.close()
+    store = StallingStore(tmp_path / "s.db", stall_s=ttl * 0.95)  # past the clock's margin, within the TTL
+    await store.open()
+    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=ttl, metrics=Metrics())
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=worker)
+    try:
+        await worker.start(router.cluster_events())
+        await chat.start(router)
+        await router.start()
+        await worker.adopt()  # scans for lapsed leases from now on
+        with contextlib.suppress(ClusterUnavailable):
+            await worker.route(key)  # a takeover: its recovery reads m1, and the process stops
+        await chat.wait_for(lambda: any("left open" in t for t in chat.texts("42")), WAIT_DEADLINE_S)
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while await store.unfinished_inbound(key):
+            assert time.monotonic() < deadline, "the message stayed open"
+            await asyncio.sleep(0.05)
+        assert store.reads >= 2  # adopted again
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await worker.stop()
+        await store.close()

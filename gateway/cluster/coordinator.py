@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from redis.exceptions import RedisError
@@ -52,6 +52,22 @@ async def let_go_unrecovered(redis: AnyRedis, leases: LeaseManager, session: str
         due_ms = int((time.time() + retry_s) * 1000)
         await redis.zadd(keys.leased(), {session: due_ms})
     await leases.release(session)
+
+
+async def periodically(period_s: float, chore: Callable[[], Awaitable[None]], outage: OutageLog) -> None:
+    """`chore` every `period_s`, for as long as the worker runs; Redis failing is logged once per
+    outage, anything else each time (never let housekeeping die quietly)."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await chore()
+        except (RedisError, OSError, ClusterUnavailable) as exc:
+            outage.failed(type(exc).__name__, f"failed: {exc or type(exc).__name__}")
+            continue
+        except Exception:
+            log.exception("cluster chore %s crashed; retrying", getattr(chore, "__qualname__", chore))
+            continue
+        outage.recovered("working again")
 
 
 def new_incarnation() -> str:
@@ -88,6 +104,7 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._chores: set[asyncio.Task[None]] = set()
         self._housekeeping = OutageLog(log, "cluster housekeeping")
+        self._claiming = OutageLog(log, "claiming inbox entries")
         self.ingress_names: set[str] = set()  # every ingress lease a leader here stands for
         self.loss = RedisLoss(redis, self.leases, ingress=self.ingress, ingress_names=self.ingress_names,
                               ttl_s=ttl_s)  # and its quarantine
@@ -113,7 +130,13 @@ class Cluster:
         self.leases.start()
         self.relays.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(inbox.consume()), loop.create_task(self._background(inbox)),
+        # Invariant: nothing delays the heartbeat but Redis itself (a worker late with it looks
+        # dead, and the relays watching it are given up): entries nobody handled are claimed in a
+        # loop of their own, since handling one may wait on the store for seconds.
+        period = self.ttl_s / 3
+        self._tasks = [loop.create_task(inbox.consume()),
+                       loop.create_task(periodically(period, self._housekeep, self._housekeeping)),
+                       loop.create_task(periodically(period, inbox.claim_unhandled, self._claiming)),
                        loop.create_task(self._expire_own(events)), loop.create_task(self.loss.watch()),
                        *await self.relayed.start()]
         log.info("cluster: worker %s, incarnation %s", self.worker_id, self.incarnation)
@@ -322,23 +345,11 @@ class Cluster:
 
     # --- heartbeat, idle leases, dead workers ---------------------------------------------
 
-    async def _background(self, inbox: Inbox) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            try:
-                if not await self._heartbeat():
-                    await self.loss.lost()
-                await self.watchlist.refresh()
-                await self._release_idle()
-                await inbox.reclaim_own()
-                await inbox.claim_from_the_dead()
-            except (RedisError, OSError, ClusterUnavailable) as exc:
-                self._housekeeping.failed(type(exc).__name__, f"failed: {exc or type(exc).__name__}")
-                continue
-            except Exception:  # never let housekeeping die quietly
-                log.exception("cluster housekeeping crashed; retrying")
-                continue
-            self._housekeeping.recovered("working again")
+    async def _housekeep(self) -> None:
+        if not await self._heartbeat():
+            await self.loss.lost()
+        await self.watchlist.refresh()
+        await self._release_idle()
 
     async def _expire_own(self, events: ClusterEvents) -> None:
         """Drop the lease of a session with a turn running the moment our clock can no longer prove

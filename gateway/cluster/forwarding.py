@@ -269,6 +269,11 @@ class Inbox:
             for entry_id, fields in entries:
                 await self._handle(self.stream, entry_id, fields)
 
+    async def claim_unhandled(self) -> None:
+        """Entries nobody handled: this worker's own, then dead workers'."""
+        await self.reclaim_own()
+        await self.claim_from_the_dead()
+
     async def reclaim_own(self) -> None:
         """Entries delivered to this worker but never handled — a blocking read answered while the
         process was paused and then lost with its connection — are handled now, once idle a TTL."""

@@ -58,26 +58,37 @@ class Recovery:
             return True
         log.info("took over %s with %d open message(s)", session, len(records), extra={"session": session})
         try:
-            await self.recover(records, cut_off=TAKEN_OVER)
+            left = await self.recover(records, cut_off=TAKEN_OVER)
         except StoreError as exc:
             # Adoption runs inside whatever routed a message here (an HTTP request, a forward):
             # its failure is this worker's to log, never that client's 5xx.
             self._outage.failed(type(exc).__name__, f"could not finish what {session} left open "
                                 f"(retried while the store fails): {exc}")
             return False
+        if left:
+            # The lease could not be proven before every record was closed (a slow loop, a lost
+            # renewal): success here would let the session be released as idle with them open,
+            # unlisted, and never adopted again. A failure lists it for another try.
+            log.warning("lost the lease of %s while recovering it; %d open message(s) left for the next owner",
+                        session, left, extra={"session": session})
+            return False
         self._outage.recovered("the store answers again")
         return True
 
-    async def recover(self, records: list[InboundRecord], *, cut_off: ToolReason) -> None:
-        """`cut_off` names what stopped turns that were still running (a crash, a dead worker)."""
+    async def recover(self, records: list[InboundRecord], *, cut_off: ToolReason) -> int:
+        """`cut_off` names what stopped turns that were still running (a crash, a dead worker).
+        Returns how many records were left open because their session is not (or no longer
+        provably) this worker's: their owner recovers them."""
+        left = 0
         for rec in records:
             fence = self._owners.fence(rec.session_key)
             if fence is None:
-                continue  # not ours (any more): its owner recovers it
+                left += 1
+                continue
             self._recent.remember(rec.message)
             outlet = self._outlets.get(rec.message.platform)
             if rec.status is InboundStatus.ACCEPTED:
-                await self._replay(rec, fence, outlet, cut_off)
+                left += not await self._replay(rec, fence, outlet, cut_off)
                 continue
             if rec.status is InboundStatus.RUNNING and (answer := await self._unconfirmed(rec)) is not None:
                 await self._show_again(rec, fence, outlet, answer)
@@ -89,12 +100,14 @@ class Recovery:
                         rec.message.chat, stop_notice(cut_off), reply_to=rec.message.message_id,
                         kind=NoticeKind.INTERRUPTED, reason=cut_off)
             await self._resume(rec, fence, outlet, cut_off)
+        return left
 
-    async def _replay(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> None:
-        """A message accepted but never started: run it now — unless nobody can hear the answer."""
+    async def _replay(self, rec: InboundRecord, fence: Fence, outlet: Outlet | None, cut_off: ToolReason) -> bool:
+        """A message accepted but never started: run it now — unless nobody can hear the answer.
+        False if it could not be queued (the session is no longer provably ours): it stays open."""
         if outlet is None:
             await self._store.finish_inbound(fence, rec.id, InboundStatus.REJECTED, "platform no longer configured")
-            return
+            return True
         if not outlet.answers_later:
             # Its client waited on the connection of the process that took it, and heard how it
             # ended (interrupted) when that process let go or went away. An answer now would
@@ -105,9 +118,9 @@ class Recovery:
             user = ChatMessage("user", with_placeholders(m.text, m.attachments), created_at=m.timestamp)
             await self._store.append(fence, conversation, [user, *TurnRecorder().interrupted(cut_off)],
                                      inbound=(rec.id, InboundStatus.CANCELLED, "not replayed: its client had gone"))
-            return
+            return True
         log.info("replaying a message accepted but never answered", extra={"session": rec.session_key})
-        await self._queue.resume(rec.message, outlet, rec.session_key, inbound_id=rec.id)
+        return await self._queue.resume(rec.message, outlet, rec.session_key, inbound_id=rec.id) is not None
 
     async def _unconfirmed(self, rec: InboundRecord) -> str | None:
         """The answer recorded for this message whose showing was never confirmed (its process died

@@ -6,11 +6,15 @@ Invariants:
 - A turn is in its lane from the moment it is admitted (before any await), so a /stop finds it
   whether it is queued, starting or streaming.
 - Only the lane's worker runs turns (through `execute`) and clears `current`; nothing else does.
+- A session is busy while it has a lane or a message of it is being admitted (`admitting`): the
+  cluster lets a session's lease go only once it is idle, and a message stored before it is
+  queued must not find its session let go under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -62,6 +66,7 @@ class Lanes:
         self._execute = execute
         self._idle = idle
         self._lanes: dict[str, Lane] = {}
+        self._admitting: dict[str, int] = {}  # sessions with messages on their way into a lane
         self._closing = closing
 
     def __iter__(self) -> Iterator[Lane]:
@@ -138,7 +143,22 @@ class Lanes:
 
     def busy(self, key: str) -> bool:
         lane = self._lanes.get(key)
-        return lane is not None and lane.busy
+        return key in self._admitting or (lane is not None and lane.busy)
+
+    @contextlib.contextmanager
+    def admitting(self, key: str) -> Iterator[None]:
+        """A message of `key` is on its way in (stored, say, before it is queued): the session is
+        busy meanwhile, and idle again afterwards only if it has no lane by then."""
+        self._admitting[key] = self._admitting.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            if left := self._admitting[key] - 1:
+                self._admitting[key] = left
+            else:
+                del self._admitting[key]
+                if key not in self._lanes and not self._closing.is_set():
+                    self._idle(key)
 
     def running(self, key: str) -> bool:
         """Is a turn of `key` running (not yet ended, or not yet started)? Not while it is recorded."""
@@ -189,7 +209,7 @@ class Lanes:
             lane.worker = None
             if not lane.pending and self._lanes.get(lane.key) is lane:
                 del self._lanes[lane.key]
-                if not self._closing.is_set():  # stopping: left for adoption
+                if not self._closing.is_set() and lane.key not in self._admitting:  # stopping: left for adoption
                     self._idle(lane.key)
 
     async def _run(self, turn: Turn, lane: Lane) -> None:

@@ -50,6 +50,10 @@ class TurnQueue:
         """A user's message for a session this worker owns (`fence`). `verify_first`: it may be a
         duplicate only the store can recognise (a forwarded message seen here before), so it is
         stored before it may interrupt anything: a repeat never cuts off the turn it started."""
+        with self._lanes.admitting(a.key):  # from here until it is queued, the session is not idle
+            return await self._admit(a, fence, verify_first=verify_first)
+
+    async def _admit(self, a: Arrival, fence: Fence, *, verify_first: bool) -> Submitted:
         msg, key = a.msg, a.key
         speaker = self._owners.speaker(a.outlet, fence)
         turn = Turn(msg, key, speaker, fence)
