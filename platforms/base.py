@@ -153,7 +153,7 @@ class Adapter(ABC):
         return deliver
 
     def open_reply(self, msg: InboundMessage, run: Run) -> Reply:
-        return EditStreamReply(self, msg.chat, run, reply_to=msg.message_id)
+        return EditStreamReply(self, msg.chat, run, reply_to=msg.reply_target)
 
 
 def _priority(kind: NoticeKind) -> Priority:

@@ -168,7 +168,7 @@ class _DiscordReply(EditStreamReply):
     """EditStreamReply that tells the adapter when it has ended, so shutdown can wait for it."""
 
     def __init__(self, adapter: DiscordAdapter, msg: InboundMessage, run: Run, button: StopButton | None) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=button)
+        super().__init__(adapter, msg.chat, run, reply_to=msg.reply_target, stop=button)
         self._owner = adapter
 
     async def finish(self, text: str) -> None:

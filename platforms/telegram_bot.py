@@ -202,7 +202,7 @@ class TelegramAdapter(Adapter):
         streaming = self.config.streaming
         button = self.stop_buttons.open(msg, run) if self.config.stop_button and streaming != "off" else None
         if streaming == "draft" and self._drafts.take_drafts(msg.chat):
-            return DraftStreamReply(self, self._out, self._drafts, msg.chat, run, reply_to=msg.message_id,
+            return DraftStreamReply(self, self._out, self._drafts, msg.chat, run, reply_to=msg.reply_target,
                                     stop=button)
         return _TelegramReply(self, msg, run, button, stream=streaming != "off")
 
@@ -217,6 +217,6 @@ class _TelegramReply(EditStreamReply):
 
     def __init__(self, adapter: TelegramAdapter, msg: InboundMessage, run: Run, button: StopButton | None, *,
                  stream: bool = True) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id, stop=button)
+        super().__init__(adapter, msg.chat, run, reply_to=msg.reply_target, stop=button)
         if not stream:  # streaming = "off": typing, then the final text only
             self._caps = dataclasses.replace(self._caps, can_stream=False)

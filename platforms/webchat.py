@@ -311,7 +311,7 @@ class _WebReply(EditStreamReply):
     line: sent from the pump, after the text before them, so the page places them as a reload does."""
 
     def __init__(self, adapter: WebchatAdapter, msg: InboundMessage, run: Run) -> None:
-        super().__init__(adapter, msg.chat, run, reply_to=msg.message_id)
+        super().__init__(adapter, msg.chat, run, reply_to=msg.reply_target)
         self._web = adapter
         self._chat_id = msg.chat_id
         self._calls: dict[str, dict[str, Any]] = {}  # this turn's tool rows, by call id

@@ -585,3 +585,24 @@ def test_each_intake_failure_has_a_kind_a_level_and_a_text_without_the_token() -
     assert failure(NetworkError(f"bad gateway at /bot{TOKEN}/getUpdates"), scrub) == (
         "network", logging.WARNING, "cannot reach Telegram: bad gateway at /bot***/getUpdates")
     assert failure(KeyError("x"), scrub) == ("bug", logging.ERROR, "unexpected KeyError in the Telegram loop")
+
+
+async def test_a_resumed_answer_in_a_group_quotes_the_question_it_continues(
+        start: Start, fake: FakeTelegramAPI, provider: FakeProvider) -> None:
+    """A turn cut off by a restart is resumed as a message of the gateway's own, whose id no
+    platform knows: its answer quoted nothing, and in a busy group read as an answer to nobody."""
+    provider.delay_s, provider.words = 0.05, 200
+    daemon, _ = await start()
+    group = -100300
+    text = f"@{BOT} tell me everything"
+    fake.push_text(group, text, user_id=7, entities=mention(text))
+    first = await shown(fake, group, lambda t: t.startswith("reply to: tell me everything w0 w1"))
+    await daemon.stop()  # a restart: the turn is cut off, and resumed by the next start
+    provider.delay_s, provider.words = 0.0, 3
+    await start()
+    await fake.wait_until(lambda: len(provider.connections) == 2, 10)
+    await fake.wait_until(lambda: len(fake.messages(group)) == 2, 10)
+    resumed = max(fake.messages(group))
+    assert resumed != first
+    quoted = fake.message(group, resumed)
+    assert quoted is not None and quoted.get("reply_to_message", {}).get("text") == text

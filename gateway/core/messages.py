@@ -26,6 +26,11 @@ class ChatRef:
     thread_id: str | None = None
 
 
+# Message ids of the turns the gateway asks for itself: a turn cut off by a restart or a takeover,
+# asked to continue. No platform knows them: what answers one quotes the user's message it continues.
+RESUME_PREFIX = "resume:"
+
+
 @dataclass(frozen=True, slots=True)
 class InboundMessage:
     """One inbound chat event, the same shape for every platform."""
@@ -50,6 +55,12 @@ class InboundMessage:
     @property
     def chat(self) -> ChatRef:
         return ChatRef(self.platform, self.chat_id, self.chat_type, self.thread_id)
+
+    @property
+    def reply_target(self) -> str | None:
+        """The message an answer to this one quotes: itself, or for a resume (an id no platform
+        knows) the user's message whose cut-off answer it continues."""
+        return self.reply_to if self.message_id.startswith(RESUME_PREFIX) else self.message_id
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form for stores and forwarding (without `extra`, which stays local)."""

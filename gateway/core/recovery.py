@@ -97,7 +97,7 @@ class Recovery:
                 await self._close_transcript(fence, cut_off)
                 if outlet is not None:
                     await self._owners.speaker(outlet, fence).notify(
-                        rec.message.chat, stop_notice(cut_off), reply_to=rec.message.message_id,
+                        rec.message.chat, stop_notice(cut_off), reply_to=rec.message.reply_target,
                         kind=NoticeKind.INTERRUPTED, reason=cut_off)
             await self._resume(rec, fence, outlet, cut_off)
         return left

@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from gateway.core.attachments import MediaPart
 from gateway.core.cancellation import GATEWAY_RESTART, ReasonKind, ToolReason
+from gateway.core.messages import RESUME_PREFIX as RESUME_PREFIX
 
 Role = Literal["system", "user", "assistant", "tool"]
 RowKind = Literal["message", "resume", "job"]  # what a user row is: the user's words, or the gateway's own
 
 # Message ids of the messages the gateway writes itself, and how their rows read.
-RESUME_PREFIX = "resume:"  # a turn cut off by a restart or a takeover, asked to continue
 JOB_PREFIX = "job:"  # a background job ended
 _RESUME_ASK = "Continue from where you stopped, without repeating what you already said."
 _JOB_MARK = "[background job "

@@ -513,7 +513,7 @@ class TurnRunner:
         failed = [dataclasses.replace(p.attachment, refused=p.problem) for p in parts if p.kind == "note"]
         if failed and (sentence := refusal_sentence(failed)) is not None and turn.speaker.may_speak():
             log.info("attachments not read: %s", sentence, extra={"session": turn.key})
-            await turn.speaker.notify(msg.chat, sentence, reply_to=msg.message_id)
+            await turn.speaker.notify(msg.chat, sentence, reply_to=msg.reply_target)
         return dataclasses.replace(user, media=parts)
 
     def _usage(self, turn: Turn, context: _Context, usage: Usage) -> None:

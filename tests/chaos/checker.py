@@ -434,15 +434,23 @@ class _Checker:
         for m in self.r.telegram:
             self._check_message(m)
         for chat, calls in self.calls_by_chat.items():
-            by_target: dict[int, set[str]] = defaultdict(set)
+            # Per turn: a takeover of the message's turn, then of its resume (cut off too), is two.
+            by_turn: dict[tuple[int, int], set[str]] = defaultdict(set)
             for c in calls:
                 if c.method == "sendMessage" and is_takeover(c.text) and c.reply_to is not None:
-                    by_target[c.reply_to].add(c.via or "?")
-            for target, who in by_target.items():
+                    by_turn[(c.reply_to, self._resumes_before(chat, c.reply_to, c.at))].add(c.via or "?")
+            for (target, _turn), who in by_turn.items():
                 if len(who) > 1:
                     taken = self.by_msgid.get((chat, target))
                     self.add("double-takeover", self.chat_session.get(chat, str(chat)),
                              f"[{taken.tag if taken else target}] taken over by {', '.join(sorted(who))}")
+
+    def _resumes_before(self, chat: int, message_id: int, at: float) -> int:
+        """How many resumes of a message's turn had begun by `at` (which of its turns a notice ends)."""
+        taken = self.by_msgid.get((chat, message_id))
+        if taken is None:
+            return 0
+        return sum(1 for s in self.streams.values() if s.tag == taken.tag and s.resume and s.opened_at < at)
 
     def _check_message(self, m: TgMessage) -> None:
         turn = self.turn_of(m.session, m.tag)

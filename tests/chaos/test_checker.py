@@ -405,3 +405,24 @@ def test_an_api_retry_asked_for_a_message_answered_and_recorded_is_reported() ->
     rec.faults[0] = FaultRecord("kill", "w2.1", 4.7, ended_at=8.0, replacement="w2.2")
     report = check(rec)
     assert report.ok and report.tolerated, report.text()
+
+
+def test_a_turn_and_its_resume_each_taken_over_once_is_not_a_double_takeover() -> None:
+    """Both takeover notices quote the user's message (a resume's id is the gateway's own): one
+    ends the turn, the other its resume. Two workers ending one turn is still reported."""
+    for resumed, double in ((True, False), (False, True)):
+        rec = records()
+        rec.incarnations["w1.1"].ended_at = 2.0
+        rec.incarnations["w2.1"].ended_at = 5.0
+        rec.incarnations["w2.2"] = Incarnation("w2.2", "w2", pid=2, started_at=5.5, ready_at=6.0)
+        rec.faults += [FaultRecord("kill", "w1.1", 2.0, ended_at=12.0, replacement="w1.2"),
+                       FaultRecord("kill_restart", "w2.1", 5.0, ended_at=6.0, replacement="w2.2")]
+        msg = message(rec, "g01", 1, 1.0)
+        stream(rec, msg, 1, "w1.1", 1.1, 2.0, whole=False, record=False)
+        notice(rec, msg, "w2.1", 4.0, mid=5000)
+        if resumed:
+            rec.streams.append(Stream(2, "w2.1", 4.2, 5.0, False, msg.tag, resume=True))
+        notice(rec, msg, "w2.2", 6.5, mid=5001)
+        rec.transcripts["g01"] += [Row("assistant", "", "system", "worker stopped responding; session taken over")] * 2
+        report = check(rec)
+        assert ("double-takeover" in kinds(report)) is double, report.text()
