@@ -26,7 +26,7 @@ from gateway.core.cluster import ClusterUnavailable
 from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage, session_key
 from gateway.core.metrics import Metrics
-from gateway.core.ports import InboundRecord, Outcome, Outlet, Submitted
+from gateway.core.ports import InboundRecord, InboundStatus, Outcome, Outlet, Submitted
 from gateway.core.transcript import ChatMessage
 from gateway.store.redis import connect
 from gateway.store.sqlite import SqliteStore
@@ -424,6 +424,49 @@ async def test_an_adoption_that_loses_its_lease_mid_recovery_is_tried_again_not_
             assert time.monotonic() < deadline, "the message stayed open"
             await asyncio.sleep(0.05)
         assert store.reads >= 2  # adopted again
+    finally:
+        await router.shutdown(GATEWAY_RESTART, grace_s=5)
+        await worker.stop()
+        await store.close()
+
+
+async def test_two_messages_routed_at_once_to_a_session_share_one_takeover(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """Before an acquisition, the worker asks Redis whether it lost its data (a GET). Two routes
+    both waited on that GET before either had registered its acquisition, so both took the
+    session (one it had lost: each acquisition a takeover with a fence of its own), and the turn
+    left open was closed twice and resumed twice."""
+    chat = PushingChat()
+    msg = chat.message("42", "cut off", mid="m1")
+    key = session_key(msg)
+    store = SqliteStore(tmp_path / "s.db")
+    await store.open()
+    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=TTL, metrics=Metrics())
+    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=worker)
+    try:
+        await worker.start(router.cluster_events())
+        await chat.start(router)
+        await router.start()
+        assert (await worker.route(key)).fence is not None
+        # Reported lost (as when a renewal comes too late): the next acquisition is a takeover.
+        worker.leases.drop([key], "a renewal came too late")
+        # Meanwhile a turn of the session was left open, cut off.
+        inbound_id = await store.accept_inbound(Fence.local(key), msg)
+        assert inbound_id is not None
+        await store.append(Fence.local(key), 1, [ChatMessage("user", msg.text)],
+                           inbound=(inbound_id, InboundStatus.RUNNING, None))
+        await asyncio.sleep(0.2)  # past the last look at Redis's sentinel: the next route looks again
+        first, second = await asyncio.gather(worker.route(key), worker.route(key))
+        assert first.fence is not None and first == second
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while (await store.conversation(key))[1][-1].role != "assistant" or await store.unfinished_inbound(key):
+            assert time.monotonic() < deadline, f"never resumed: {chat.texts('42')}"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # a second takeover, if any, has had time to write
+        _conversation, history = await store.conversation(key)
+        closed = [row for row in history if row.role == "assistant" and row.interrupted_by is not None]
+        resumes = [row for row in history if row.role == "user" and row.content != msg.text]
+        assert len(closed) == 1 and len(resumes) == 1, history
     finally:
         await router.shutdown(GATEWAY_RESTART, grace_s=5)
         await worker.stop()

@@ -200,10 +200,9 @@ class Cluster:
             return Route(fence=fence)
         if self.leases.failing:  # Redis answered nothing lately: say so now, not after a timeout
             raise ClusterUnavailable("Redis is unreachable; ownership cannot be proven")
-        try:
-            await self.loss.fresh()
-        except (RedisError, OSError) as exc:
-            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
+        # Invariant: no await between the look at `_acquiring` above and this entry, so that
+        # concurrent callers share one acquisition (two would each recover the session: its
+        # cut-off turn closed twice, resumed twice).
         fut: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._acquiring[session] = fut
         try:
@@ -218,6 +217,10 @@ class Cluster:
             self._acquiring.pop(session, None)
 
     async def _acquire(self, session: str) -> Route:
+        try:
+            await self.loss.fresh()
+        except (RedisError, OSError) as exc:
+            raise ClusterUnavailable(f"Redis failed: {type(exc).__name__}") from None
         if self.loss.quarantined():
             return await self._owner_in_quarantine(session)
         losses = self.loss.losses
