@@ -27,6 +27,7 @@ from gateway.core.fencing import Fence
 from gateway.core.messages import ChatType, InboundMessage, session_key
 from gateway.core.metrics import Metrics
 from gateway.core.ports import InboundRecord, InboundStatus, Outcome, Outlet, Submitted
+from gateway.core.router import Router
 from gateway.core.transcript import ChatMessage
 from gateway.store.redis import connect
 from gateway.store.sqlite import SqliteStore
@@ -226,9 +227,7 @@ async def test_a_message_the_owner_could_not_take_is_forwarded_again_when_the_pl
         third = await router.submit(chat.message("42", "hello", mid="m1"), chat)
         assert third.outcome is Outcome.DUPLICATE  # taken once: a true repeat stays out
     finally:
-        await router.shutdown(GATEWAY_RESTART, grace_s=5)
-        await sender.stop()
-        await owner.stop()
+        await _end(router, sender, owner)
 
 
 
@@ -361,11 +360,7 @@ async def test_a_session_whose_message_is_being_stored_is_not_let_go_as_idle(
     finally:
         owner_events.release.set()
         store.gate.set()
-        await router.shutdown(GATEWAY_RESTART, grace_s=5)
-        await sender.stop()
-        if not stopped_owner:
-            await owner.stop()
-        await store.close()
+        await _end(router, sender, *([] if stopped_owner else [owner]), store=store)
         client.close()
 
 
@@ -409,12 +404,9 @@ async def test_an_adoption_that_loses_its_lease_mid_recovery_is_tried_again_not_
     await seed.close()
     store = StallingStore(tmp_path / "s.db", stall_s=ttl * 0.95)  # past the clock's margin, within the TTL
     await store.open()
-    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=ttl, metrics=Metrics())
-    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=worker)
+    worker, router = _worker(redis_server, store, chat, ttl_s=ttl)
     try:
-        await worker.start(router.cluster_events())
-        await chat.start(router)
-        await router.start()
+        await _start(worker, router, chat)
         await worker.adopt()  # scans for lapsed leases from now on
         with contextlib.suppress(ClusterUnavailable):
             await worker.route(key)  # a takeover: its recovery reads m1, and the process stops
@@ -425,9 +417,7 @@ async def test_an_adoption_that_loses_its_lease_mid_recovery_is_tried_again_not_
             await asyncio.sleep(0.05)
         assert store.reads >= 2  # adopted again
     finally:
-        await router.shutdown(GATEWAY_RESTART, grace_s=5)
-        await worker.stop()
-        await store.close()
+        await _end(router, worker, store=store)
 
 
 async def test_two_messages_routed_at_once_to_a_session_share_one_takeover(
@@ -441,12 +431,9 @@ async def test_two_messages_routed_at_once_to_a_session_share_one_takeover(
     key = session_key(msg)
     store = SqliteStore(tmp_path / "s.db")
     await store.open()
-    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=TTL, metrics=Metrics())
-    router = build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=worker)
+    worker, router = _worker(redis_server, store, chat, ttl_s=TTL)
     try:
-        await worker.start(router.cluster_events())
-        await chat.start(router)
-        await router.start()
+        await _start(worker, router, chat)
         assert (await worker.route(key)).fence is not None
         # Reported lost (as when a renewal comes too late): the next acquisition is a takeover.
         worker.leases.drop([key], "a renewal came too late")
@@ -468,6 +455,25 @@ async def test_two_messages_routed_at_once_to_a_session_share_one_takeover(
         resumes = [row for row in history if row.role == "user" and row.content != msg.text]
         assert len(closed) == 1 and len(resumes) == 1, history
     finally:
-        await router.shutdown(GATEWAY_RESTART, grace_s=5)
-        await worker.stop()
+        await _end(router, worker, store=store)
+
+
+async def _end(router: Router, *clusters: Cluster, store: SqliteStore | None = None) -> None:
+    """The router stopped, then each coordinator, then the store: every path of these tests."""
+    await router.shutdown(GATEWAY_RESTART, grace_s=5)
+    for cluster in clusters:
+        await cluster.stop()
+    if store is not None:
         await store.close()
+
+
+def _worker(redis_server: RedisServer, store: SqliteStore, chat: MemoryChat, *, ttl_s: float) -> tuple[Cluster, Router]:
+    """A cluster worker "w" on `store` serving `chat` with the echo agent (not started)."""
+    worker = Cluster(connect(redis_server.url, decode_responses=True), "w", ttl_s=ttl_s, metrics=Metrics())
+    return worker, build_router(store, EchoAgent(ToolRegistry(), delay_s=0.0), chat, cluster=worker)
+
+
+async def _start(worker: Cluster, router: Router, chat: MemoryChat) -> None:
+    await worker.start(router.cluster_events())
+    await chat.start(router)
+    await router.start()
