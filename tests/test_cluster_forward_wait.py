@@ -481,3 +481,49 @@ async def _start(worker: Cluster, router: Router, chat: MemoryChat) -> None:
     await worker.start(router.cluster_events())
     await chat.start(router)
     await router.start()
+
+
+async def test_an_owner_takes_other_sessions_messages_while_one_is_being_stored_and_one_sessions_in_order(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """Overload (a fleet of 10,000 sessions at a load average of 14): the owner handled its inbox one
+    entry at a time, each waiting for its record to be committed, so one slow write held up every
+    other session's message until their senders gave up waiting (503). Now other sessions' messages
+    pass one being stored, and a session's own messages are still accepted in the order sent."""
+    chat = PushingChat()
+    first, second, other = (chat.message("42", "first", mid="a1"), chat.message("42", "second", mid="a2"),
+                            chat.message("43", "other", mid="b1"))
+    store = GatedStore(tmp_path / "s.db", held="a1")
+    await store.open()
+    owner, router = _worker(redis_server, store, chat, ttl_s=TTL)
+    sender = Cluster(connect(redis_server.url, decode_responses=True), "sender", ttl_s=TTL, metrics=Metrics())
+    forwards: list[asyncio.Task[Submitted | None]] = []
+    try:
+        await _start(owner, router, chat)
+        await sender.start(Working())
+
+        def forward(msg: InboundMessage) -> asyncio.Task[Submitted | None]:
+            forwards.append(asyncio.create_task(sender.forward("w", msg, session_key(msg), hops=1, want_reply=True)))
+            return forwards[-1]
+
+        held = forward(first)
+        await asyncio.wait_for(store.entered.wait(), WAIT_DEADLINE_S)  # a1 is being stored
+        behind = forward(second)
+        # Answered while a1's write is held (one at a time, it waited REPLY_WAIT_S and got None).
+        answered = await asyncio.wait_for(forward(other), WAIT_DEADLINE_S)
+        assert answered is not None and answered.outcome is Outcome.ACCEPTED, answered
+        assert not held.done() and not behind.done(), "a2 was taken before a1, sent before it, was stored"
+        store.gate.set()
+        for task in (held, behind):
+            result = await asyncio.wait_for(task, WAIT_DEADLINE_S)
+            assert result is not None and result.outcome in (Outcome.ACCEPTED, Outcome.QUEUED), result
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while await store.unfinished_inbound():
+            assert time.monotonic() < deadline, "a message stayed open"
+            await asyncio.sleep(0.05)
+        _conversation, history = await store.conversation(session_key(first))
+        assert [row.content for row in history if row.role == "user"] == ["first", "second"], history
+    finally:
+        store.gate.set()
+        for task in forwards:
+            task.cancel()
+        await _end(router, owner, sender, store=store)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 REPLY_WAIT_S = 10.0
 READ_COUNT = 100  # inbox entries read or claimed per call
+# Inbox entries handed over and not yet handled, at most: each holds a Redis connection from the
+# pool (128) now and then, and a store write; the rest wait in Redis, where a takeover finds them.
+IN_FLIGHT = 64
 OWNER_GONE = "The worker that had this conversation is gone; it is being taken over. Please try again."
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
 ASK_WAIT_S = 2.0  # a console's question to another worker: answered in milliseconds, or left out
@@ -214,6 +218,86 @@ class Forwarder:
             await pipe.execute()
 
 
+def _parse(entry_id: str, fields: dict[str, str]) -> dict[str, Any] | None:
+    """An inbox entry's content; None if it was deleted meanwhile (it comes back empty) or is malformed."""
+    if not fields:
+        return None
+    try:
+        entry = json.loads(fields["data"])
+    except (ValueError, KeyError, TypeError):
+        entry = None
+    if not isinstance(entry, dict):
+        log.error("dropping a malformed inbox entry %s", entry_id)
+        return None
+    return entry
+
+
+def _lane(entry: dict[str, Any] | None) -> str | None:
+    """What an entry is ordered behind: its session's earlier entries (a message, a relayed
+    turn's cancel). A console's question is answered at once, behind nothing."""
+    if entry is None or "ask" in entry:
+        return None
+    session = entry.get("session")
+    return session if isinstance(session, str) else None
+
+
+class SessionOrder:
+    """Work run concurrently across lanes (sessions), one piece at a time and in the order started
+    within a lane. At most `limit` pieces are started and not finished: the caller waits for
+    `room()` before it takes more.
+
+    Invariant: `_last[lane]` is the lane's latest unfinished piece; each piece starts only once the
+    piece before it in its lane has finished, however it finished."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last: dict[Hashable, asyncio.Task[None]] = {}
+        self._freed = asyncio.Event()
+
+    async def room(self) -> None:
+        while len(self._tasks) >= self._limit:
+            self._freed.clear()
+            await self._freed.wait()
+
+    def free(self, most: int) -> int:
+        """How many pieces may be taken now, at most `most` (at least one: call after `room()`)."""
+        return max(1, min(most, self._limit - len(self._tasks)))
+
+    def start(self, lane: Hashable | None, work: Callable[[], Awaitable[None]]) -> None:
+        before = self._last.get(lane) if lane is not None else None
+        task = asyncio.get_running_loop().create_task(self._after(before, work))
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        if lane is not None:
+            self._last[lane] = task
+            task.add_done_callback(functools.partial(self._forget, lane))
+
+    async def close(self) -> None:
+        """Cancel what is under way and wait for it to end."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _after(before: asyncio.Task[None] | None, work: Callable[[], Awaitable[None]]) -> None:
+        if before is not None:
+            await asyncio.wait({before})
+        try:
+            await work()
+        except Exception:
+            log.exception("handling an inbox entry failed; it stays pending")
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._freed.set()
+
+    def _forget(self, lane: Hashable, task: asyncio.Task[None]) -> None:
+        if self._last.get(lane) is task:
+            del self._last[lane]
+
+
 class Inbox:
     """The receiving side: this worker's inbox, consumed (what an earlier incarnation read and never
     acknowledged first), and the entries nobody handled — ours or a dead worker's — claimed."""
@@ -244,11 +328,28 @@ class Inbox:
         log.error("inbox: Redis had lost this worker's inbox group (restarted empty?); made it again")
 
     async def consume(self) -> None:
-        backlog = True  # first what an earlier incarnation read and never acknowledged
+        """Read the inbox and hand its entries over: concurrently across sessions, so that one
+        session's slow acceptance (a store far away, a starved process) holds up no other; one at a
+        time and in the order read within a session, so its messages are accepted in the order they
+        were sent. What is not handed over yet stays in Redis: at most `IN_FLIGHT` entries are read
+        and not yet handled. Cancelled (the worker stops): the deliveries under way go with it, and
+        their entries stay pending, to be handled again."""
+        order = SessionOrder(IN_FLIGHT)
+        try:
+            await self._read(order)
+        finally:
+            await order.close()
+
+    async def _read(self, order: SessionOrder) -> None:
+        # First what an earlier incarnation read and never acknowledged (the pending list, read on
+        # from the last entry seen: one handed over and not yet acknowledged is never read twice),
+        # then new entries (">").
+        cursor: str | None = "0"
         while True:
+            await order.room()
             try:
-                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self.stream: "0" if backlog else ">"},
-                                                    count=READ_COUNT, block=None if backlog else 1000)
+                batch = await self.redis.xreadgroup(keys.GROUP, self.worker_id, {self.stream: cursor or ">"},
+                                                    count=order.free(READ_COUNT), block=None if cursor else 1000)
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost it (restarted empty): made again, not assumed
                     await self._recreate()
@@ -263,11 +364,11 @@ class Inbox:
             self._outage.recovered("reading again")
             streams = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]]", batch or [])
             entries = [e for _stream, part in streams for e in part]
-            if backlog and not entries:
-                backlog = False
-                continue
+            if cursor is not None:
+                cursor = entries[-1][0] if entries else None
             for entry_id, fields in entries:
-                await self._handle(self.stream, entry_id, fields)
+                entry = _parse(entry_id, fields)
+                order.start(_lane(entry), functools.partial(self._handle, self.stream, entry_id, entry))
 
     async def claim_unhandled(self) -> None:
         """Entries nobody handled: this worker's own, then dead workers'."""
@@ -281,7 +382,7 @@ class Inbox:
                                                          min_idle_time=int(self.ttl_s * 1000), count=READ_COUNT)
         for entry_id, fields in claimed:
             log.info("handling an inbox entry delivered earlier but never handled")
-            await self._handle(self.stream, entry_id, fields, again=True)
+            await self._handle(self.stream, entry_id, _parse(entry_id, fields), again=True)
 
     async def claim_from_the_dead(self) -> None:
         """Take over what dead workers left in their inboxes: entries they read but never
@@ -304,7 +405,7 @@ class Inbox:
         entries = list(claimed) + [e for _s, batch in cast("list[Any]", unread or []) for e in batch]
         for entry_id, fields in entries:
             log.info("re-routing a message forwarded to dead worker %s", worker)
-            await self._handle(inbox, entry_id, fields, again=True)
+            await self._handle(inbox, entry_id, _parse(entry_id, fields), again=True)
         if entries or (await self.redis.xpending(inbox, keys.GROUP)).get("pending"):
             return  # the rest once they have been idle for a TTL
         async with self.redis.pipeline(transaction=False) as pipe:  # gone, and nothing left behind
@@ -312,12 +413,12 @@ class Inbox:
             pipe.hdel(keys.workers(), worker)
             await pipe.execute()
 
-    async def _handle(self, stream: str, entry_id: str, fields: dict[str, str], *, again: bool = False) -> None:
+    async def _handle(self, stream: str, entry_id: str, entry: dict[str, Any] | None, *, again: bool = False) -> None:
         """Hand an entry to the core, then acknowledge it — unless it must stay pending. `again`:
         handled before, a TTL ago or more (ownership has settled since): its hop count starts
-        over, so a message that bounced during a takeover is not refused for it."""
-        # An entry deleted meanwhile comes back empty: just acknowledge it.
-        if fields and not await self._deliver(entry_id, fields, again=again):
+        over, so a message that bounced during a takeover is not refused for it. None: deleted
+        meanwhile (it comes back empty) or malformed: just acknowledged."""
+        if entry is not None and not await self._deliver(entry_id, entry, again=again):
             return
         with contextlib.suppress(RedisError, OSError):
             # Deleted too: a stream keeps acknowledged entries, and the inbox would grow forever.
@@ -340,10 +441,9 @@ class Inbox:
             return None
         return lambda outlet: RelayOutlet(outlet, self.relays, sender, relay)
 
-    async def _deliver(self, entry_id: str, fields: dict[str, str], *, again: bool) -> bool:
+    async def _deliver(self, entry_id: str, entry: dict[str, Any], *, again: bool) -> bool:
         """Deliver one entry (and its reply, if one is wanted); False if it stays pending."""
         try:
-            entry = json.loads(fields["data"])
             if "cancel" in entry:  # a relayed turn's client went away: stop that run, nothing else
                 self.events.cancel_run(entry["session"], entry["cancel"], ToolReason(entry["kind"], entry["text"]))
                 return True
