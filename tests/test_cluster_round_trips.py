@@ -79,8 +79,8 @@ async def _converse(worker: Worker, redis_server: RedisServer) -> collections.Co
 
 async def test_a_message_on_an_owned_session_costs_one_call_to_accept_it(
         provider: FakeProvider, redis_server: RedisServer, tmp_path: Path) -> None:
-    """History in Redis: one script accepts the message (no INCR before it); the turn's start and
-    its end are the turn's own record writes."""
+    """History in Redis: one script accepts the message with its turn's start (no INCR before it,
+    the user's row in the same script); the turn's end is the turn's own record write."""
     worker = Worker("w1", redis_server.url, provider.base_url, tmp_path, ttl_s=60)
     try:
         await start_all(worker)
@@ -88,8 +88,8 @@ async def test_a_message_on_an_owned_session_costs_one_call_to_accept_it(
     finally:
         end_all(worker)
     assert calls["INCR"] == 0, calls
-    # Per message: the accept, the user's row (the turn starts), the answer's row with the outcome.
-    assert calls["EVALSHA"] + calls["EVAL"] <= 3 * N, calls
+    # Per message: the accept with the user's row (the turn starts), the answer's row with the outcome.
+    assert calls["EVALSHA"] + calls["EVAL"] <= 2 * N, calls
     # The watch: listed at most once (the session was idle while the monitor started), never
     # unlisted and listed again while messages come back to back. The sessions index is written
     # by the record scripts themselves.

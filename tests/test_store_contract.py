@@ -317,7 +317,8 @@ async def test_writes_need_the_current_lease(redis_store: RedisStore, redis_serv
 
     for write in (redis_store.append(old, 1, ROWS[1:], inbound=(inbound, InboundStatus.DONE, None)),
                   redis_store.finish_inbound(old, inbound, InboundStatus.DONE), redis_store.reset(old),
-                  redis_store.accept_inbound(old, msg("m2"))):
+                  redis_store.accept_inbound(old, msg("m2")),
+                  redis_store.accept_inbound(old, msg("m2"), started=(1, ROWS[1]))):
         with pytest.raises(FencedOut):
             await write
     assert await redis_store.conversation(S1) == (1, ROWS[:1])
@@ -365,6 +366,14 @@ async def test_a_write_retried_after_a_lost_reply_is_applied_once(redis_store: R
     lose_next_reply(monkeypatch)
     assert await redis_store.reset(F1) == 2
     assert await redis_store.reset(F1) == 3
+
+    lose_next_reply(monkeypatch)  # accepted with its turn's start: the record and the row, once
+    started = await redis_store.accept_inbound(F2, msg("m2"), started=(2, ROWS[2]))
+    assert started is not None
+    assert [(r.id, r.status) for r in await redis_store.unfinished_inbound(S2)] == [(started, InboundStatus.RUNNING)]
+    assert await redis_store.conversation(S2) == (2, [ROWS[2]])
+    assert await redis_store.accept_inbound(F2, msg("m2"), started=(2, ROWS[2])) is None
+    assert await redis_store.conversation(S2) == (2, [ROWS[2]])
 
 
 async def test_a_write_the_caller_retries_after_an_error_is_applied_once(redis_store: RedisStore) -> None:

@@ -102,6 +102,32 @@ redis.call('HSET', KEYS[2], id, ARGV[3])
 return tonumber(id)
 """
 
+# A message whose turn starts at once, accepted with that start in one step: the record as
+# `running` and the user's row (one round trip where ACCEPT then APPEND took two).
+# KEYS: lease, inbound, seen, meta, messages[, inbound id counter, sessions index] (the last two on
+# a single Redis only: in a Redis Cluster they live in other slots).
+# ARGV: fence, id ('' = take the next from the counter), record, token, seen ttl ms, now,
+# conversation, session key, row.
+# Returns as ACCEPT. A retry whose reply was lost finds its claim: the whole step happened.
+ACCEPT_STARTED = _FENCED_LUA + """
+local claim = redis.call('GET', KEYS[3])
+if claim then
+  local at = string.find(claim, ':', 1, true)
+  if at and string.sub(claim, 1, at - 1) == ARGV[4] then return tonumber(string.sub(claim, at + 1)) end
+  return 0
+end
+local id = ARGV[2]
+if id == '' then id = redis.call('INCR', KEYS[6]) end
+redis.call('SET', KEYS[3], ARGV[4] .. ':' .. id, 'PX', ARGV[5])
+redis.call('HSET', KEYS[2], id, ARGV[3])
+redis.call('RPUSH', KEYS[5], ARGV[9])
+redis.call('HSET', KEYS[4], 'updated_at', ARGV[6], 'op', ARGV[4])
+redis.call('HSETNX', KEYS[4], 'created_at', ARGV[6])
+redis.call('HSETNX', KEYS[4], 'conversation', ARGV[7])
+if KEYS[7] then redis.call('ZADD', KEYS[7], ARGV[6], ARGV[8]) end
+return tonumber(id)
+"""
+
 # KEYS: lease, inbound.  ARGV: fence, id, keep (1/0), head.
 FINISH = _FENCED_LUA + _FINISH_LUA + "finish(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) return 0"
 
@@ -214,6 +240,7 @@ class RedisStore:
         # cluster's pipelines are split by node anyway).
         self._batch = None if isinstance(r, RedisCluster) else ScriptBatch(r)
         self._accept = r.register_script(ACCEPT)
+        self._accept_started = r.register_script(ACCEPT_STARTED)
         self._finish = r.register_script(FINISH)
         self._append = r.register_script(APPEND)
         self._reset = r.register_script(RESET)
@@ -275,26 +302,28 @@ class RedisStore:
 
     async def accept_inbound(self, fence: Fence, msg: InboundMessage, *,
                              started: tuple[int, ChatMessage] | None = None) -> int | None:
-        """With `started`, two fenced writes, not one script (a record accepted whose start never
-        landed is replayed like any message not yet started; `running` always comes with its row)."""
-        inbound_id = await self._accept_record(fence, msg)
-        if inbound_id is not None and started is not None:
-            await self.append(fence, started[0], [started[1]], inbound=(inbound_id, InboundStatus.RUNNING, None))
-        return inbound_id
-
-    async def _accept_record(self, fence: Fence, msg: InboundMessage) -> int | None:
+        """One fenced script, with `started` too: the record as `running` and the user's row."""
         key = _fenced(fence)
         names = [keys.lease(key), keys.inbound(key), keys.seen(key, msg.platform, msg.chat_id, msg.message_id)]
-        record = {"status": InboundStatus.ACCEPTED.value, "detail": None, "received_at": time.time(),
-                  "message": msg.to_dict()}
+        status = InboundStatus.ACCEPTED if started is None else InboundStatus.RUNNING
+        now = time.time()
+        record = {"status": status.value, "detail": None, "received_at": now, "message": msg.to_dict()}
         with self._errors("accept_inbound"):
-            if self._cluster:  # an id wasted on a duplicate costs nothing
-                inbound_id = str(await self._r.incr(keys.inbound_ids()))
+            # In a Redis Cluster the id is taken first (an id wasted on a duplicate costs nothing).
+            inbound_id = str(await self._r.incr(keys.inbound_ids())) if self._cluster else ""
+            args: list[str | float | int] = [fence.number, inbound_id, _json(record), _token(),
+                                             max(1, int(self.dedup_ttl_s * 1000))]
+            if started is None:
+                recorded = await self._script(self._accept, names + ([] if self._cluster else [keys.inbound_ids()]),
+                                              args)
             else:
-                inbound_id = ""
-                names.append(keys.inbound_ids())
-            recorded = await self._script(self._accept, names, [fence.number, inbound_id, _json(record), _token(),
-                                                                max(1, int(self.dedup_ttl_s * 1000))])
+                conversation, row = started
+                names += [keys.meta(key), keys.messages(key, conversation),
+                          *([] if self._cluster else [keys.inbound_ids(), keys.sessions_index()])]
+                recorded = await self._script(self._accept_started, names,
+                                              [*args, now, conversation, key, _encode_row(row)])
+        if started is not None and recorded:
+            self._touch(key, now)
         return int(recorded) or None
 
     async def finish_inbound(self, fence: Fence, inbound_id: int, status: InboundStatus,
