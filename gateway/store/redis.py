@@ -80,6 +80,22 @@ local function finish(key, id, keep, head)
 end
 """
 
+# The message's claim and record (KEYS: lease, inbound, seen; ARGV: fence, id, record, token, seen
+# ttl ms), after `local counter = <the id counter's key>`. Returns from the script if the message
+# was claimed before: its id to our own retried call (same token), 0 to anyone else.
+_CLAIM_LUA = """
+local claim = redis.call('GET', KEYS[3])
+if claim then
+  local at = string.find(claim, ':', 1, true)
+  if at and string.sub(claim, 1, at - 1) == ARGV[4] then return tonumber(string.sub(claim, at + 1)) end
+  return 0
+end
+local id = ARGV[2]
+if id == '' then id = redis.call('INCR', counter) end
+redis.call('SET', KEYS[3], ARGV[4] .. ':' .. id, 'PX', ARGV[5])
+redis.call('HSET', KEYS[2], id, ARGV[3])
+"""
+
 # KEYS: lease, inbound, seen[, inbound id counter].  ARGV: fence, id ('' = take the next from the
 # counter), record, token, seen ttl ms.
 # Returns the record's id, or 0 for a duplicate. The claim and the record are one step: a worker
@@ -88,19 +104,7 @@ end
 # (same token) finds its claim and gets the id it was given. With the counter among the keys (a
 # single Redis), a message costs one round trip; in a Redis Cluster the counter lives in another
 # slot, so the id is taken first and passed in.
-ACCEPT = _FENCED_LUA + """
-local claim = redis.call('GET', KEYS[3])
-if claim then
-  local at = string.find(claim, ':', 1, true)
-  if at and string.sub(claim, 1, at - 1) == ARGV[4] then return tonumber(string.sub(claim, at + 1)) end
-  return 0
-end
-local id = ARGV[2]
-if id == '' then id = redis.call('INCR', KEYS[4]) end
-redis.call('SET', KEYS[3], ARGV[4] .. ':' .. id, 'PX', ARGV[5])
-redis.call('HSET', KEYS[2], id, ARGV[3])
-return tonumber(id)
-"""
+ACCEPT = _FENCED_LUA + "local counter = KEYS[4]" + _CLAIM_LUA + "return tonumber(id)"
 
 # A message whose turn starts at once, accepted with that start in one step: the record as
 # `running` and the user's row (one round trip where ACCEPT then APPEND took two).
@@ -109,17 +113,7 @@ return tonumber(id)
 # ARGV: fence, id ('' = take the next from the counter), record, token, seen ttl ms, now,
 # conversation, session key, row.
 # Returns as ACCEPT. A retry whose reply was lost finds its claim: the whole step happened.
-ACCEPT_STARTED = _FENCED_LUA + """
-local claim = redis.call('GET', KEYS[3])
-if claim then
-  local at = string.find(claim, ':', 1, true)
-  if at and string.sub(claim, 1, at - 1) == ARGV[4] then return tonumber(string.sub(claim, at + 1)) end
-  return 0
-end
-local id = ARGV[2]
-if id == '' then id = redis.call('INCR', KEYS[6]) end
-redis.call('SET', KEYS[3], ARGV[4] .. ':' .. id, 'PX', ARGV[5])
-redis.call('HSET', KEYS[2], id, ARGV[3])
+ACCEPT_STARTED = _FENCED_LUA + "local counter = KEYS[6]" + _CLAIM_LUA + """
 redis.call('RPUSH', KEYS[5], ARGV[9])
 redis.call('HSET', KEYS[4], 'updated_at', ARGV[6], 'op', ARGV[4])
 redis.call('HSETNX', KEYS[4], 'created_at', ARGV[6])
