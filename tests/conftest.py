@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import itertools
 import json
 import sys
@@ -125,7 +127,27 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
 
     yield factory
     for daemon in started:
-        await daemon.stop()
+        await stop_or_show_why_not(daemon)
+
+
+STOP_DEADLINE_S = 60.0  # far above any stop's own bounds; below the suite's per-test timeout
+
+
+async def stop_or_show_why_not(daemon: Daemon) -> None:
+    """Stop a daemon; if that hangs, fail with the stack of every task still waiting, which the
+    suite's timeout (a dump of the threads only) would not show."""
+    stopping = asyncio.ensure_future(daemon.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=STOP_DEADLINE_S)
+    if done:
+        stopping.result()
+        return
+    stacks = []
+    for task in asyncio.all_tasks():
+        out = io.StringIO()
+        task.print_stack(file=out)
+        stacks.append(out.getvalue())
+    stopping.cancel()
+    pytest.fail(f"the daemon did not stop within {STOP_DEADLINE_S:g} s; its tasks:\n" + "\n".join(stacks))
 
 
 RedisFactory = Callable[..., RedisServer]
