@@ -59,7 +59,10 @@ Invariants:
 Tolerances for at-least-once: a second whole answer, or a takeover notice after a whole answer,
 or an API answer recorded as interrupted, is tolerated (and listed) when the first answer came at
 most AT_FAULT_S before a fault of its worker (or of Redis): sending and recording cannot be one
-atomic step.
+atomic step. A recorded answer whose end its turn never confirmed shown is shown again, whole and
+as a new message, by the incarnation that takes the session over: that call carries the earlier
+incarnation's stream, and is tolerated (and listed) when it came after that incarnation's
+acquisition; the answered-twice check still counts its whole answers.
 """
 
 from __future__ import annotations
@@ -388,10 +391,9 @@ class _Checker:
                     stream = self.streams.get(n)
                     if stream is None:
                         continue
-                    if stream.via != via:
-                        self.add("foreign-stream-output", session, f"{call.method} by {via} at {self.t(call.at)} "
-                                 f"carries stream c{n} of {stream.via}")
                     origin: float | None = self.turn_start(stream)
+                    if stream.via != via:
+                        origin = self._foreign_stream(session, call, stream, origin)
                 elif call.method == "sendChatAction" or (
                         (STOP_MARK in call.text or FAIL_MARK in call.text) and not is_takeover(call.text)):
                     own = [t for t, who in acq if who == via and t <= call.at + 1.0]
@@ -427,6 +429,21 @@ class _Checker:
                          f"at {self.t(found[0][0])}-{self.t(found[-1][0])} for its turn begun at {self.t(origin)}, "
                          f"after {who_new} had taken the session up at {self.t(t_new)}"
                          + (f"; e.g. {sample!r}" if sample else "") + self.fault_before(t_new))
+
+    def _foreign_stream(self, session: str, call: TgCall, stream: Stream, origin: float | None) -> float | None:
+        """A Telegram call carrying another incarnation's stream is a violation, but for a recovery
+        showing again an answer whose showing its turn never confirmed (the answer recorded, its
+        end not shown, the lease lost): the whole answer, sent anew by an incarnation that took the
+        session up after the stream began. Returns the acquisition the call came from."""
+        taken = [e.at for e in self.r.leases if e.session == session and e.op == "acquire" and e.holder == call.via
+                 and stream.opened_at < e.at <= call.at]
+        if call.method == "sendMessage" and stream.completed and call.text.rstrip().endswith(END) and taken:
+            self.tolerated.append(f"{session}: c{stream.number} of {stream.via} shown again whole by {call.via} "
+                                  f"at {self.t(call.at)} (recorded, never confirmed shown)")
+            return taken[-1]
+        self.add("foreign-stream-output", session, f"{call.method} by {call.via} at {self.t(call.at)} "
+                 f"carries stream c{stream.number} of {stream.via}")
+        return origin
 
     # (b) every accepted message: answered, or interrupted with notice, exactly once; in time
 

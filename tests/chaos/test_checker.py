@@ -426,3 +426,29 @@ def test_a_turn_and_its_resume_each_taken_over_once_is_not_a_double_takeover() -
         rec.transcripts["g01"] += [Row("assistant", "", "system", "worker stopped responding; session taken over")] * 2
         report = check(rec)
         assert ("double-takeover" in kinds(report)) is double, report.text()
+
+
+def test_an_answer_recorded_but_never_confirmed_shown_may_be_shown_whole_again_by_its_new_owner() -> None:
+    """Redis soak, seed 12: w2.1 recorded an answer and showed all but its last word; its lease was
+    lost before the end was shown. w1.1 took the session over and showed the recorded answer whole,
+    as a new message: another incarnation's stream in w1.1's call, and no violation. The same call
+    without w1.1's acquisition, or partial, still is one."""
+    def history(acquired: bool, whole: bool) -> Records:
+        rec = records()
+        msg = message(rec, "g01", 1, 1.0)
+        lease(rec, 0.9, "acquire", "w2.1", fence=1)
+        stream(rec, msg, 1, "w2.1", 1.1, 2.0, whole=False)  # shown up to its held-back last word
+        rec.streams[-1].completed = True
+        rec.transcripts["g01"][-1] = Row("assistant", "[g01_m1_c1] w0 w1 w2 END", None, None)  # recorded whole
+        if acquired:
+            lease(rec, 5.0, "acquire", "w1.1", fence=2)
+        text = "[g01_m1_c1] w0 w1 w2" + (" END" if whole else "")
+        rec.calls.append(TgCall(5.01, "w1.1", "sendMessage", msg.chat_id, 2000, text, msg.message_id))
+        rec.bot_messages.append(BotMessage(msg.chat_id, 2000, "w1.1", 5.01, text, msg.message_id, 5.01))
+        return rec
+
+    report = check(history(acquired=True, whole=True))
+    assert kinds(report) == {}, report.text()
+    assert "shown again whole by w1.1" in report.text()
+    assert kinds(check(history(acquired=False, whole=True))).get("foreign-stream-output") == 1
+    assert kinds(check(history(acquired=True, whole=False))).get("foreign-stream-output") == 1
