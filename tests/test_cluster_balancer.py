@@ -82,11 +82,18 @@ async def test_behind_a_round_robin_balancer_every_message_is_taken_and_each_ses
                 if fate == "hang up":
                     turn.cancel()
                     await asyncio.gather(turn, return_exceptions=True)
-                    await asyncio.wait_for(provider.wait_closed(provider.requests_for(text)[0], 30), 35)
+                    try:
+                        await asyncio.wait_for(provider.wait_closed(provider.requests_for(text)[0], 30), 35)
+                    except TimeoutError:
+                        raise AssertionError(f"{text}: its stream still open 35 s after its client hung up; "
+                                             f"{seed}") from None
                     return
                 status, _ = await _ask(http, url, name, "/stop", stream=False)
                 statuses.append((name, "/stop", status))
-                status, final = await asyncio.wait_for(turn, 30)
+                try:
+                    status, final = await asyncio.wait_for(turn, 30)
+                except TimeoutError:
+                    raise AssertionError(f"{text}: not ended 30 s after /stop answered {status}; {seed}") from None
                 statuses.append((name, text, status))
                 assert final.get("switchboard", {}).get("interrupted_by") == "user", (name, final, seed)
 
