@@ -40,6 +40,7 @@ READ_COUNT = 100  # inbox entries read or claimed per call
 # Inbox entries handed over and not yet handled, at most: each holds a Redis connection from the
 # pool (128) now and then, and a store write; the rest wait in Redis, where a takeover finds them.
 IN_FLIGHT = 64
+CLOSE_WAIT_S = 5.0  # a stop's wait for the deliveries it cancelled
 OWNER_GONE = "The worker that had this conversation is gone; it is being taken over. Please try again."
 REPLY_TTL_S = 60  # a reply nobody picked up (the forwarder gave up waiting) goes
 ASK_WAIT_S = 2.0  # a console's question to another worker: answered in milliseconds, or left out
@@ -274,11 +275,15 @@ class SessionOrder:
             task.add_done_callback(functools.partial(self._forget, lane))
 
     async def close(self) -> None:
-        """Cancel what is under way and wait for it to end."""
+        """Cancel what is under way and wait, at most CLOSE_WAIT_S, for it to end: a stop never
+        hangs on a delivery that does not end when cancelled (its entry stays pending)."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _done, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            if late:
+                log.warning("%d inbox deliveries did not end when cancelled; their entries stay pending", len(late))
 
     @staticmethod
     async def _after(before: asyncio.Task[None] | None, work: Callable[[], Awaitable[None]]) -> None:
