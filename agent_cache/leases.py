@@ -30,6 +30,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
+from agent_cache.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 AnyRedis = Redis | RedisCluster  # a single Redis, or Redis Cluster: every script here is one slot
@@ -617,10 +619,7 @@ class LeaseManager:
             await self.renew_all()
 
     async def stop(self, *, release: bool = True) -> None:
-        for task in (self._task, self._round):
-            if task is not None:
-                task.cancel()
-                await asyncio.wait({task})
+        await cancel_and_wait([task for task in (self._task, self._round) if task is not None])
         if release:
             for name in list(self.held):
                 await self.release(name)

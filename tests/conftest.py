@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import io
 import itertools
 import json
 import sys
@@ -26,6 +24,7 @@ from tests.support.pg_server import PgServer, pg_server_of_our_own
 from tests.support.ports import free_port as free_port  # re-exported: the tests import it from here
 from tests.support.redis_server import RedisServer, RedisServerMissing
 from tests.support.routers import start_router
+from tests.support.stopping import stop_or_show_why_not
 
 if TYPE_CHECKING:
     from gateway.ops.daemon import Daemon
@@ -127,27 +126,7 @@ async def make_daemon(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[D
 
     yield factory
     for daemon in started:
-        await stop_or_show_why_not(daemon)
-
-
-STOP_DEADLINE_S = 60.0  # far above any stop's own bounds; below the suite's per-test timeout
-
-
-async def stop_or_show_why_not(daemon: Daemon) -> None:
-    """Stop a daemon; if that hangs, fail with the stack of every task still waiting, which the
-    suite's timeout (a dump of the threads only) would not show."""
-    stopping = asyncio.ensure_future(daemon.stop())
-    done, _ = await asyncio.wait({stopping}, timeout=STOP_DEADLINE_S)
-    if done:
-        stopping.result()
-        return
-    stacks = []
-    for task in asyncio.all_tasks():
-        out = io.StringIO()
-        task.print_stack(file=out)
-        stacks.append(out.getvalue())
-    stopping.cancel()
-    pytest.fail(f"the daemon did not stop within {STOP_DEADLINE_S:g} s; its tasks:\n" + "\n".join(stacks))
+        await stop_or_show_why_not(daemon.stop())
 
 
 RedisFactory = Callable[..., RedisServer]

@@ -35,6 +35,7 @@ from tests.fakes.memory_chat import MemoryChat
 from tests.support.cluster_events import Working
 from tests.support.redis_server import RedisServer
 from tests.support.routers import build_router
+from tests.support.stopping import stop_or_show_why_not
 
 TTL = 6.0
 WAIT_DEADLINE_S = 30.0  # readiness on a busy machine; never a figure asserted on
@@ -290,8 +291,8 @@ async def test_forwards_waiting_on_a_slow_owner_never_starve_the_senders_leases(
         assert (await sender.route("telegram:dm:7")).fence == own.fence
     finally:
         owner_events.release.set()
-        await asyncio.wait_for(sender.stop(), WAIT_DEADLINE_S)
-        await asyncio.wait_for(owner.stop(), WAIT_DEADLINE_S)
+        await stop_or_show_why_not(sender.stop(), WAIT_DEADLINE_S)
+        await stop_or_show_why_not(owner.stop(), WAIT_DEADLINE_S)
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from agent_cache import keys
 from agent_cache.leases import AnyRedis, DataLost, Lease, LeaseManager
 from agent_cache.leases import now as lease_clock
+from agent_cache.tasks import cancel_and_wait, where
 from gateway.cluster.adoption import Adopter
 from gateway.cluster.forwarding import Forwarder, Inbox
 from gateway.cluster.operators import ClusterConsole
@@ -42,6 +43,8 @@ from gateway.core.outage import OutageLog
 from gateway.core.ports import UNAVAILABLE_RETRY_S, Health, Outcome, Outlet, Submitted
 
 log = logging.getLogger(__name__)
+
+STOP_WAIT_S = 10.0  # a stop's wait for its background tasks, each cancel re-delivered meanwhile
 
 
 async def let_go_unrecovered(redis: AnyRedis, leases: LeaseManager, session: str, *, retry_s: float) -> None:
@@ -155,10 +158,10 @@ class Cluster:
         marked lapsed, so the others adopt and resume them at once. Waits for other workers'
         answers end first (within a wait's slice)."""
         self.forwarder.close()
-        for task in [*self._tasks, *self._chores]:
-            task.cancel()
-        if self._tasks or self._chores:
-            await asyncio.wait([*self._tasks, *self._chores])
+        if late := await cancel_and_wait([*self._tasks, *self._chores], give_up_s=STOP_WAIT_S):
+            log.error("cluster: %d task(s) did not end when cancelled: %s", len(late), where(late))
+        if self.loss.inbox is not None:
+            await self.loss.inbox.close()
         self.relayed.close()
         await self.relays.stop()
         open_work, done = await self.watchlist.stop()

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis
+from agent_cache.tasks import cancel_and_wait
 from gateway.cluster.relay import RelayOutlet, RelayPublisher
 from gateway.core.cancellation import ToolReason
 from gateway.core.cluster import ClusterEvents, ClusterUnavailable
@@ -277,13 +278,8 @@ class SessionOrder:
     async def close(self) -> None:
         """Cancel what is under way and wait, at most CLOSE_WAIT_S, for it to end: a stop never
         hangs on a delivery that does not end when cancelled (its entry stays pending)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _done, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
-            if late:
-                log.warning("%d inbox deliveries did not end when cancelled; their entries stay pending", len(late))
+        if late := await cancel_and_wait(self._tasks, give_up_s=CLOSE_WAIT_S):
+            log.warning("%d inbox deliveries did not end when cancelled; their entries stay pending", len(late))
 
     @staticmethod
     async def _after(before: asyncio.Task[None] | None, work: Callable[[], Awaitable[None]]) -> None:
@@ -317,6 +313,7 @@ class Inbox:
         self.relays = relays
         self.stream = keys.worker_inbox(worker_id)
         self._outage = OutageLog(log, "inbox")
+        self._order = SessionOrder(IN_FLIGHT)
 
     async def create(self) -> None:
         """The stream and its consumer group, unless they exist."""
@@ -337,13 +334,14 @@ class Inbox:
         session's slow acceptance (a store far away, a starved process) holds up no other; one at a
         time and in the order read within a session, so its messages are accepted in the order they
         were sent. What is not handed over yet stays in Redis: at most `IN_FLIGHT` entries are read
-        and not yet handled. Cancelled (the worker stops): the deliveries under way go with it, and
-        their entries stay pending, to be handled again."""
-        order = SessionOrder(IN_FLIGHT)
-        try:
-            await self._read(order)
-        finally:
-            await order.close()
+        and not yet handled. Runs until cancelled; then `close()` ends the deliveries under way."""
+        await self._read(self._order)
+
+    async def close(self) -> None:
+        """Once reading has stopped: the deliveries under way are cancelled, and their entries stay
+        pending, to be handled again. (Not in `consume`'s `finally`: a stop that re-delivers its
+        cancel would cut that wait short.)"""
+        await self._order.close()
 
     async def _read(self, order: SessionOrder) -> None:
         # First what an earlier incarnation read and never acknowledged (the pending list, read on

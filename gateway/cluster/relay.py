@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis
+from agent_cache.tasks import cancel_and_wait
 from gateway.core.backoff import Backoff
 from gateway.core.cancellation import Run, ToolReason
 from gateway.core.messages import ChatRef, InboundMessage
@@ -60,8 +61,7 @@ class RelayPublisher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     def publish(self, worker: str, event: Event) -> None:
         self._queue.put_nowait((worker, event))

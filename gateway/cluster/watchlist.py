@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from agent_cache import keys
 from agent_cache.leases import AnyRedis, LeaseManager
+from agent_cache.tasks import cancel_and_wait
 from gateway.core.cluster import ClusterUnavailable
 
 SLICE = 250  # sessions per Redis call in per-lease sweeps, so none holds the event loop for long
@@ -90,10 +91,7 @@ class Watchlist:
     async def stop(self) -> tuple[list[str], list[str]]:
         """No more batches. Returns (sessions with work still open, sessions whose work is done but
         still listed) among the leases held: the caller marks the first lapsed, unlists the second."""
-        for task in self._chores:
-            task.cancel()
-        if self._chores:
-            await asyncio.wait(list(self._chores))
+        await cancel_and_wait(self._chores)
         if self._unwatch_timer is not None:
             self._unwatch_timer.cancel()
         held = self.leases.held
