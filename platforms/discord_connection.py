@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import discord
 
 from gateway.core.backoff import Backoff
+from gateway.core.cancellation import cancel_and_wait
 from gateway.core.ports import Health
 from platforms.discord_client import TRANSIENT, BotClient, ClientEvents, Fatal, IdentifyGate, describe, log_in
 from platforms.discord_shards import ASIDE_S, STAGGER_MAX_S, DiscordShard
@@ -168,8 +169,7 @@ class DiscordConnection:
     async def _stop_balancing(self) -> None:
         balancer, self._balancer = self._balancer, None
         if balancer is not None:
-            balancer.cancel()
-            await asyncio.wait({balancer})
+            await cancel_and_wait([balancer])  # it renews leases in Redis: see agent_cache.tasks
 
     async def close(self) -> None:
         """End the shards' connections, close every client and end the start task."""

@@ -23,6 +23,7 @@ from typing import ClassVar
 import discord
 
 from gateway.core.backoff import Backoff
+from gateway.core.cancellation import cancel_and_wait
 from gateway.core.ports import Health
 from platforms.discord_client import TRANSIENT, BotClient, Fatal, Handoff, describe, log_in
 from platforms.ingress import IngressLeader
@@ -213,8 +214,7 @@ class DiscordShard:
     async def _end(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+            await cancel_and_wait([task])  # discord.py's reads sit in `wait_for`: see agent_cache.tasks
 
     async def close(self) -> None:
         """End the connection and close the client."""

@@ -20,6 +20,7 @@ from telegram.error import BadRequest, Conflict, InvalidToken, NetworkError, Ret
 
 from gateway.core import commands
 from gateway.core.backoff import Backoff
+from gateway.core.cancellation import cancel_and_wait
 from gateway.core.outage import OutageLog
 from gateway.core.ports import Health
 from platforms.config import TelegramConfig
@@ -84,9 +85,7 @@ class TelegramTransport:
             if self._interruptible:
                 task.cancel()
             _done, late = await asyncio.wait({task}, timeout=STOP_WAIT_S)
-            for t in late:
-                t.cancel()
-                await asyncio.wait({t})
+            await cancel_and_wait(late)
         await self._confirm_offset()
 
     def close(self) -> None:

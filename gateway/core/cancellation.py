@@ -22,6 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, Protocol, TypeVar
 
+# Background tasks (not runs) are stopped with this: defined at the bottom layer, for the leases.
+from agent_cache.tasks import cancel_and_wait as cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
