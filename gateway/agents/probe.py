@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from gateway.core.cancellation import cancel_and_wait
 from gateway.core.ports import Health
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,7 @@ class ProviderProbe:
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+            await cancel_and_wait([task])
 
     async def _loop(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:

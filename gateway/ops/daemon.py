@@ -33,7 +33,7 @@ from gateway.agents.sandbox import Sandbox, sandbox_problem
 from gateway.agents.tools import Access, ProcessToolSettings, builtin_registry
 from gateway.cluster.coordinator import Cluster
 from gateway.core.access import AccessControl
-from gateway.core.cancellation import GATEWAY_RESTART, ToolReason
+from gateway.core.cancellation import GATEWAY_RESTART, ToolReason, cancel_and_wait
 from gateway.core.live import Live
 from gateway.core.logs import redactor
 from gateway.core.metrics import Metrics
@@ -289,8 +289,7 @@ class Daemon:
         # killed or reaped while the daemon runs, not only at its end.
         sweeping = asyncio.get_running_loop().create_task(self.reaper.sweep_orphans(ORPHAN_SWEEP_S))
         yield
-        sweeping.cancel()
-        await asyncio.wait({sweeping})
+        await cancel_and_wait([sweeping])
         await self._stopping("tool processes", self._drain_tools)
         await self._stopping("attachment downloads", self.media.close)
         await self._stopping("the agents", self._close_agents)

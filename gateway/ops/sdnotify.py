@@ -14,6 +14,8 @@ import socket
 import time
 from collections.abc import Mapping, MutableMapping
 
+from gateway.core.cancellation import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -169,8 +171,7 @@ class Watchdog:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def _run(self) -> None:
