@@ -14,6 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from agent_cache import keys
 from agent_cache.leases import RENEW_SLICE, DataLost, Lease, LeaseManager, now
+from agent_cache.tasks import cancel_and_wait
 from gateway.cluster.coordinator import Cluster
 from gateway.core.metrics import Metrics
 from tests.support.cluster_events import Working
@@ -319,9 +320,7 @@ async def test_a_message_for_a_session_being_taken_over_waits_for_the_takeovers_
     await old.start(Working())
     assert (await old.route("s")).fence is not None
     await old.leases.stop(release=False)  # dies holding the lease: the restart takes it over
-    for task in old._tasks:
-        task.cancel()
-    await asyncio.gather(*old._tasks, return_exceptions=True)
+    await cancel_and_wait(old._tasks)  # (its Redis loops can lose a single cancel on 3.11)
     await redis.aclose()
     events = SlowRecovery()
     new = Cluster(Redis.from_url(redis_server.url, decode_responses=True), "w1", ttl_s=6, metrics=Metrics())
