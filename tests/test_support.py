@@ -4,11 +4,14 @@ cancelled, one of several that fails."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
-from tests.fakes.openai_provider import FakeProvider
+from gateway.agents.openai import hang_up
+from tests.fakes.openai_provider import FakeProvider, HangupWatch
 from tests.support.ports import free_port
 from tests.support.procs import running_in_group, until
 from tests.support.redis_server import RedisServer
@@ -67,3 +70,26 @@ async def test_when_one_of_several_starts_fails_all_are_ended(redis_server: Redi
             assert running_in_group(w.proc.pid) == []
     finally:
         end_all(good, bad)
+
+
+async def test_the_fake_providers_hangup_watch_sees_a_client_leave_while_its_loop_is_busy() -> None:
+    """The stop-latency benchmark's (b): the moment the kernel reports a client's hangup, noted by
+    a thread while the provider's own loop is busy (here: blocked), before that loop notes it."""
+    provider = FakeProvider(delay_s=0.05, words=10_000)
+    provider.hangups = HangupWatch()
+    await provider.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(provider.base_url + "/chat/completions",
+                                   json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+            await resp.content.readany()
+            [conn] = provider.connections
+            hang_up(resp)  # as a cancelled run does: the socket shut down at once
+            deadline = time.monotonic() + 30
+            while conn.hangup_at is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the loop blocked, as a busy one: only the watch can see the hangup
+            assert conn.hangup_at is not None, "the watch never saw the hangup"
+            assert conn.closed_at is None  # (the loop could not have run meanwhile)
+            await until(lambda: conn.closed_at is not None, 30, "the provider's loop never saw the close")
+    finally:
+        await provider.stop()

@@ -2,13 +2,20 @@
 
 It streams tokens slowly, can answer with tool calls, fail or send garbage, and records every
 request body and the exact moment each client connection closed (hooked on the protocol's
-`connection_lost`, so a close is seen even while the handler is asleep between tokens).
+`connection_lost`, so a close is seen even while the handler is asleep between tokens). With a
+`HangupWatch`, also the moment the kernel reported the client's hangup, whatever the provider's
+own event loop was busy with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import select
+import socket
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +45,7 @@ class Connection:
     opened_at: float
     body: dict[str, Any]
     closed_at: float | None = None
+    hangup_at: float | None = None  # the kernel reported the client's hangup (only with a HangupWatch)
     completed: bool = False  # the provider sent the whole answer
     completed_at: float | None = None
     words: int = 0  # words of a text answer written so far
@@ -89,6 +97,7 @@ class FakeProvider:
         self._runner: web.AppRunner | None = None
         self._closed = asyncio.Condition()
         self.port = 0
+        self.hangups: HangupWatch | None = None  # set before `start`: see HangupWatch
 
     @property
     def base_url(self) -> str:
@@ -234,6 +243,7 @@ class FakeProvider:
     async def _stats(self, _request: web.Request) -> web.Response:
         """For a provider in another process: what each connection saw (perf_counter is system-wide)."""
         return web.json_response([{"last_user": c.last_user, "opened_at": c.opened_at, "closed_at": c.closed_at,
+                                   "hangup_at": c.hangup_at,
                                    "completed": c.completed, "words": c.words} for c in self.connections])
 
     def _hook_close(self, request: web.Request, conn: Connection) -> None:
@@ -243,6 +253,8 @@ class FakeProvider:
         def lost() -> None:
             if conn.closed_at is None:
                 conn.closed_at = time.perf_counter()
+                if conn.hangup_at is None:  # the loop got there first (and closes the socket the watch had)
+                    conn.hangup_at = conn.closed_at
                 asyncio.get_running_loop().create_task(self._notify())
 
         spy = transport.get_protocol()
@@ -250,6 +262,9 @@ class FakeProvider:
             spy = _CloseSpy(spy)
             transport.set_protocol(spy)
         spy.callbacks.append(lost)
+        sock = transport.get_extra_info("socket")
+        if self.hangups is not None and sock is not None:
+            self.hangups.watch(sock, conn)
 
     async def _notify(self) -> None:
         async with self._closed:
@@ -281,13 +296,50 @@ class _CloseSpy(asyncio.Protocol):
         self.inner.resume_writing()
 
 
+class HangupWatch:
+    """A thread that notes each connection's hangup when the kernel reports it (epoll, EPOLLRDHUP).
+
+    For benchmarks of how fast the gateway closes a stream: the provider's own event loop, busy
+    writing a thousand streams, reaches a close (`closed_at`) only behind its backlog, and that wait
+    is the fake's, not the gateway's. A real provider sees the close in its kernel the same way. The
+    thread needs the interpreter's lock to read the clock: `sys.setswitchinterval` bounds that wait
+    (0.5 ms here)."""
+
+    EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+
+    def __init__(self) -> None:
+        sys.setswitchinterval(0.0005)
+        self._epoll = select.epoll()
+        self._conns: dict[int, Connection] = {}
+        threading.Thread(target=self._run, name="hangup-watch", daemon=True).start()
+
+    def watch(self, sock: socket.socket, conn: Connection) -> None:
+        fd = sock.fileno()
+        self._conns[fd] = conn  # keep-alive: the socket's latest request
+        try:
+            self._epoll.register(fd, self.EVENTS)
+        except FileExistsError:
+            self._epoll.modify(fd, self.EVENTS)
+
+    def _run(self) -> None:
+        while True:
+            for fd, _events in self._epoll.poll():
+                at = time.perf_counter()
+                conn = self._conns.pop(fd, None)
+                if conn is not None and conn.hangup_at is None:
+                    conn.hangup_at = at
+                with contextlib.suppress(OSError):
+                    self._epoll.unregister(fd)
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _serve(port: int, delay_s: float, words: int, text: str | None, record: bool) -> None:
+async def _serve(port: int, delay_s: float, words: int, text: str | None, record: bool, hangups: bool) -> None:
     provider = FakeProvider(delay_s=delay_s, words=words)
     provider.record = record
+    provider.hangups = HangupWatch() if hangups else None
     provider.count_body = not record
     if text is not None:
         provider.text_for = lambda _conn: text
@@ -306,5 +358,7 @@ if __name__ == "__main__":
     parser.add_argument("--text", help="the same answer to every request (default: 'reply to: ...' and --words words)")
     parser.add_argument("--no-record", action="store_true",
                         help="keep no request bodies; count tokens from the body length (benchmarks)")
+    parser.add_argument("--watch-hangups", action="store_true",
+                        help="note each client's hangup as the kernel reports it (see HangupWatch)")
     args = parser.parse_args()
-    asyncio.run(_serve(args.port, args.delay, args.words, args.text, not args.no_record))
+    asyncio.run(_serve(args.port, args.delay, args.words, args.text, not args.no_record, args.watch_hangups))
