@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from gateway.core.attachments import MB
-from gateway.core.cancellation import CLIENT_DISCONNECTED, Run
+from gateway.core.cancellation import CLIENT_DISCONNECTED, REPLY_FAILED, Run
 from gateway.core.ids import unique_id
 from gateway.core.messages import Capabilities, ChatRef, ChatType, InboundMessage
 from gateway.core.ports import UNAVAILABLE_RETRY_S, Outcome, Reply, StoreError, Submitted
@@ -194,12 +194,17 @@ class ApiAdapter(Adapter):
 
     async def _answer(self, request: web.Request, req: ChatRequest, run: Run, reply: ApiReply,
                       shape: Shape) -> web.StreamResponse:
+        # Invariant: a run outlives its handler only by being cancelled. A client gone before the
+        # stream's first write (its headers) fails the handler before the stream hooks its cancel.
         try:
             if req.stream:
                 return await shape.stream(request, reply, functools.partial(run.cancel, CLIENT_DISCONNECTED))
             return await shape.whole(reply)
-        except asyncio.CancelledError:  # the connection is gone (handler_cancellation)
+        except (asyncio.CancelledError, ConnectionError, RuntimeError):  # the connection is gone
             run.cancel(CLIENT_DISCONNECTED)
+            raise
+        except Exception:
+            run.cancel(REPLY_FAILED)
             raise
 
 

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 
 from gateway.core.cancellation import CLIENT_DISCONNECTED
+from platforms.api_reply import SseResponse
 from platforms.tenants import key_id
 from tests.conftest import DaemonFactory
 from tests.fakes.openai_provider import FakeProvider, Script
@@ -130,6 +131,36 @@ async def test_a_streaming_client_that_disconnects_cancels_its_run(
         assert time.monotonic() < deadline, "the interrupted turn was never recorded"
         await asyncio.sleep(0.02)
     assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
+
+
+async def test_a_client_gone_as_its_stream_begins_still_cancels_its_run(
+        make_daemon: DaemonFactory, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves after its message was taken, before the stream's headers are written:
+    aiohttp's `prepare` raises (the transport is closing) before the stream has hooked its cancel.
+    The run went on, and the provider streamed the whole answer to nobody (Python 3.13, the
+    balancer test: "its stream still open 35 s after its client hung up")."""
+    provider.delay_s, provider.words = 0.1, 200
+
+    async def gone(_request: object) -> None:
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp's own
+
+    monkeypatch.setattr(SseResponse, "prepared", staticmethod(gone))
+    daemon = await make_daemon(api={"enabled": True, "keys": [KEY]})
+    async with aiohttp.ClientSession() as http:
+        body = {"messages": [{"role": "user", "content": "gone at once"}], "stream": True}
+        async with http.post(_url(daemon, "/v1/chat/completions"), json=body,
+                             headers=_auth(**{"X-Session-Id": "carol"})) as resp:
+            await resp.read()
+    history: list[Any] = []
+    deadline = time.monotonic() + 10
+    while not (history and history[-1].role == "assistant"):
+        assert time.monotonic() < deadline, f"the run went on after its client had gone: {history}"
+        await asyncio.sleep(0.02)
+        history[:] = (await daemon.store.conversation(_key("carol")))[1]
+    assert (history[-1].interrupted_by, history[-1].reason) == ("system", CLIENT_DISCONNECTED.text)
+    for conn in provider.requests_for("gone at once"):  # (cancelled before its request, it sent none)
+        await provider.wait_closed(conn, timeout=10)
+        assert not conn.completed
 
 
 async def test_a_silent_turn_still_notices_the_disconnect_within_a_second(

@@ -67,6 +67,7 @@ SESSION_RESET = ToolReason.user("session reset (/new)")
 EVICTED = ToolReason.system("evicted from agent cache")
 GATEWAY_RESTART = ToolReason.system("gateway restart")
 CLIENT_DISCONNECTED = ToolReason.system("client disconnected")
+REPLY_FAILED = ToolReason.system("the reply to the client failed")  # a fault in the reply path, not the run
 STOPPED_BY_OPERATOR = ToolReason.system("stopped by operator")
 LEASE_LOST = ToolReason.system("session lease lost")
 PROCESS_DIED = ToolReason.system("gateway stopped before the turn finished")
