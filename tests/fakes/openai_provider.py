@@ -302,13 +302,12 @@ class HangupWatch:
     For benchmarks of how fast the gateway closes a stream: the provider's own event loop, busy
     writing a thousand streams, reaches a close (`closed_at`) only behind its backlog, and that wait
     is the fake's, not the gateway's. A real provider sees the close in its kernel the same way. The
-    thread needs the interpreter's lock to read the clock: `sys.setswitchinterval` bounds that wait
-    (0.5 ms here)."""
+    thread needs the interpreter's lock to read the clock: the provider run on its own with
+    `--watch-hangups` bounds that wait at 0.5 ms (`sys.setswitchinterval`)."""
 
     EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 
     def __init__(self) -> None:
-        sys.setswitchinterval(0.0005)
         self._epoll = select.epoll()
         self._conns: dict[int, Connection] = {}
         threading.Thread(target=self._run, name="hangup-watch", daemon=True).start()
@@ -339,7 +338,9 @@ def _sse(payload: dict[str, Any]) -> bytes:
 async def _serve(port: int, delay_s: float, words: int, text: str | None, record: bool, hangups: bool) -> None:
     provider = FakeProvider(delay_s=delay_s, words=words)
     provider.record = record
-    provider.hangups = HangupWatch() if hangups else None
+    if hangups:
+        sys.setswitchinterval(0.0005)  # the watch thread's wait for the interpreter's lock
+        provider.hangups = HangupWatch()
     provider.count_body = not record
     if text is not None:
         provider.text_for = lambda _conn: text
